@@ -1,0 +1,211 @@
+"""The rollout batch: the one record that crosses every process boundary (DESIGN §4).
+
+In process it is a dataclass of tensors; on the wire it is safetensors bytes
+whose ``__metadata__`` carries a JSON header (never pickle, never ``torch.load``).
+
+Layout (N sequences = groups * G, P prompt columns, C completion columns):
+
+    input_ids        int64   (N, P + C)  prompt left-padded to P, completion right-padded to C
+    attention_mask   int8    (N, P + C)  1 on real prompt tokens and on completion tokens in the mask
+    completion_mask  bool    (N, C)      completion tokens up to and including the first EOS
+    rewards          float32 (N,)
+    advantages       float32 (N,)
+    group_ids        int64   (N,)        consecutive runs of G equal ids
+    old_logprobs     float32 (N, C)      behaviour log-probs (0 where masked)
+    ref_logprobs     float32 (N, C)      reference log-probs, optional (absent when beta == 0)
+
+Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
+breakdown, question ids, ...), JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT = "nanogrpo.batch/1"
+
+_SPEC: dict[str, tuple[torch.dtype, str]] = {
+    # name: (dtype, shape kind)
+    "input_ids": (torch.int64, "NL"),
+    "attention_mask": (torch.int8, "NL"),
+    "completion_mask": (torch.bool, "NC"),
+    "rewards": (torch.float32, "N"),
+    "advantages": (torch.float32, "N"),
+    "group_ids": (torch.int64, "N"),
+    "old_logprobs": (torch.float32, "NC"),
+    "ref_logprobs": (torch.float32, "NC"),
+}
+_OPTIONAL = {"ref_logprobs"}
+
+
+class BatchError(ValueError):
+    """A batch (in memory or on the wire) breaks the schema; the message is one line."""
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    prompt_len: int
+    group_size: int
+    policy_version: int = 0
+    ref_logprobs: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shape helpers
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def completion_len(self) -> int:
+        return int(self.input_ids.shape[1]) - self.prompt_len
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {k: getattr(self, k) for k in _SPEC if getattr(self, k) is not None}
+        return out
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        kw = {k: v.to(device) for k, v in self.tensors().items()}
+        return RolloutBatch(**kw, prompt_len=self.prompt_len, group_size=self.group_size,
+                            policy_version=self.policy_version, meta=self.meta)
+
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """A new batch of the given row indices (same P and C)."""
+        kw = {k: v[rows] for k, v in self.tensors().items()}
+        return RolloutBatch(**kw, prompt_len=self.prompt_len, group_size=self.group_size,
+                            policy_version=self.policy_version, meta=self.meta)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, vocab_size: int | None = None, max_seqs: int | None = None,
+                 max_len: int | None = None) -> None:
+        """Raise :class:`BatchError` (one line) unless every field agrees with the schema."""
+        validate_tensors(self.tensors(), self.prompt_len, self.group_size, vocab_size, max_seqs, max_len)
+        if not isinstance(self.policy_version, int) or self.policy_version < 0:
+            raise BatchError(f"policy_version must be a non-negative int, got {self.policy_version!r}")
+
+    # ------------------------------------------------------------------ wire format
+    def to_bytes(self) -> bytes:
+        header = {"format": FORMAT, "prompt_len": self.prompt_len, "group_size": self.group_size,
+                  "policy_version": self.policy_version, "meta": self.meta}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}
+        return st_save(tensors, metadata={"nanogrpo": json.dumps(header, allow_nan=False)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, vocab_size: int | None = None, max_seqs: int | None = None,
+                   max_len: int | None = None) -> RolloutBatch:
+        """Decode and validate; any defect raises :class:`BatchError`."""
+        header = _read_header(data)
+        try:
+            tensors = st_load(data)
+        except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
+            raise BatchError(f"body is not valid safetensors: {str(e).splitlines()[0][:200]}") from None
+        unknown = set(tensors) - set(_SPEC)
+        if unknown:
+            raise BatchError(f"unknown tensor(s) {sorted(unknown)}")
+        missing = set(_SPEC) - _OPTIONAL - set(tensors)
+        if missing:
+            raise BatchError(f"missing tensor(s) {sorted(missing)}")
+        batch = cls(**tensors, prompt_len=header["prompt_len"], group_size=header["group_size"],
+                    policy_version=header["policy_version"], meta=header["meta"])
+        batch.validate(vocab_size, max_seqs, max_len)
+        return batch
+
+
+def _read_header(data: bytes) -> dict[str, Any]:
+    if len(data) < 8:
+        raise BatchError("body too short for safetensors")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or n > min(len(data) - 8, 1 << 20):
+        raise BatchError(f"safetensors header length {n} is out of range")
+    try:
+        st_header = json.loads(data[8:8 + n])
+        raw = st_header["__metadata__"]["nanogrpo"]
+        header = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise BatchError(f"missing or malformed nanogrpo header ({type(e).__name__})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise BatchError(f"header format must be {FORMAT!r}")
+    for key in ("prompt_len", "group_size", "policy_version"):
+        v = header.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise BatchError(f"header field {key!r} must be a non-negative int, got {v!r}")
+    if not isinstance(header.get("meta", {}), dict):
+        raise BatchError("header field 'meta' must be an object")
+    header.setdefault("meta", {})
+    return header
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name} in header")
+
+
+def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: int,
+                     vocab_size: int | None, max_seqs: int | None, max_len: int | None) -> None:
+    for name, (dtype, _) in _SPEC.items():
+        if name not in t:
+            if name in _OPTIONAL:
+                continue
+            raise BatchError(f"missing tensor {name!r}")
+        if not isinstance(t[name], torch.Tensor):
+            raise BatchError(f"{name} must be a tensor")
+        if t[name].dtype != dtype:
+            raise BatchError(f"{name} must be {dtype}, got {t[name].dtype}")
+    ids = t["input_ids"]
+    if ids.dim() != 2:
+        raise BatchError(f"input_ids must be 2-D, got shape {tuple(ids.shape)}")
+    n, seq = ids.shape
+    if n == 0:
+        raise BatchError("batch has no sequences")
+    if group_size < 1 or n % group_size:
+        raise BatchError(f"{n} sequences is not a multiple of group_size {group_size}")
+    if not 1 <= prompt_len < seq:
+        raise BatchError(f"prompt_len {prompt_len} must be in [1, {seq})")
+    c = seq - prompt_len
+    if max_seqs is not None and n > max_seqs:
+        raise BatchError(f"{n} sequences exceeds the limit {max_seqs}")
+    if max_len is not None and seq > max_len:
+        raise BatchError(f"sequence length {seq} exceeds the limit {max_len}")
+    shapes = {"NL": (n, seq), "NC": (n, c), "N": (n,)}
+    for name, (_, kind) in _SPEC.items():
+        if name in t and tuple(t[name].shape) != shapes[kind]:
+            raise BatchError(f"{name} has shape {tuple(t[name].shape)}, expected {shapes[kind]}")
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise BatchError(f"input_ids outside the vocabulary [0, {vocab_size})")
+    am = t["attention_mask"]
+    if bool(((am != 0) & (am != 1)).any()):
+        raise BatchError("attention_mask must hold only 0 and 1")
+    cm = t["completion_mask"]
+    if not bool(cm.any(dim=1).all()):
+        raise BatchError("every sequence needs at least one completion token")
+    # the completion mask is a prefix: no True after a False
+    if bool((cm[:, 1:] & ~cm[:, :-1]).any()):
+        raise BatchError("completion_mask must be a prefix (True then False) in every row")
+    if not bool((am[:, prompt_len:].bool() == cm).all()):
+        raise BatchError("attention_mask over the completion must equal completion_mask")
+    if not bool(am[:, prompt_len - 1].bool().all()):
+        raise BatchError("prompts must be left-padded: last prompt column must be a real token")
+    for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs"):
+        if name in t and not bool(torch.isfinite(t[name]).all()):
+            raise BatchError(f"{name} holds NaN or inf")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if name in t and bool((t[name] > 1e-3).any()):
+            raise BatchError(f"{name} must be <= 0 (log-probabilities)")
+    g = t["group_ids"].view(-1, group_size)
+    if not bool((g == g[:, :1]).all()):
+        raise BatchError("group_ids must be constant within each run of group_size rows")
+    if math.prod(ids.shape) > (1 << 31):
+        raise BatchError("batch too large")

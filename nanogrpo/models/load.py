@@ -1,0 +1,110 @@
+"""Loading policies and tokenizers: any HF causal LM by local path or hub id.
+
+``embedded`` names nanogrpo's own tiny model: a Qwen2-architecture model with a
+character-level tokenizer, warm-started by a short supervised stage on the
+embedded arithmetic task (``nanogrpo.models.warmstart``). It is built on first
+use and cached, so ``nanogrpo train`` works offline with no arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from nanogrpo.config import ModelConfig
+from nanogrpo.errors import ModelError
+
+EMBEDDED = "embedded"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ModelError(f"model.device {name!r} is not a device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"model.device is {name!r} but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.startswith((".", "/", "~")) or Path(s).suffix != "" or s.count("/") > 1
+
+
+def resolve_model_path(path: str) -> str:
+    """Map ``embedded`` to its cached directory (building it if needed); check local paths exist."""
+    if path == EMBEDDED:
+        from nanogrpo.models.warmstart import embedded_path
+
+        return str(embedded_path())
+    p = Path(path).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model path {p} has no config.json: not an HF model directory")
+        return str(p)
+    if _looks_like_path(path):
+        raise ModelError(f"model path not found: {path}")
+    return path  # a hub id: transformers resolves it (cache or download)
+
+
+def check_model_source(cfg: ModelConfig) -> None:
+    """Cheap early check (no weights read) so a typo fails before any expensive work."""
+    if cfg.path != EMBEDDED:
+        resolve_model_path(cfg.path)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load tokenizer from {path!r}: {str(e).splitlines()[0][:300]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ModelError(f"tokenizer at {path!r} defines no EOS token")
+    return tok
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
+               trust_remote_code: bool = False) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            path, torch_dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load model from {path!r}: {str(e).splitlines()[0][:300]}") from None
+    return model.to(device)
+
+
+def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+    """The trainable policy and its tokenizer, on the configured device and dtype."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    path = resolve_model_path(cfg.path)
+    tok = load_tokenizer(path, cfg.trust_remote_code)
+    model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok, device
+
+
+def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen reference model: same weights, no gradients, eval mode."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
