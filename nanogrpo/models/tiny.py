@@ -26,6 +26,7 @@ CHAT_TEMPLATE = (
 # name: (hidden, layers, heads, kv_heads, intermediate, vocab or None for the char vocab, tied)
 SHAPES: dict[str, tuple[int, int, int, int, int, int | None, bool]] = {
     "tiny": (64, 2, 4, 2, 128, None, True),
+    "demo": (128, 4, 4, 2, 384, None, True),
     "small": (256, 4, 4, 2, 704, None, True),
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, True),

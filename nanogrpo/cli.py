@@ -1,0 +1,157 @@
+"""Command line: ``nanogrpo train | eval | serve | rollout | bench | report``.
+
+Each sub-command imports its machinery lazily, so ``nanogrpo --help`` is fast
+and a GPU-less machine never imports GPU-only code. Errors the user can fix
+(:class:`~nanogrpo.errors.NanoGRPOError`) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from nanogrpo.errors import NanoGRPOError
+
+# sub-commands owned by other modules: name -> "module:function(argv) -> int"
+EXTERNAL = {
+    "serve": "nanogrpo.serve.server:main",
+    "rollout": "nanogrpo.serve.worker:main",
+    "bench": "nanogrpo.bench:main",
+    "report": "nanogrpo.report:main",
+}
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="run GRPO (single process, or consuming a server with --server)",
+                       description="Run GRPO. With no --config, the embedded CPU demo preset is the base; "
+                                   "flags and key=value overrides apply on top.")
+    p.add_argument("--config", help="TOML/YAML config file, or the name of a shipped preset (demo)")
+    p.add_argument("--model", help="local HF model directory or hub id (model.path)")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, arithmetic) or hf:NAME (data.source)")
+    p.add_argument("--out", help="run directory (train.out)")
+    p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
+    p.add_argument("--seed", type=int, help="random seed (train.seed)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--server", help="consume rollout batches from a nanogrpo server at this URL")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. grpo.beta=0.04 train.lr=1e-6")
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="greedy pass@1 of a checkpoint", description=(
+        "Greedy pass@1 with the training rewards. Prints one JSON object (accuracy, format_rate, n, ...). "
+        "The data, prompt format and rewards come from --config, else from the run the checkpoint belongs "
+        "to, else from the embedded demo (held-out split of the arithmetic task)."))
+    p.add_argument("--model", required=True, help="checkpoint directory (HF format) or hub id")
+    p.add_argument("--config", help="config file or preset name")
+    p.add_argument("--data", help="dataset file, preset or hf:NAME")
+    p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
+    p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
+    p.add_argument("--out", type=Path, help="also write the summary JSON here, and per-sample JSONL beside it")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _flag_overrides(a: argparse.Namespace) -> list[str]:
+    pairs = {"model": "model.path", "data": "data.source", "out": "train.out", "steps": "train.steps",
+             "seed": "train.seed"}
+    out = []
+    for attr, key in pairs.items():
+        v = getattr(a, attr, None)
+        if v is not None:
+            out.append(f"{key}={json.dumps(v) if isinstance(v, str) else v}")
+    return out
+
+
+def _base_config(config: str | None, overrides: list[str]):
+    from nanogrpo.config import load_config, preset_path
+
+    if config is None:
+        return load_config(preset="demo", overrides=overrides)
+    if not Path(config).exists() and preset_path(config).is_file():
+        return load_config(preset=config, overrides=overrides)
+    return load_config(config, overrides)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from nanogrpo.train.trainer import load_resume_config, prepare, train
+
+    overrides = _flag_overrides(a) + list(a.overrides)
+    if a.resume is not None:
+        cfg = load_resume_config(a.resume, overrides)
+    else:
+        cfg = _base_config(a.config, overrides)
+    if a.server:
+        from nanogrpo.serve.consumer import train_from_server
+
+        return train_from_server(cfg, a.server, resume_dir=a.resume)
+    run = prepare(cfg, a.resume)
+    root = train(run)
+    print(f"run directory: {root}")
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from nanogrpo.evaluate import run_eval
+    from nanogrpo.models.load import load_policy
+
+    overrides = list(a.overrides) + [f"model.path={json.dumps(a.model)}"]
+    if a.data:
+        overrides.append(f"data.source={json.dumps(a.data)}")
+    run_cfg = _run_config_of(Path(a.model))
+    if a.config is None and run_cfg is not None:
+        from nanogrpo.config import load_config
+
+        cfg = load_config(run_cfg, overrides)
+    else:
+        cfg = _base_config(a.config, overrides)
+    from nanogrpo.data import load_rows
+
+    split = a.split or cfg.data.eval_split
+    load_rows(cfg.data, split)  # fail on bad data before loading weights
+    model, tok, _ = load_policy(cfg.model)
+    summary = run_eval(cfg, model, tok, split, a.n or cfg.eval.n, a.out)
+    print(json.dumps(summary))
+    return 0
+
+
+def _run_config_of(model_dir: Path) -> Path | None:
+    """``RUN/config.yaml`` when ``model_dir`` is ``RUN/checkpoints/step_N``."""
+    cand = model_dir.parent.parent / "config.yaml"
+    return cand if model_dir.is_dir() and model_dir.parent.name == "checkpoints" and cand.is_file() else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nanogrpo", description="A small, fast GRPO trainer.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _eval_parser(sub)
+    for name in EXTERNAL:
+        sub.add_parser(name, help=f"see `nanogrpo {name} --help`", add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if argv and argv[0] in EXTERNAL:
+            mod, fn = EXTERNAL[argv[0]].split(":")
+            return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
+        a = build_parser().parse_args(argv)
+        if a.verbose:
+            logging.getLogger("nanogrpo").setLevel(logging.DEBUG)
+        return {"train": cmd_train, "eval": cmd_eval}[a.command](a)
+    except NanoGRPOError as e:
+        print(f"nanogrpo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nanogrpo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The embedded model's warm start: a short supervised stage on the arithmetic task.
+
+GRPO learns only from groups whose rewards differ, so a random-init model (all
+answers wrong, every group flat) never starts. A few hundred supervised steps
+on worked solutions (``<think>23+14=37</think><answer>37</answer>``) teach the
+format and some arithmetic; greedy accuracy stays partial on purpose, leaving
+GRPO room to show it learns. Fixed seed: the same weights on every machine of
+the same torch build.
+
+The result ships inside the package (``nanogrpo/models/embedded/``); when it is
+missing it is built on first use into ``~/.cache/nanogrpo/`` (about a minute on
+2 CPU cores). Rebuild it with ``python -m nanogrpo.models.warmstart --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from nanogrpo.config import load_config
+from nanogrpo.data import build_messages, make_split, render_prompt, solution
+from nanogrpo.models.tiny import make_model, make_tokenizer
+
+SHAPE = "demo"
+SFT_SEED = 1234
+
+
+def packaged_path() -> Path:
+    return Path(str(resources.files("nanogrpo") / "models" / "embedded"))
+
+
+def cache_path() -> Path:
+    root = Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
+    return root / "embedded-v1"
+
+
+def embedded_path() -> Path:
+    """Directory of the embedded warm-started model, building it once if not shipped."""
+    for p in (packaged_path(), cache_path()):
+        if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+            return p
+    out = cache_path()
+    print(f"building the embedded warm-start model into {out} (once; about a minute)")
+    build(out)
+    return out
+
+
+def _encode(tok, rows, data_cfg) -> tuple[list[list[int]], list[int]]:
+    seqs, starts = [], []
+    for r in rows:
+        prompt = render_prompt(tok, build_messages(r, data_cfg.system_prompt, data_cfg.few_shot), "auto")
+        p = tok(prompt, add_special_tokens=False).input_ids
+        c = tok(solution(r), add_special_tokens=False).input_ids + [tok.eos_token_id]
+        seqs.append(p + c)
+        starts.append(len(p))
+    return seqs, starts
+
+
+def build(out: Path, steps: int = 300, batch_size: int = 64, lr: float = 3e-3, log_every: int = 50) -> Path:
+    """Train the warm start and save it (HF format) to ``out`` atomically."""
+    data_cfg = load_config(preset="demo").data
+    torch.manual_seed(SFT_SEED)
+    tok = make_tokenizer()
+    model = make_model(SHAPE, tok, seed=SFT_SEED)
+    rows = make_split("train", steps * batch_size, seed=SFT_SEED)
+    seqs, starts = _encode(tok, rows, data_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warm = max(1, steps // 10)
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        scale = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        idx = range(step * batch_size, (step + 1) * batch_size)
+        L = max(len(seqs[i]) for i in idx)
+        ids = torch.full((batch_size, L), tok.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch_size, L), -100, dtype=torch.long)
+        for j, i in enumerate(idx):
+            s = torch.tensor(seqs[i])
+            ids[j, :len(s)] = s
+            labels[j, starts[i]:len(s)] = s[starts[i]:]
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if log_every and (step + 1) % log_every == 0:
+            print(f"warm start step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+    model.eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Build the embedded warm-start model.")
+    ap.add_argument("--out", type=Path, default=packaged_path())
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    a = ap.parse_args(argv)
+    build(a.out, a.steps, a.batch_size, a.lr)
+    print(f"saved {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

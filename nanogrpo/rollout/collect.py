@@ -1,0 +1,130 @@
+"""One rollout: prompts -> G completions each -> rewards -> advantages -> a RolloutBatch.
+
+The same function runs inside the single-process trainer and inside each
+``nanogrpo rollout`` worker; only where the batch goes differs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanogrpo.algo.advantages import group_advantages, signal_mask
+from nanogrpo.algo.losses import LOSSES
+from nanogrpo.batch import RolloutBatch
+from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
+from nanogrpo.data import encode_prompts
+from nanogrpo.rewards import RewardRunner, correctness, format_reward
+from nanogrpo.rollout.engine import Engine, SamplingParams
+
+
+@dataclass
+class RolloutStats:
+    reward_mean: float = float("nan")
+    reward_std: float = float("nan")
+    accuracy: float = float("nan")
+    format_rate: float = float("nan")
+    completion_len_mean: float = float("nan")
+    completion_tokens: int = 0
+    num_completions: int = 0
+    groups_total: int = 0
+    groups_kept: int = 0
+    prompts_skipped: int = 0
+    stop_rate: float = float("nan")
+    reward_failures: int = 0
+    reward_timeouts: int = 0
+    reward_non_finite: int = 0
+    reward_by_function: dict[str, float] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("examples", "reward_by_function")}
+        out.update({f"reward/{k}": v for k, v in self.reward_by_function.items()})
+        return out
+
+
+def _metric_column(name: str, fn, per_function: dict[str, list[float]], texts: list[str],
+                   samples: list[dict]) -> list[float]:
+    if name in per_function:
+        return per_function[name]
+    return [fn(t, s) for t, s in zip(texts, samples)]
+
+
+def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Left-pad prompts, right-pad completions: ids, attention mask, completion mask, logprobs, P."""
+    n = len(completions)
+    p = max(len(x) for x in prompts)
+    c = max(len(x) for x in completions)
+    ids = torch.full((n, p + c), pad_id, dtype=torch.int64)
+    am = torch.zeros((n, p + c), dtype=torch.int8)
+    cm = torch.zeros((n, c), dtype=torch.bool)
+    lp = torch.zeros((n, c), dtype=torch.float32)
+    for i, (pr, co, lo) in enumerate(zip(prompts, completions, logprobs)):
+        ids[i, p - len(pr):p] = torch.tensor(pr, dtype=torch.int64)
+        am[i, p - len(pr):p + len(co)] = 1
+        ids[i, p:p + len(co)] = torch.tensor(co, dtype=torch.int64)
+        cm[i, :len(co)] = True
+        lp[i, :len(co)] = torch.tensor(lo, dtype=torch.float32)
+    return ids, am, cm, lp, p
+
+
+def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
+            cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
+            policy_version: int = 0, keep_examples: int = 2) -> tuple[RolloutBatch | None, RolloutStats]:
+    """Sample, score and package one step's groups; ``None`` when no group carries signal."""
+    g = grpo.group_size
+    stats = RolloutStats()
+    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)
+    skipped_set = set(skipped)
+    kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
+    prompt_ids = [p for i, p in enumerate(prompt_ids) if i not in skipped_set] \
+        if len(prompt_ids) == len(rows) else prompt_ids
+    stats.prompts_skipped = len(skipped)
+    if not kept_rows:
+        return None, stats
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, n=g, seed=seed)
+    gen = engine.generate(prompt_ids, params)
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+    samples = [r for r in kept_rows for _ in range(g)]
+    scored = rewards.score(texts, samples)
+    r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
+    acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)
+    fmt = _metric_column("format", format_reward, scored.per_function, texts, samples)
+    lens = [len(c) for c in gen.completion_ids]
+    stats.reward_mean = float(r.mean())
+    stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
+    stats.accuracy = sum(a > 0 for a in acc) / len(acc)
+    stats.format_rate = sum(f > 0 for f in fmt) / len(fmt)
+    stats.completion_len_mean = statistics.fmean(lens)
+    stats.completion_tokens = sum(lens)
+    stats.num_completions = len(lens)
+    stats.stop_rate = sum(f == "stop" for f in gen.finish_reasons) / len(lens)
+    stats.reward_failures, stats.reward_timeouts = scored.failures, scored.timeouts
+    stats.reward_non_finite = scored.non_finite
+    stats.reward_by_function = {k: statistics.fmean(v) for k, v in scored.per_function.items()}
+    stats.examples = [{"question": samples[i]["question"], "completion": texts[i], "reward": scored.total[i],
+                       **{k: v[i] for k, v in scored.per_function.items()}}
+                      for i in range(min(keep_examples, len(texts)))]
+
+    groups = len(kept_rows)
+    stats.groups_total = groups
+    keep = signal_mask(r, g, grpo.min_reward_spread)                               # (groups,)
+    stats.groups_kept = int(keep.sum())
+    if stats.groups_kept == 0:
+        return None, stats
+    adv = group_advantages(r, g, scale_std=LOSSES[grpo.loss].scale_std, std_eps=grpo.std_eps)  # (N,)
+    rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
+    idx = rows_kept.tolist()
+    ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [gen.completion_ids[i] for i in idx],
+                                   [gen.logprobs[i] for i in idx], tokenizer.pad_token_id)
+    group_ids = torch.tensor([i // g for i in idx], dtype=torch.int64)
+    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, rewards=r[rows_kept],
+                         advantages=adv[rows_kept], group_ids=group_ids, old_logprobs=lp, prompt_len=p,
+                         group_size=g, policy_version=policy_version,
+                         meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
+    return batch, stats

@@ -1,0 +1,123 @@
+"""Checkpoints: an HF-format model + tokenizer, plus the state to resume exactly.
+
+Layout of ``RUN/checkpoints/step_N/``::
+
+    config.json, model.safetensors, tokenizer files   (``save_pretrained``: loadable by transformers)
+    trainer_state.json                                (step, policy version, data position, python RNG)
+    optimizer.pt                                      (optimizer state; torch tensors only)
+    rng.pt                                            (torch CPU/CUDA RNG states)
+
+A checkpoint is written to a hidden temporary directory and renamed into place
+(an atomic rename on POSIX), then ``RUN/checkpoints/latest`` is replaced
+atomically; a kill at any moment leaves the previous checkpoint intact and the
+half-written one ignored (and removed at the next save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "trainer_state.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    st: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None,
+                    state: dict[str, Any] | None = None) -> Path:
+    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = ckpt_root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".tmp-step_{step}-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    full_state = {"step": step, "python_rng": _py_rng_to_json(random.getstate()), **(state or {})}
+    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+        trash = ckpt_root / f".tmp-old-{final.name}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(ckpt_root)
+    _atomic_write_text(ckpt_root / "latest", final.name + "\n")
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint (``latest`` pointer, else the highest ``step_N`` with state)."""
+    pointer = ckpt_root / "latest"
+    if pointer.is_file():
+        cand = ckpt_root / pointer.read_text().strip()
+        if (cand / STATE_FILE).is_file():
+            return cand
+    steps = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*")
+                   if p.name.split("_")[1].isdigit() and (p / STATE_FILE).is_file())
+    return steps[-1][1] if steps else None
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def restore(ckpt: Path, optimizer=None) -> dict[str, Any]:
+    """Restore optimizer and RNG streams from ``ckpt``; return the trainer state dict."""
+    state = load_state(ckpt)
+    if optimizer is not None and (ckpt / "optimizer.pt").is_file():
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu"))
+    set_rng_state(torch.load(ckpt / "rng.pt", weights_only=True))
+    random.setstate(_py_rng_from_json(state["python_rng"]))
+    return state
+
+
+def _py_rng_to_json(st: tuple) -> list:
+    return [st[0], list(st[1]), st[2]]
+
+
+def _py_rng_from_json(st: list) -> tuple:
+    return (st[0], tuple(st[1]), st[2])

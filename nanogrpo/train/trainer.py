@@ -1,0 +1,190 @@
+"""The single-process GRPO loop: rollout -> reference log-probs -> update -> log -> checkpoint.
+
+Everything that can fail on user input (config, reward imports, dataset fields,
+model path) is checked in :func:`prepare` before any weights are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nanogrpo.algo.logprobs import batch_token_logprobs
+from nanogrpo.config import Config, load_config, save_config
+from nanogrpo.data import PromptSampler, load_rows
+from nanogrpo.errors import ConfigError
+from nanogrpo.models.load import check_model_source, frozen_copy, load_model, load_policy, resolve_device
+from nanogrpo.rewards import RewardRunner
+from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.factory import make_engine
+from nanogrpo.train.checkpoint import latest_checkpoint, restore, save_checkpoint
+from nanogrpo.train.metrics import MetricsWriter
+from nanogrpo.train.optim import MasterAdamW
+from nanogrpo.train.step import policy_update
+
+log = logging.getLogger("nanogrpo.train")
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass
+class Run:
+    cfg: Config
+    root: Path
+    rewards: RewardRunner
+    rows: list[dict]
+    resume_from: Path | None
+
+
+def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
+    """Validate everything cheap first: rewards import, data fields, model path, run directory."""
+    rewards = RewardRunner.from_config(cfg.rewards)
+    try:
+        rows = load_rows(cfg.data, cfg.data.split)
+        check_model_source(cfg.model)
+    except Exception:
+        rewards.close()
+        raise
+    root = Path(resume_dir or cfg.train.out)
+    resume_from = latest_checkpoint(root / "checkpoints") if resume_dir else None
+    if resume_dir is not None and resume_from is None:
+        rewards.close()
+        raise ConfigError(f"--resume {resume_dir}: no complete checkpoint under {root / 'checkpoints'}")
+    return Run(cfg, root, rewards, rows, resume_from)
+
+
+def load_resume_config(run_dir: Path, overrides: list[str]) -> Config:
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
+    return load_config(path, overrides)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to ``train.lr`` over ``warmup_steps``, then constant (the seed: constant)."""
+    w = cfg.train.warmup_steps
+    return cfg.train.lr * min(1.0, step / w) if w > 0 else cfg.train.lr
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def train(run: Run) -> Path:
+    cfg = run.cfg
+    root = run.root
+    root.mkdir(parents=True, exist_ok=True)
+    ckpt_root = root / "checkpoints"
+    start_step = 0
+    if run.resume_from is not None:
+        from nanogrpo.train.checkpoint import load_state
+        start_step = load_state(run.resume_from)["step"]
+        if start_step >= cfg.train.steps:
+            print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
+                  "nothing to do")
+            run.rewards.close()
+            return root
+    save_config(cfg, root / CONFIG_FILE)
+    torch.manual_seed(cfg.train.seed)
+
+    model, tok, device = load_policy(cfg.model)
+    if run.resume_from is not None:
+        resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code)
+        model.load_state_dict(resumed.state_dict())
+        del resumed
+    ref = None
+    if cfg.grpo.beta > 0:
+        if run.resume_from is not None and (ckpt_root / "step_0").is_dir():
+            ref = load_model(str(ckpt_root / "step_0"), next(model.parameters()).dtype, device,
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code)
+            ref.eval().requires_grad_(False)
+        else:
+            ref = frozen_copy(model)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = MasterAdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas,
+                            weight_decay=cfg.train.weight_decay)
+    engine = make_engine(cfg.rollout.engine, model, tok)
+    sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
+                            shuffle=cfg.data.shuffle)
+    version = 0
+    if run.resume_from is not None:
+        state = restore(run.resume_from, optimizer)
+        sampler.load_state_dict(state["sampler"])
+        version = state.get("policy_version", start_step)
+        print(f"resuming {root} from {run.resume_from.name}")
+    metrics = MetricsWriter(root / "metrics.jsonl", resume_step=start_step if run.resume_from else None)
+
+    def save(step: int) -> None:
+        save_checkpoint(ckpt_root, step, model, tok, optimizer,
+                        {"policy_version": version, "sampler": sampler.state_dict()})
+
+    if run.resume_from is None:
+        save(0)
+    bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
+               desc="nanogrpo", dynamic_ncols=True)
+    try:
+        for step in bar:
+            row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
+                             device)
+            version += row.pop("_updates")
+            metrics.write(row)
+            bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
+                                f"loss {row['loss'] if row['loss'] is not None else float('nan'):.4f}")
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+                save(step)
+    finally:
+        bar.close()
+        metrics.close()
+        run.rewards.close()
+    return root
+
+
+def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
+               device: torch.device) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    rows = sampler.next_batch()
+    model.eval()
+    batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
+                            template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step),
+                            policy_version=version)
+    t_roll = time.perf_counter()
+    loss = kl = clip = grad_norm = float("nan")
+    skipped = 0
+    updates = 0
+    if batch is not None:
+        batch = batch.to(device)
+        if ref is not None:
+            batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
+                                                      batch.prompt_len, batch.completion_mask,
+                                                      cfg.train.micro_batch_size, cfg.train.logprob_chunk)
+        optimizer.set_lr(lr_at(step, cfg))
+        for it in range(cfg.grpo.updates_per_batch):
+            res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
+                                max_new_tokens=cfg.rollout.max_new_tokens)
+            skipped += int(res.skipped_nonfinite)
+            updates += int(not res.skipped_nonfinite)
+            if it == 0:
+                loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    step_time = t_end - t0
+    row: dict[str, Any] = {"step": step, "loss": loss, **rstats.metrics(), "kl": kl, "clip_frac": clip,
+                           "grad_norm": grad_norm, "lr": optimizer.lr, "skipped_nonfinite": skipped,
+                           "rollout_time_s": t_roll - t0, "train_time_s": t_end - t_roll,
+                           "step_time_s": step_time,
+                           "tokens_per_s": rstats.completion_tokens / step_time if step_time > 0 else 0.0,
+                           "policy_version": version + updates, "_updates": updates}
+    if device.type == "cuda":
+        row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+__all__ = ["prepare", "train", "load_resume_config", "resolve_device"]
