@@ -1,0 +1,1 @@
+"""Benchmarks (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``."""
