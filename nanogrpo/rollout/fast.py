@@ -44,6 +44,8 @@ from nanogrpo.rollout.hf import check_request, cut_at_eos, load_in_place, resolv
 
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 NEG_INF = float("-inf")
+PREFILL_TOKENS = 16384
+"""Prompt tokens per prefill chunk: bounds the activations of long prompts x many prompts."""
 
 
 # ---------------------------------------------------------------- the forward, as pure functions
@@ -283,17 +285,21 @@ class FastEngine:
     def _warm_up(self, st: _State) -> None:
         """Run the step a few times on a side stream (compiles on first use). Writes only the
         scratch slot ``length - 1``: the cache is one slot longer than any sequence needs."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             for _ in range(3):
                 st.slot.fill_(st.length - 1)
                 self._step(st)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_stream(side)
         st.slot.fill_(st.length - 1)
 
     def _capture(self, st: _State) -> None:
-        """Record one decode step as a CUDA graph; compile or capture failures fall back, loudly."""
+        """Record one decode step as a CUDA graph; compile or capture failures fall back, loudly.
+        (Off CUDA, only the warm-up runs: tests use that to check the bucketed layout on CPU.)"""
         try:
             self._warm_up(st)
         except Exception as e:
@@ -304,6 +310,8 @@ class FastEngine:
             self.use_compile = False
             self._pre, self._post, self._head = pre_attn, post_attn, head
             self._warm_up(st)
+        if self.device.type != "cuda":
+            return
         try:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -429,14 +437,30 @@ class FastEngine:
             "cuda_graphs": float(st.graph is not None)})
 
     def _prefill(self, st: _State, prompts: list[list[int]], n: int, width: int) -> None:
-        """Run the distinct prompts once, copy their KV rows to the n samples, sample token 1."""
-        b, rows = len(prompts), len(prompts) * n
-        dev = self.device
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        """Run each distinct prompt once (in chunks of about ``PREFILL_TOKENS`` tokens), copy its KV
+        rows to its n samples, and sample every row's first token."""
+        b, rows, dev = len(prompts), len(prompts) * n, self.device
         pad = torch.tensor([width - len(p) for p in prompts])
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
         ids, pad = ids.to(dev), pad.to(dev)
+        chunk = max(1, PREFILL_TOKENS // width)
+        logits = torch.cat([self._prefill_chunk(st, ids[c:c + chunk], pad[c:c + chunk], c * n, n)
+                            for c in range(0, b, chunk)])  # [b, V]
+        full = torch.zeros(st.rows, logits.shape[-1], device=dev)
+        full[:rows] = logits.repeat_interleave(n, 0)
+        st.pad.zero_()
+        st.pad[:rows] = pad.repeat_interleave(n)
+        st.done.fill_(True)
+        st.done[:rows] = False
+        st.slot.fill_(width - 1)
+        self._sample_into(st, full)  # first token at column width
+        st.row_ids = list(range(rows)) + [-1] * (st.rows - rows)
+
+    def _prefill_chunk(self, st: _State, ids, pad, row0: int, n: int) -> torch.Tensor:
+        """ids [b, P] left-padded, pad [b]: fill cache rows row0 .. row0 + b*n, return last logits [b, V]."""
+        (b, width), dev = ids.shape, self.device
         ar = torch.arange(width, device=dev)
         pos = (ar[None] - pad[:, None]).clamp_min(0)  # [b, P]
         cos, sin = self._cos[pos], self._sin[pos]  # [b, P, D]
@@ -448,23 +472,14 @@ class FastEngine:
         for i, L in enumerate(self.layers):
             q, k, v = pre_attn(x, L.ln1, L.qkv_w, L.qkv_b, cos, sin, self.eps, self.nh, self.nkv, self.hd)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
-            for cache, t in ((st.k[i], k), (st.v[i], v)):  # row b*n + j <- prompt b
-                dst = cache[:rows].view(b, n, self.nkv, st.length, self.hd)[:, :, :, :width]
+            for cache, t in ((st.k[i], k), (st.v[i], v)):  # row row0 + b_i*n + j <- prompt b_i
+                dst = cache[row0:row0 + b * n].view(b, n, self.nkv, st.length, self.hd)[:, :, :, :width]
                 dst.copy_(t[:, None].expand(b, n, self.nkv, width, self.hd))
             a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                attn_mask=mask)  # [b, nh, P, D]
             x = post_attn(x, a.transpose(1, 2).reshape(b, width, -1), L.o_w, L.o_b, L.ln2, L.gu_w, L.gu_b,
                           L.down_w, L.down_b, self.eps)
-        logits = head(x[:, -1], self.norm_w, self.lm_w, self.eps)  # [b, V]
-        full = torch.zeros(st.rows, logits.shape[-1], device=dev)
-        full[:rows] = logits.repeat_interleave(n, 0)
-        st.pad.zero_()
-        st.pad[:rows] = pad.repeat_interleave(n)
-        st.done.fill_(True)
-        st.done[:rows] = False
-        st.slot.fill_(width - 1)
-        self._sample_into(st, full)  # first token at column width
-        st.row_ids = list(range(rows)) + [-1] * (st.rows - rows)
+        return head(x[:, -1], self.norm_w, self.lm_w, self.eps)
 
     def _harvest(self, st: _State, res_tok, res_lp, width: int, n_new: int) -> None:
         """Copy the state's real rows' outputs (columns width .. width + n_new) to the results."""
