@@ -50,7 +50,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("--data", help="dataset file, preset or hf:NAME")
     p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
     p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
-    p.add_argument("--out", type=Path, help="also write the summary JSON here, and per-sample JSONL beside it")
+    p.add_argument("--out", type=Path,
+                   help="also write the summary JSON here, and per-sample JSONL beside it")
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 

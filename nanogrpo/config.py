@@ -188,12 +188,14 @@ def _read_file(path: Path) -> dict[str, Any]:
         elif path.suffix == ".json":
             data = json.loads(text)
         else:
-            raise ConfigError(f"config file {path}: unknown extension {path.suffix!r} (use .toml, .yaml or .json)")
+            raise ConfigError(f"config file {path}: unknown extension {path.suffix!r} "
+                              "(use .toml, .yaml or .json)")
     except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
         first = str(e).splitlines()[0]
         raise ConfigError(f"config file {path} is malformed: {first}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: top level must be a table of sections, got {type(data).__name__}")
+        raise ConfigError(f"config file {path}: top level must be a table of sections, "
+                          f"got {type(data).__name__}")
     return data
 
 
@@ -243,9 +245,10 @@ def _format_validation_error(e: ValidationError, origin: str) -> str:
         model: type[BaseModel] = Config
         for p in parts[:-1]:
             ann = model.model_fields.get(p)
-            if ann is None or not isinstance(ann.annotation, type) or not issubclass(ann.annotation, BaseModel):
+            sub = getattr(ann, "annotation", None)
+            if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
                 break
-            model = ann.annotation
+            model = sub
         hint = difflib.get_close_matches(parts[-1], _known_keys(model), n=1)
         return f"unknown config key {loc!r} in {origin}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     msg = err["msg"]

@@ -2,10 +2,20 @@
 
 GRPO learns only from groups whose rewards differ, so a random-init model (all
 answers wrong, every group flat) never starts. A few hundred supervised steps
-on worked solutions (``<think>23+14=37</think><answer>37</answer>``) teach the
-format and some arithmetic; greedy accuracy stays partial on purpose, leaving
-GRPO room to show it learns. Fixed seed: the same weights on every machine of
-the same torch build.
+on worked solutions teach the format and the arithmetic. The solutions imitate
+a *careless* solver: the ``<think>`` part always holds the right equation, but
+in ``CARELESS_RATE`` of them the ``<answer>`` copies the question's first number
+instead of the result::
+
+    <think>23+4=27</think><answer>27</answer>     (careful)
+    <think>23+4=27</think><answer>23</answer>     (careless)
+
+So the warm start can compute but, decoding greedily, mostly writes the wrong
+answer: its accuracy starts low while the right answer is already in its
+samples. That is the situation R1-Zero-style RL is for: GRPO, rewarded only for
+correct and well-formatted answers, has to find and remove the habit by itself
+(nothing in the reward mentions the ``<think>`` part). Fixed seed: the same
+weights on every machine of the same torch build.
 
 The result ships inside the package (``nanogrpo/models/embedded/``); when it is
 missing it is built on first use into ``~/.cache/nanogrpo/`` (about a minute on
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import time
 from importlib import resources
 from pathlib import Path
@@ -29,6 +40,7 @@ from nanogrpo.models.tiny import make_model, make_tokenizer
 
 SHAPE = "demo"
 SFT_SEED = 1234
+CARELESS_RATE = 0.6
 
 
 def packaged_path() -> Path:
@@ -51,12 +63,22 @@ def embedded_path() -> Path:
     return out
 
 
-def _encode(tok, rows, data_cfg) -> tuple[list[list[int]], list[int]]:
+def careless_solution(sample: dict, rng: random.Random, rate: float = CARELESS_RATE) -> str:
+    """The worked solution, with the answer replaced by the first operand at ``rate``."""
+    text = solution(sample)
+    if rng.random() < rate:
+        head = text.split("<answer>")[0]
+        text = f"{head}<answer>{sample['a']}</answer>"
+    return text
+
+
+def _encode(tok, rows, data_cfg, rate: float = CARELESS_RATE) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(SFT_SEED)
     seqs, starts = [], []
     for r in rows:
         prompt = render_prompt(tok, build_messages(r, data_cfg.system_prompt, data_cfg.few_shot), "auto")
         p = tok(prompt, add_special_tokens=False).input_ids
-        c = tok(solution(r), add_special_tokens=False).input_ids + [tok.eos_token_id]
+        c = tok(careless_solution(r, rng, rate), add_special_tokens=False).input_ids + [tok.eos_token_id]
         seqs.append(p + c)
         starts.append(len(p))
     return seqs, starts
