@@ -77,3 +77,16 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
         rows.append(logits.float().log_softmax(-1).gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))
     return torch.stack(rows)                                                  # (N, C)
+
+
+@torch.no_grad()
+def batch_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         prompt_len: int, completion_mask: torch.Tensor, micro_batch_size: int = 16,
+                         chunk: int = 4096) -> torch.Tensor:
+    """``token_logprobs`` without gradients, ``micro_batch_size`` rows at a time (reference model)."""
+    out = []
+    for i in range(0, input_ids.shape[0], micro_batch_size):
+        sl = slice(i, i + micro_batch_size)
+        out.append(token_logprobs(model, input_ids[sl], attention_mask[sl], prompt_len,
+                                  completion_mask[sl], chunk))
+    return torch.cat(out)                                                     # (N, C)
