@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from nanogrpo.errors import NanoGRPOError
+from nanogrpo.errors import ConfigError, NanoGRPOError
 
 # sub-commands owned by other modules: name -> "module:function(argv) -> int"
 EXTERNAL = {
@@ -41,17 +41,20 @@ def _train_parser(sub) -> None:
 
 
 def _eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="greedy pass@1 of a checkpoint", description=(
-        "Greedy pass@1 with the training rewards. Prints one JSON object (accuracy, format_rate, n, ...). "
-        "The data, prompt format and rewards come from --config, else from the run the checkpoint belongs "
-        "to, else from the embedded demo (held-out split of the arithmetic task)."))
+    p = sub.add_parser("eval", help="greedy pass@1, or pass@k/maj@k, of a checkpoint", description=(
+        "Greedy pass@1 with the training rewards, or with --k K sampled pass@K and maj@K (temperature: "
+        "eval.temperature, else rollout.temperature). Prints one JSON object (accuracy, format_rate, n, "
+        "pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the run the "
+        "checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task)."))
     p.add_argument("--model", required=True, help="checkpoint directory (HF format) or hub id")
     p.add_argument("--config", help="config file or preset name")
     p.add_argument("--data", help="dataset file, preset or hf:NAME")
     p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
     p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
+    p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")
     p.add_argument("--out", type=Path,
-                   help="also write the summary JSON here, and per-sample JSONL beside it")
+                   help="also write the summary JSON here, and per-sample JSONL (question, completions, "
+                        "rewards, extracted answers) beside it as OUT.samples.jsonl")
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
@@ -113,7 +116,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
     split = a.split or cfg.data.eval_split
     load_rows(cfg.data, split)  # fail on bad data before loading weights
     model, tok, _ = load_policy(cfg.model)
-    summary = run_eval(cfg, model, tok, split, a.n or cfg.eval.n, a.out)
+    if a.k is not None and a.k < 1:
+        raise ConfigError(f"--k must be at least 1, got {a.k}")
+    summary = run_eval(cfg, model, tok, split, a.n or cfg.eval.n, a.out, k=a.k)
     print(json.dumps(summary))
     return 0
 

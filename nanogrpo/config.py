@@ -158,6 +158,42 @@ class EvalConfig(_Strict):
     max_new_tokens: int | None = None
     """None: same as rollout.max_new_tokens."""
     batch_size: int = Field(64, gt=0)
+    """Prompts per generation call."""
+    every: int = Field(0, ge=0)
+    """Evaluate on ``data.eval_split`` every this many training steps (and at the last step); 0: never."""
+    k: int = Field(1, ge=1)
+    """Samples per problem: 1 is greedy pass@1; >1 samples at ``temperature`` for pass@k and maj@k."""
+    temperature: float | None = Field(None, gt=0)
+    """Sampling temperature when ``k > 1``; None: same as rollout.temperature."""
+    seed: int = 1234
+    """Sampling seed for ``k > 1`` (fixed, so that evaluations of different steps compare)."""
+
+
+class LogConfig(_Strict):
+    tensorboard: bool = True
+    """TensorBoard event files in ``RUN/tb``."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs ``pip install wandb``)."""
+    wandb_project: str = "nanogrpo"
+    wandb_run_name: str | None = None
+    samples_every: int = Field(10, ge=0)
+    """Log sample completions (text + reward breakdown) every this many steps; 0: never."""
+
+
+class ServerConfig(_Strict):
+    """Split mode: ``nanogrpo serve`` / ``nanogrpo rollout`` / ``nanogrpo train --server``."""
+
+    publish_every: int = Field(1, ge=1)
+    """The trainer publishes its weights to the server every this many optimizer steps."""
+    max_staleness: int = Field(4, ge=0)
+    """Batches generated more than this many policy versions ago are dropped (and counted)."""
+    queue_size: int = Field(16, gt=0)
+    """Batches the server holds (ready + awaiting reference log-probs); beyond it uploads get 503."""
+    token_file: str | None = None
+    """File holding the shared token (else the NANOGRPO_TOKEN environment variable; never a flag)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
+    retry_for_s: float = Field(600.0, gt=0)
 
 
 class Config(_Strict):
@@ -168,6 +204,8 @@ class Config(_Strict):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -205,6 +243,8 @@ def preset_path(name: str) -> Path:
 
 
 def _parse_value(raw: str) -> Any:
+    if raw.lstrip().startswith("#"):  # YAML would read it as a comment (None): e.g. answer_delimiter=####
+        return raw
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:

@@ -1,9 +1,23 @@
-"""Greedy pass@1 evaluation with the training rewards.
+"""Evaluation with the training rewards: greedy pass@1, or pass@k and maj@k with sampling.
 
-``accuracy`` is the share of problems whose extracted answer verifies against
-the reference (the built-in ``correctness``); ``format_rate`` the share that
-matches the seed's ``<think>…</think><answer>…</answer>`` format; ``reward_mean``
-the mean of the configured weighted reward.
+With ``k == 1`` each problem gets one greedy completion. With ``k > 1`` each gets
+``k`` completions sampled at ``eval.temperature`` (default: the rollout's) from a
+fixed seed, so evaluations of different checkpoints see the same random streams.
+
+Summary fields:
+
+- ``accuracy``: share of completions whose extracted answer verifies against the
+  reference (the built-in ``correctness``); with ``k > 1`` the mean over all
+  samples, i.e. the unbiased estimate of sampled pass@1;
+- ``format_rate``: share matching the seed's ``<think>…</think><answer>…</answer>``;
+- ``reward_mean``: mean of the configured weighted reward;
+- ``pass@k``: share of problems with at least one correct completion among k;
+- ``maj@k``: share of problems whose most frequent extracted answer (ties: the
+  one seen first) is correct;
+- ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``.
+
+Generation goes through the rollout engine (``make_engine``: the fast engine for
+Llama/Qwen2 models), ``eval.batch_size`` prompts per call.
 """
 
 from __future__ import annotations
@@ -11,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,52 +34,111 @@ import torch
 from nanogrpo.config import Config
 from nanogrpo.data import encode_prompts, load_rows
 from nanogrpo.rewards import RewardRunner, correctness, format_reward
+from nanogrpo.rewards.extract import extract_answer
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
 
 
+def vote_key(answer: str | None) -> str | None:
+    """Normalised answer for majority voting: ``$1,234.0`` -> ``1234``; other text lower-cased."""
+    if answer is None:
+        return None
+    text = answer.strip().replace(",", "").replace("$", "").rstrip(".%")
+    try:
+        value = float(text)
+    except ValueError:
+        return " ".join(answer.split()).lower()
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def majority_index(answers: list[str | None]) -> int | None:
+    """Index of the first completion carrying the most frequent (non-empty) answer; None if none has one."""
+    keys = [vote_key(a) for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(i for i, k in enumerate(keys) if k is not None and counts[k] == best)
+
+
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
-                  max_new_tokens: int, batch_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Greedy completions for ``rows``; returns the summary and one record per problem."""
+                  max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
+                  seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem."""
     records: list[dict[str, Any]] = []
     skipped = 0
     t0 = time.perf_counter()
-    for i in range(0, len(rows), batch_size):
+    temp = 0.0 if k == 1 else (temperature or cfg.rollout.temperature)
+    for b, i in enumerate(range(0, len(rows), batch_size)):
         chunk = rows[i:i + batch_size]
         ids, skip = encode_prompts(tokenizer, chunk, cfg.data, cfg.model.chat_template)
         skipped += len(skip)
         kept = [r for j, r in enumerate(chunk) if j not in set(skip)]
         if not kept:
             continue
-        gen = engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1))
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, n=k,
+                                top_p=cfg.rollout.top_p if k > 1 else 1.0,
+                                top_k=cfg.rollout.top_k if k > 1 else 0,
+                                seed=None if k == 1 else seed * 1_000_003 + b)
+        gen = engine.generate(ids, params)
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-        scored = rewards.score(texts, kept)
-        for r, t, total in zip(kept, texts, scored.total):
-            records.append({"id": r.get("id"), "question": r["question"], "answer": r["answer"],
-                            "completion": t, "correct": correctness(t, r) > 0,
-                            "formatted": format_reward(t, r) > 0, "reward": total})
+        samples = [r for r in kept for _ in range(k)]
+        scored = rewards.score(texts, samples)
+        for p, r in enumerate(kept):
+            sl = slice(p * k, (p + 1) * k)
+            comps = texts[sl]
+            correct = [correctness(t, r) > 0 for t in comps]
+            answers = [extract_answer(t) for t in comps]
+            maj = majority_index(answers)
+            records.append({
+                "id": r.get("id"), "question": r["question"], "answer": r["answer"],
+                "completions": comps, "rewards": scored.total[sl],
+                "reward_breakdown": {name: vals[sl] for name, vals in scored.per_function.items()},
+                "extracted": answers, "correct": correct,
+                "formatted": [format_reward(t, r) > 0 for t in comps],
+                "majority": answers[maj] if maj is not None else None,
+                "majority_correct": bool(maj is not None and correct[maj]),
+            })
     n = len(records)
+    flat = [c for x in records for c in x["correct"]]
+    fmt = [f for x in records for f in x["formatted"]]
+    rew = [v for x in records for v in x["rewards"]]
+    nan = float("nan")
     summary = {
-        "accuracy": sum(x["correct"] for x in records) / n if n else float("nan"),
-        "format_rate": sum(x["formatted"] for x in records) / n if n else float("nan"),
-        "reward_mean": statistics.fmean(x["reward"] for x in records) if n else float("nan"),
-        "n": n, "skipped_long_prompts": skipped, "time_s": round(time.perf_counter() - t0, 3),
+        "accuracy": sum(flat) / len(flat) if flat else nan,
+        "format_rate": sum(fmt) / len(fmt) if fmt else nan,
+        "reward_mean": statistics.fmean(rew) if rew else nan,
+        "n": n, "k": k, "temperature": temp,
+        f"pass@{k}": sum(any(x["correct"]) for x in records) / n if n else nan,
+        f"maj@{k}": sum(x["majority_correct"] for x in records) / n if n else nan,
+        "completion_len_mean": statistics.fmean(len(tokenizer.encode(c, add_special_tokens=False))
+                                                for x in records for c in x["completions"]) if n else nan,
+        "skipped_long_prompts": skipped, "time_s": round(time.perf_counter() - t0, 3),
     }
     return summary, records
 
 
-def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None) -> dict[str, Any]:
+def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: Path) -> None:
+    """``out`` gets the summary JSON; ``out`` with suffix ``.samples.jsonl`` one record per problem."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    with open(out.with_suffix(".samples.jsonl"), "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+
+
+def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
+             engine=None) -> dict[str, Any]:
+    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
     rows = load_rows(cfg.data, split)[:n]
-    engine = make_engine(cfg.rollout.engine, model, tokenizer)
+    engine = engine or make_engine(cfg.rollout.engine, model, tokenizer)
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     model.eval()
     with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
-        summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new, cfg.eval.batch_size)
+        summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new, cfg.eval.batch_size,
+                                         k=k or cfg.eval.k, temperature=cfg.eval.temperature,
+                                         seed=cfg.eval.seed)
     summary["split"] = split
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary) + "\n")
-        with open(out.with_suffix(".samples.jsonl"), "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+        write_results(summary, records, out)
     return summary
