@@ -1,11 +1,23 @@
 """Per-token log-probabilities of completion tokens, without a (N, L, V) tensor.
 
 The seed runs ``log_softmax`` over the full vocabulary at every position of
-every row. Here the backbone returns hidden states; only the hidden states at
-completion positions (mask True) are projected through the LM head, ``chunk``
-tokens at a time, each chunk under activation checkpointing so that its
-(chunk, V) float32 logits are recomputed in the backward pass instead of kept.
-Peak extra memory is one chunk's logits, whatever the batch or vocabulary.
+every row, and autograd keeps that (N, L, V) result for the backward pass. Here
+only the hidden states at completion positions (mask True) are projected
+through the LM head, ``chunk`` tokens at a time, by :class:`LinearLogprob`, a
+custom autograd function: its forward keeps only the hidden states, the head
+weight and one log-sum-exp per token; its backward recomputes each chunk's
+logits and turns them in place into the gradient of the logits
+(``g * (onehot - softmax)``), from which the chunk's hidden-state gradient and
+its share of the head-weight gradient follow. Peak extra memory is one chunk's
+(chunk, V) float32 logits in either pass, whatever the batch or vocabulary.
+
+The projection runs *inside the model's own forward*: the LM head (a plain
+``nn.Linear``) has its class switched to :class:`LeanHead`, which behaves as
+the linear layer except while :func:`token_logprobs` has armed it, when it
+returns the selected tokens' log-probs instead of logits. Going through the
+model's forward keeps the hooks of DDP, FSDP2, DeepSpeed ZeRO-3 and PEFT in
+play (they gather and reduce parameters around module forwards), so the lean
+path works under every training backend.
 
 Models whose head is not a plain linear projection of the last hidden state
 (logit soft-capping, scaled heads) take the ``full`` path: the model's own
@@ -14,9 +26,10 @@ logits, row by row.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2"}
 
@@ -26,48 +39,147 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)                # (N, L)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()                           # (c, V)
-    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (c,)
+def _mm_dtype(t: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
 
 
-def _backbone_and_head(model: torch.nn.Module):
-    head = model.get_output_embeddings()
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else None
-    mtype = getattr(getattr(model, "config", None), "model_type", None)
-    if backbone is None or not isinstance(head, torch.nn.Linear) or mtype not in PLAIN_HEAD_TYPES:
-        return None, None
-    return backbone, head
+class LinearLogprob(torch.autograd.Function):
+    """logp[t] = log_softmax(h[t] @ W.T + b)[targets[t]], chunk by chunk, in float32.
+
+    h: (T, H); weight: (V, H); bias: (V,) or None; targets: (T,) int64 -> (T,) float32.
+    Saved for backward: h, weight, targets and lse (T,) float32; never (T, V).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, chunk):
+        dt = _mm_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dt)                                                 # (V, H)
+            b = None if bias is None else bias.to(dt)                         # (V,)
+            out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # (T,)
+            lse = torch.empty_like(out)                                       # (T,)
+            for i in range(0, h.shape[0], chunk):
+                logits = F.linear(h[i:i + chunk].to(dt), w, b).float()        # (c, V)
+                lse[i:i + chunk] = torch.logsumexp(logits, -1)                # (c,)
+                out[i:i + chunk] = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
+                del logits
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.chunk, ctx.dt = chunk, dt
+        return out
+
+    @staticmethod
+    def backward(ctx, g):                                                      # g: (T,)
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        dt, chunk = ctx.dt, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.float()
+        w = weight.to(dt)                                                     # (V, H)
+        b = None if bias is None else bias.to(dt)
+        gh = torch.empty_like(h) if need_h else None                          # (T, H)
+        acc_dtype = weight.dtype if weight.dtype == torch.float32 else torch.float32
+        gw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None  # (V, H)
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        with torch.autocast(h.device.type, enabled=False):
+            for i in range(0, h.shape[0], chunk):
+                hc = h[i:i + chunk].to(dt)                                    # (c, H)
+                gl = F.linear(hc, w, b).float()                               # (c, V) logits
+                gl.sub_(lse[i:i + chunk, None]).exp_()                        # (c, V) softmax
+                gl.mul_(-g[i:i + chunk, None])                                # (c, V) -g * p
+                gl.scatter_add_(-1, targets[i:i + chunk, None], g[i:i + chunk, None])  # + g * onehot
+                glc = gl.to(dt)                                               # (c, V)
+                if need_h:
+                    gh[i:i + chunk] = (glc @ w).to(h.dtype)                   # (c, H)
+                if need_w:
+                    gw.addmm_(glc.t().to(acc_dtype), hc.to(acc_dtype))        # (V, H)
+                if need_b:
+                    gb += gl.sum(0)                                           # (V,)
+                del gl, glc
+        gw = None if gw is None else gw.to(weight.dtype)
+        gb = None if gb is None else gb.to(bias.dtype)
+        return gh, gw, gb, None, None
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_len: int, completion_mask: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    chunk: int = 1024) -> torch.Tensor:
+    """Log-probs (T,) float32 of ``targets`` under ``h @ weight.T + bias``, never holding (T, V)."""
+    return LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)))
+
+
+class LeanHead(torch.nn.Linear):
+    """An ``nn.Linear`` LM head that, while armed, returns completion-token log-probs instead of logits.
+
+    Armed (by :func:`token_logprobs`) with the prompt length, the completion mask
+    (N, C) and the targets; its input is then the full hidden states (N, L, H)
+    and its output the selected tokens' log-probs (T,) float32, T = mask.sum().
+    """
+
+    _lean: tuple | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.__dict__.get("_lean")
+        if spec is None:
+            return super().forward(x)
+        prompt_len, sel, targets, chunk = spec
+        h = x[:, prompt_len - 1:-1]                                           # (N, C, H) predicts targets
+        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk)  # (T,)
+
+    @contextmanager
+    def armed(self, prompt_len: int, sel: torch.Tensor, targets: torch.Tensor, chunk: int):
+        self.__dict__["_lean"] = (prompt_len, sel, targets, chunk)
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_lean", None)
+
+
+def unwrap(model):
+    """The HF model inside DDP / DeepSpeed / torch.compile wrappers (PEFT models pass through)."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
+
+
+def lean_head(model) -> LeanHead | None:
+    """The model's LM head switched to :class:`LeanHead`, or None when the lean path does not apply."""
+    inner = unwrap(model)
+    mtype = getattr(getattr(inner, "config", None), "model_type", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if mtype not in PLAIN_HEAD_TYPES or head is None:
+        return None
+    if isinstance(head, LeanHead):
+        return head
+    if type(head) is torch.nn.Linear:
+        head.__class__ = LeanHead  # same parameters and state-dict keys; plain Linear while unarmed
+        return head
+    # FSDP2 swaps the class to FSDP<cls>: accept a Linear subclass only if it already derives from LeanHead
+    return None
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
 
     input_ids/attention_mask: (N, P + C), prompts left-padded to P, completions
-    right-padded to C. completion_mask: (N, C) bool.
+    right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
+    (DDP, DeepSpeed engine, FSDP2 module, PEFT model): it is called as a whole.
     """
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
-    backbone, head = _backbone_and_head(model)
-    if backbone is None:
+    head = lean_head(model)
+    if head is None:
         return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                      use_cache=False).last_hidden_state                      # (N, L, H)
-    h = hidden[:, prompt_len - 1:-1]                                          # (N, C, H) predicts targets
     sel = completion_mask.bool()                                              # (N, C)
-    h_sel, t_sel = h[sel], targets[sel]                                       # (T, H), (T,)
-    out = []
-    for i in range(0, t_sel.numel(), chunk):
-        hc, tc = h_sel[i:i + chunk], t_sel[i:i + chunk]
-        if torch.is_grad_enabled() and hc.requires_grad:
-            out.append(checkpoint(_chunk_logprobs, hc, head.weight, head.bias, tc, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(hc, head.weight, head.bias, tc))
-    flat = torch.cat(out) if out else h_sel.new_zeros(0, dtype=torch.float32)  # (T,)
+    with head.armed(prompt_len, sel, targets, chunk):
+        flat = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                     use_cache=False).logits                                  # (T,) float32
     res = torch.zeros(sel.shape, dtype=torch.float32, device=flat.device)     # (N, C)
-    return res.masked_scatter(sel, flat)
+    return res.masked_scatter(sel, flat.float())
 
 
 def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
@@ -80,9 +192,9 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
 
 
 @torch.no_grad()
-def batch_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def batch_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          prompt_len: int, completion_mask: torch.Tensor, micro_batch_size: int = 16,
-                         chunk: int = 4096) -> torch.Tensor:
+                         chunk: int = 1024) -> torch.Tensor:
     """``token_logprobs`` without gradients, ``micro_batch_size`` rows at a time (reference model)."""
     out = []
     for i in range(0, input_ids.shape[0], micro_batch_size):
