@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(tmp)
+    _test_pause()
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it
         trash = ckpt_root / f".tmp-old-{final.name}"
         os.rename(final, trash)
@@ -87,6 +89,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
     _fsync_dir(ckpt_root)
     _atomic_write_text(ckpt_root / "latest", final.name + "\n")
     return final
+
+
+def _test_pause() -> None:
+    """Test hook: ``NANOGRPO_TEST_SAVE_SLEEP=SECONDS`` sleeps with the checkpoint written but not yet
+    renamed into place, so a test can kill the process in the middle of a save."""
+    delay = os.environ.get("NANOGRPO_TEST_SAVE_SLEEP")
+    if delay:
+        time.sleep(float(delay))
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:

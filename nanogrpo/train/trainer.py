@@ -24,7 +24,7 @@ from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import make_engine
 from nanogrpo.train.checkpoint import latest_checkpoint, restore, save_checkpoint
-from nanogrpo.train.metrics import MetricsWriter
+from nanogrpo.train.logging_sinks import RunLogger, run_summary
 from nanogrpo.train.optim import MasterAdamW
 from nanogrpo.train.step import policy_update
 
@@ -39,6 +39,8 @@ class Run:
     rewards: RewardRunner
     rows: list[dict]
     resume_from: Path | None
+    eval_rows: list[dict] | None = None
+    """Held-out problems for evaluation during training (``eval.every > 0``)."""
 
 
 def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
@@ -46,6 +48,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     rewards = RewardRunner.from_config(cfg.rewards)
     try:
         rows = load_rows(cfg.data, cfg.data.split)
+        eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
         check_model_source(cfg.model)
     except Exception:
         rewards.close()
@@ -53,9 +56,9 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     root = Path(resume_dir or cfg.train.out)
     resume_from = latest_checkpoint(root / "checkpoints") if resume_dir else None
     if resume_dir is not None and resume_from is None:
-        rewards.close()
-        raise ConfigError(f"--resume {resume_dir}: no complete checkpoint under {root / 'checkpoints'}")
-    return Run(cfg, root, rewards, rows, resume_from)
+        # killed before its first checkpoint was complete: nothing to continue, so start over
+        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
+    return Run(cfg, root, rewards, rows, resume_from, eval_rows)
 
 
 def load_resume_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -119,7 +122,7 @@ def train(run: Run) -> Path:
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
         print(f"resuming {root} from {run.resume_from.name}")
-    metrics = MetricsWriter(root / "metrics.jsonl", resume_step=start_step if run.resume_from else None)
+    logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None)
 
     def save(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, tok, optimizer,
@@ -134,16 +137,35 @@ def train(run: Run) -> Path:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
                              device)
             version += row.pop("_updates")
-            metrics.write(row)
+            examples = row.pop("_examples", None)
+            if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                row.update(_held_out_eval(cfg, model, tok, engine, run, step))
+            logger.log_step(row, examples)
             bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
                                 f"loss {row['loss'] if row['loss'] is not None else float('nan'):.4f}")
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
         bar.close()
-        metrics.close()
+        logger.close()
         run.rewards.close()
+    print(run_summary(root))
     return root
+
+
+def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict[str, Any]:
+    """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``."""
+    from nanogrpo.evaluate import evaluate_rows, write_results
+
+    model.eval()
+    with torch.no_grad():
+        summary, records = evaluate_rows(engine, tok, run.eval_rows, cfg, run.rewards,
+                                         cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                                         cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
+                                         seed=cfg.eval.seed)
+    summary["split"] = cfg.data.eval_split
+    write_results(summary, records, run.root / "eval" / f"step_{step}.json")
+    return {f"eval/{k}": v for k, v in summary.items() if not isinstance(v, str)}
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
@@ -181,7 +203,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                            "rollout_time_s": t_roll - t0, "train_time_s": t_end - t_roll,
                            "step_time_s": step_time,
                            "tokens_per_s": rstats.completion_tokens / step_time if step_time > 0 else 0.0,
-                           "policy_version": version + updates, "_updates": updates}
+                           "policy_version": version + updates, "_updates": updates,
+                           "_examples": rstats.examples}
     if device.type == "cuda":
         row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row

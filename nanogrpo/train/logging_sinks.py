@@ -1,0 +1,151 @@
+"""Where a run's numbers go: ``metrics.jsonl`` always, TensorBoard by default, W&B on request.
+
+:class:`RunLogger` fans one metrics row per step out to every sink:
+
+- ``RUN/metrics.jsonl``: one JSON object per step (the source of truth; ``nanogrpo report`` reads it);
+- ``RUN/tb/``: TensorBoard event files (``log.tensorboard``); scalar tags are ``train/<key>``, keys
+  that already hold a ``/`` (``eval/accuracy``, ``reward/<fn>``) keep their name;
+- Weights & Biases (``log.wandb=true``; ``wandb`` is imported only then, and a clear error says
+  how to install it when it is missing);
+- ``RUN/samples.jsonl``: sample completions with their reward breakdown every ``log.samples_every``
+  steps (also as TensorBoard text).
+
+On resume every sink drops what was logged after the checkpoint being resumed
+(``metrics.jsonl``/``samples.jsonl`` are truncated, TensorBoard events purged), so a
+resumed run's logs read like an uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from nanogrpo.config import Config
+from nanogrpo.errors import ConfigError
+from nanogrpo.train.metrics import MetricsWriter, read_metrics
+
+TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", "gpu_mem_gib", "eval/time_s")
+"""Fields that differ between identical runs (wall-clock and memory)."""
+
+
+def _tag(key: str) -> str:
+    return key if "/" in key else f"train/{key}"
+
+
+def _truncate_jsonl(path: Path, resume_step: int | None) -> None:
+    if resume_step is None:
+        path.write_text("")
+    elif path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+class RunLogger:
+    """All of a run's logging; ``resume_step`` is the step of the checkpoint resumed (None: fresh run)."""
+
+    def __init__(self, root: Path, cfg: Config, resume_step: int | None = None):
+        self.root = Path(root)
+        self.cfg = cfg
+        self.metrics = MetricsWriter(self.root / "metrics.jsonl", resume_step=resume_step)
+        self.samples_path = self.root / "samples.jsonl"
+        _truncate_jsonl(self.samples_path, resume_step)
+        self.tb = None
+        self.wandb = None
+        self.t0 = time.perf_counter()
+        if cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events from the killed run after the checkpoint are discarded
+            self.tb = SummaryWriter(str(self.root / "tb"),
+                                    purge_step=resume_step + 1 if resume_step is not None else None)
+        if cfg.log.wandb:
+            self.wandb = _start_wandb(self.root, cfg, resumed=resume_step is not None)
+
+    def log_step(self, row: dict[str, Any], examples: list[dict[str, Any]] | None = None) -> None:
+        step = int(row["step"])
+        self.metrics.write(row)
+        scalars = {k: x for k, v in row.items() if k != "step" and (x := _number(v)) is not None}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(_tag(k), v, step)
+        if self.wandb is not None:
+            self.wandb.log({_tag(k): v for k, v in scalars.items()}, step=step)
+        every = self.cfg.log.samples_every
+        if examples and every and step % every == 0:
+            self.log_samples(step, examples)
+        if self.tb is not None:
+            self.tb.flush()
+
+    def log_samples(self, step: int, examples: list[dict[str, Any]]) -> None:
+        with open(self.samples_path, "a") as f:
+            for ex in examples:
+                f.write(json.dumps({"step": step, **ex}) + "\n")
+        if self.tb is not None:
+            text = "\n\n".join(_sample_markdown(ex) for ex in examples)
+            self.tb.add_text("samples", text, step)
+        if self.wandb is not None:
+            import wandb
+
+            cols = sorted({k for ex in examples for k in ex})
+            self.wandb.log({"samples": wandb.Table(columns=cols, data=[[ex.get(c) for c in cols]
+                                                                       for ex in examples])}, step=step)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _sample_markdown(ex: dict[str, Any]) -> str:
+    scores = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in ex.items() if k not in ("question", "completion"))
+    return f"**Q:** {ex.get('question', '')}\n\n```\n{ex.get('completion', '')}\n```\n\n{scores}"
+
+
+def _start_wandb(root: Path, cfg: Config, resumed: bool):
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("log.wandb=true but wandb is not installed: pip install wandb "
+                          "(or set log.wandb=false; TensorBoard logs are in RUN/tb)") from None
+    id_file = root / "wandb_id"
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or root.name, id=run_id,
+                      dir=str(root), config=cfg.to_dict(), resume="allow")
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
+
+
+def run_summary(root: Path) -> str:
+    """One line: steps, wall time, reward and accuracy first -> last, last held-out accuracy, throughput."""
+    path = Path(root) / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    if not rows:
+        return f"nanogrpo: {root}: no steps logged"
+    first, last = rows[0], rows[-1]
+    secs = sum(r.get("step_time_s") or 0.0 for r in rows)
+    toks = sum(r.get("completion_tokens") or 0 for r in rows)
+    parts = [f"nanogrpo: {last['step']} steps in {secs / 60:.1f} min",
+             f"reward {_fmt(first.get('reward_mean'))} -> {_fmt(last.get('reward_mean'))}",
+             f"train acc {_fmt(first.get('accuracy'))} -> {_fmt(last.get('accuracy'))}"]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if evals:
+        parts.append(f"eval acc {_fmt(evals[-1]['eval/accuracy'])} (step {evals[-1]['step']})")
+    parts.append(f"{_fmt(toks / secs if secs else float('nan'), '.0f')} tok/s")
+    parts.append(str(root))
+    return " | ".join(parts)
