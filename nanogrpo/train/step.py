@@ -69,7 +69,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch, grpo: 
             optimizer.zero_grad()
             return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         kl_sum += stats.get("kl_sum", 0.0)
         clip_sum += stats["clipped_sum"]
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,72 @@
+"""Config loading: defaults, files, overrides, and one clear error per mistake."""
+
+import pytest
+
+from nanogrpo.config import Config, load_config
+from nanogrpo.errors import ConfigError
+
+
+def test_defaults_are_the_seeds():
+    c = Config()
+    assert (c.grpo.group_size, c.grpo.beta, c.train.lr, c.rollout.temperature) == (8, 0.03, 1e-6, 0.9)
+    assert (c.rollout.max_new_tokens, c.data.max_prompt_tokens, c.train.save_every) == (512, 400, 200)
+    assert c.grpo.eps_high() == 0.2
+    assert Config(grpo={"loss": "dapo"}).grpo.eps_high() == 0.28
+
+
+def test_demo_preset_and_overrides():
+    c = load_config(preset="demo", overrides=["grpo.group_size=4", "grpo.beta=0", "grpo.loss=dr_grpo",
+                                              "rollout.prompts_per_step=2", "rollout.max_new_tokens=9",
+                                              "rollout.temperature=0.7", "train.lr=1e-5", "train.save_every=3",
+                                              'rewards.functions=["format","tests.reward_fixtures:length"]',
+                                              "rewards.weights=[0.5, 2]"])
+    assert c.model.path == "embedded" and c.data.source == "arithmetic"
+    assert (c.grpo.group_size, c.grpo.beta, c.grpo.loss) == (4, 0.0, "dr_grpo")
+    assert (c.rollout.prompts_per_step, c.rollout.max_new_tokens, c.rollout.temperature) == (2, 9, 0.7)
+    assert (c.train.lr, c.train.save_every) == (1e-5, 3)
+    assert c.rewards.functions == ["format", "tests.reward_fixtures:length"]
+    assert c.rewards.resolved_weights() == [0.5, 2.0]
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[grpo]\nbeta = 0.01\n[train]\nsteps = 7\n')
+    c = load_config(f, ["train.steps=9"])
+    assert c.grpo.beta == 0.01 and c.train.steps == 9
+    y = tmp_path / "c.yaml"
+    y.write_text("grpo:\n  group_size: 3\n")
+    assert load_config(y).grpo.group_size == 3
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["grpo.grop_size=4"], r"unknown config key 'grpo.grop_size'.*did you mean 'group_size'"),
+    (["grpoo.beta=1"], r"unknown config section 'grpoo'.*did you mean 'grpo'"),
+    (["grpo.beta"], r"not of the form section.key=value"),
+    (["beta=1"], r"must be section.key"),
+    (["grpo.group_size=1"], r"grpo.group_size"),
+    (["grpo.loss=ppo"], r"grpo.loss"),
+    (["train.lr=abc"], r"train.lr"),
+    (["rewards.weights=[1]"], r"rewards.weights has 1 entries but rewards.functions has 2"),
+])
+def test_bad_overrides_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grpo\nbeta = 1\n")
+    with pytest.raises(ConfigError, match=r"bad.toml is malformed"):
+        load_config(bad)
+    unknown = tmp_path / "u.toml"
+    unknown.write_text("[train]\nstep = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.step' in .*u.toml.*'steps'"):
+        load_config(unknown)
+    ext = tmp_path / "c.ini"
+    ext.write_text("x")
+    with pytest.raises(ConfigError, match="unknown extension"):
+        load_config(ext)
+    for msg in (str(e) for e in []):
+        assert "\n" not in msg
