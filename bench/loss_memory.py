@@ -1,0 +1,126 @@
+"""Peak memory of the loss path: nanogrpo's lean log-probs vs the seed's per-row full log-softmax.
+
+The loss path starts from the backbone's last hidden states (N, L, H) and the
+LM head weight (V, H), both requiring gradients, and ends after ``backward()``
+of the GRPO loss (k3 KL to given reference log-probs, seed reduction). Each
+variant runs in its own subprocess so one's peak cannot hide the other's:
+
+    seed   logits = h @ W.T (N, L, V); per row log_softmax + gather (the seed's get_per_token_logps)
+    lean   nanogrpo.algo.logprobs.linear_logprobs over the completion tokens, ``--chunk`` at a time
+
+Peak: on CUDA ``torch.cuda.max_memory_allocated`` above the inputs; on the CPU
+the process's peak RSS (``ru_maxrss``) above its RSS once the inputs exist.
+
+    python bench/loss_memory.py                       # 64 x 512 tokens, H 896, V 151936 (needs ~45 GB for seed)
+    python bench/loss_memory.py --n 8 --device cpu    # what fits a 24 GB CPU machine
+
+Prints a table; with $OUT set, also writes $OUT/loss_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _grpo_loss(logp, ref, adv, beta=0.04):
+    d = ref - logp                                                       # (N, C)
+    kl = torch.exp(d) - d - 1
+    loss_t = -(torch.exp(logp - logp.detach()) * adv[:, None] - beta * kl)
+    return loss_t.mean(1).mean()
+
+
+def run_variant(a) -> dict:
+    from nanogrpo.algo.logprobs import linear_logprobs
+
+    dev = torch.device(a.device)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = (torch.randn(a.n, a.len, a.hidden, generator=g) * 0.5).to(dev, dt).requires_grad_()
+    w = (torch.randn(a.vocab, a.hidden, generator=g) * 0.02).to(dev, dt).requires_grad_()
+    tgt = torch.randint(0, a.vocab, (a.n, a.len), generator=g).to(dev)
+    ref = (-torch.rand(a.n, a.len, generator=g) * 10).to(dev)
+    adv = torch.randn(a.n, generator=g).to(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss()
+    t0 = time.perf_counter()
+    if a.variant == "seed":
+        logits = h @ w.t()                                               # (N, L, V) in the model dtype
+        rows = [lr.log_softmax(-1).gather(-1, tr[:, None]).squeeze(-1) for lr, tr in zip(logits, tgt)]
+        logp = torch.stack(rows).float()                                 # (N, L)
+    else:
+        logp = linear_logprobs(h.reshape(-1, a.hidden), w, None, tgt.reshape(-1), a.chunk).view(a.n, a.len)
+    loss = _grpo_loss(logp, ref, adv)
+    loss.backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"variant": a.variant, "peak_bytes": int(peak), "seconds": time.perf_counter() - t0,
+            "loss": float(loss), "grad_w_norm": float(w.grad.float().norm())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=64, help="completions")
+    p.add_argument("--len", type=int, default=512, help="completion tokens each")
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (lean)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--variant", choices=["seed", "lean"], help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    if a.variant:
+        print(json.dumps(run_variant(a)))
+        return
+    res = {}
+    for v in ("lean", "seed"):
+        cmd = [sys.executable, __file__, "--variant", v, "--n", str(a.n), "--len", str(a.len),
+               "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--chunk", str(a.chunk),
+               "--device", a.device, "--dtype", a.dtype]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            res[v] = {"variant": v, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        else:
+            res[v] = json.loads(out.stdout.strip().splitlines()[-1])
+    shape = f"{a.n} x {a.len} tokens, H {a.hidden}, V {a.vocab}, {a.dtype} on {a.device}"
+    print(f"loss-path peak memory ({shape}; lean chunk {a.chunk})")
+    print(f"{'variant':8} {'peak GiB':>10} {'seconds':>9}")
+    for v, r in res.items():
+        if "error" in r:
+            print(f"{v:8} failed: {r['error']}")
+        else:
+            print(f"{v:8} {r['peak_bytes'] / 2**30:10.3f} {r['seconds']:9.2f}")
+    ok = all("error" not in r for r in res.values())
+    if ok:
+        ratio = res["lean"]["peak_bytes"] / max(res["seed"]["peak_bytes"], 1)
+        print(f"lean / seed = {ratio:.3f}  (1/{1 / ratio:.1f}); "
+              f"loss diff {abs(res['lean']['loss'] - res['seed']['loss']):.2e}")
+        res["ratio"] = ratio
+    res["shape"] = shape
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "loss_memory.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
