@@ -25,6 +25,7 @@ missing it is built on first use into ``~/.cache/nanogrpo/`` (about a minute on
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -41,6 +42,7 @@ from nanogrpo.models.tiny import make_model, make_tokenizer
 SHAPE = "demo"
 SFT_SEED = 1234
 CARELESS_RATE = 0.6
+STEPS, BATCH_SIZE, LR = 300, 64, 3e-3
 
 
 def packaged_path() -> Path:
@@ -48,8 +50,10 @@ def packaged_path() -> Path:
 
 
 def cache_path() -> Path:
+    """Cache directory named after every setting that shapes the weights."""
     root = Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
-    return root / "embedded-v1"
+    key = f"{SHAPE}-{SFT_SEED}-{CARELESS_RATE}-{STEPS}-{BATCH_SIZE}-{LR}-{torch.__version__}"
+    return root / f"embedded-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def embedded_path() -> Path:
@@ -84,7 +88,8 @@ def _encode(tok, rows, data_cfg, rate: float = CARELESS_RATE) -> tuple[list[list
     return seqs, starts
 
 
-def build(out: Path, steps: int = 300, batch_size: int = 64, lr: float = 3e-3, log_every: int = 50) -> Path:
+def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
+          log_every: int = 50) -> Path:
     """Train the warm start and save it (HF format) to ``out`` atomically."""
     data_cfg = load_config(preset="demo").data
     torch.manual_seed(SFT_SEED)
@@ -127,9 +132,9 @@ def build(out: Path, steps: int = 300, batch_size: int = 64, lr: float = 3e-3, l
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Build the embedded warm-start model.")
     ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    ap.add_argument("--lr", type=float, default=LR)
     a = ap.parse_args(argv)
     build(a.out, a.steps, a.batch_size, a.lr)
     print(f"saved {a.out}")
