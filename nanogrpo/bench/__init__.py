@@ -1,1 +1,28 @@
-"""Benchmarks (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``."""
+"""Benchmarks (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``.
+
+``nanogrpo bench rollout ...`` (generation speed of the engines) and
+``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        names = " | ".join(SUBCOMMANDS)
+        msg = f"usage: nanogrpo bench {{{names}}} [options]   (nanogrpo bench <name> --help for options)"
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"nanogrpo bench: unknown benchmark {argv[0]!r}\n{msg}", file=sys.stderr)
+            return 2
+        print(msg, file=sys.stderr if not argv else sys.stdout)
+        return 0 if argv else 2
+    return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]) or 0)
+
+
+__all__ = ["SUBCOMMANDS", "main"]
