@@ -1,0 +1,221 @@
+"""``nanogrpo report RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG plots and a markdown summary of runs.
+
+Reads each run's ``metrics.jsonl`` and writes, into ``--out`` (default: ``RUN_DIR/report`` for
+one run, ``./report`` for several):
+
+- one PNG per quantity, every run overlaid in its own colour with a legend: ``reward.png``,
+  ``accuracy.png`` (train: solid; held-out ``eval/accuracy``: dashed with markers),
+  ``format_rate.png`` (same), ``kl.png``, ``completion_length.png``, ``step_time.png``;
+  noisy curves are drawn faintly with a moving average on top;
+- ``overview.png``: all six in one figure;
+- ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
+  accuracy, KL, length, step time, throughput) with the plots linked.
+
+matplotlib is needed (``pip install 'nanogrpo[report]'``); it runs headless (Agg backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanogrpo.errors import ConfigError
+from nanogrpo.train.metrics import read_metrics
+
+
+@dataclass(frozen=True)
+class Panel:
+    file: str
+    title: str
+    ylabel: str
+    train_key: str
+    eval_key: str | None = None
+
+
+PANELS = [
+    Panel("reward", "Mean reward per completion", "reward", "reward_mean", "eval/reward_mean"),
+    Panel("accuracy", "Accuracy (train: solid, held-out: dashed)", "accuracy", "accuracy", "eval/accuracy"),
+    Panel("format_rate", "Format rate (train: solid, held-out: dashed)", "share formatted", "format_rate",
+          "eval/format_rate"),
+    Panel("kl", "KL to the reference (k3)", "KL per token", "kl"),
+    Panel("completion_length", "Completion length", "tokens", "completion_len_mean"),
+    Panel("step_time", "Step time", "seconds per step", "step_time_s"),
+]
+
+
+@dataclass
+class RunData:
+    label: str
+    path: Path
+    rows: list[dict[str, Any]]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        xs, ys = [], []
+        for r in self.rows:
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                xs.append(int(r["step"]))
+                ys.append(float(v))
+        return xs, ys
+
+
+def load_run(path: Path) -> RunData:
+    path = Path(path)
+    mfile = path / "metrics.jsonl"
+    if not mfile.is_file():
+        raise ConfigError(f"{path}: not a run directory (no metrics.jsonl)")
+    rows = read_metrics(mfile)
+    if not rows:
+        raise ConfigError(f"{path}: metrics.jsonl is empty (the run logged no step yet)")
+    return RunData(path.name, path, rows)
+
+
+def _labels(runs: list[RunData]) -> None:
+    """Distinct legend labels: the directory name, with its parent when two runs share a name."""
+    names = [r.path.resolve().name for r in runs]
+    for r in runs:
+        full = r.path.resolve()
+        r.label = f"{full.parent.name}/{full.name}" if names.count(full.name) > 1 else full.name
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r.label] = seen.get(r.label, 0) + 1
+        if seen[r.label] > 1:
+            r.label = f"{r.label} ({seen[r.label]})"
+
+
+def moving_average(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
+    drew = False
+    for run, color in zip(runs, colors):
+        xs, ys = run.series(panel.train_key)
+        if xs:
+            drew = True
+            window = max(1, len(xs) // 20)
+            if window > 1:
+                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+                ax.plot(xs, moving_average(ys, window), color=color, linewidth=1.8,
+                        label=f"{run.label} (train, avg {window})" if panel.eval_key else run.label)
+            else:
+                ax.plot(xs, ys, color=color, linewidth=1.6, marker="." if len(xs) < 30 else None,
+                        label=f"{run.label} (train)" if panel.eval_key else run.label)
+        if panel.eval_key:
+            ex, ey = run.series(panel.eval_key)
+            if ex:
+                drew = True
+                ax.plot(ex, ey, color=color, linestyle="--", marker="o", markersize=4, linewidth=1.6,
+                        label=f"{run.label} (held-out)")
+    ax.set_title(panel.title)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    if drew:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    return drew
+
+
+def plot(runs: list[RunData], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("nanogrpo report needs matplotlib: pip install 'nanogrpo[report]'") from None
+    out.mkdir(parents=True, exist_ok=True)
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    files = []
+    for panel in PANELS:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        _draw(ax, runs, panel, colors)
+        fig.tight_layout()
+        path = out / f"{panel.file}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        files.append(path)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9), dpi=90)
+    for ax, panel in zip(axes.flat, PANELS):
+        _draw(ax, runs, panel, colors)
+    fig.suptitle("nanogrpo: " + ", ".join(r.label for r in runs))
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path)
+    plt.close(fig)
+    files.append(path)
+    return files
+
+
+def _mean_of(run: RunData, key: str, which: slice) -> float:
+    _, ys = run.series(key)
+    ys = ys[which]
+    return statistics.fmean(ys) if ys else float("nan")
+
+
+def _f(v: float, spec: str = ".3f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "–"
+
+
+def summary_markdown(runs: list[RunData], images: list[Path]) -> str:
+    lines = ["# nanogrpo report", "",
+             "Start/end values are means over the first/last 10 logged steps.", "",
+             "| run | steps | reward start → end | train acc start → end | held-out acc (best @ step) | "
+             "format end | KL end | length end | step time (median s) | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        first, last = slice(0, 10), slice(-10, None)
+        ex, ey = r.series("eval/accuracy")
+        if ey:
+            i = max(range(len(ey)), key=lambda j: ey[j])
+            held = f"{_f(ey[-1])} (best {_f(ey[i])} @ {ex[i]})"
+        else:
+            held = "–"
+        _, times = r.series("step_time_s")
+        toks = sum(r.series("completion_tokens")[1])
+        lines.append(
+            f"| {r.label} | {r.rows[-1]['step']} | {_f(_mean_of(r, 'reward_mean', first))} → "
+            f"{_f(_mean_of(r, 'reward_mean', last))} | {_f(_mean_of(r, 'accuracy', first))} → "
+            f"{_f(_mean_of(r, 'accuracy', last))} | {held} | {_f(_mean_of(r, 'format_rate', last))} | "
+            f"{_f(_mean_of(r, 'kl', last), '.4f')} | {_f(_mean_of(r, 'completion_len_mean', last), '.1f')} | "
+            f"{_f(statistics.median(times) if times else float('nan'), '.2f')} | "
+            f"{_f(toks / sum(times) if times and sum(times) > 0 else float('nan'), '.0f')} |")
+    lines += ["", "Runs: " + ", ".join(f"`{r.label}` = {r.path}" for r in runs), ""]
+    for img in images:
+        lines += [f"![{img.stem}]({img.name})", ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="nanogrpo report",
+        description="PNG plots (reward, accuracy, format rate, KL, completion length, step time; runs "
+                    "overlaid) and a markdown summary of runs.")
+    ap.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    ap.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
+                                             "./report for several)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    runs = [load_run(p) for p in a.runs]
+    _labels(runs)
+    out = a.out or (a.runs[0] / "report" if len(a.runs) == 1 else Path("report"))
+    images = plot(runs, out)
+    md = out / "report.md"
+    md.write_text(summary_markdown(runs, images))
+    print(f"report: {md} and {len(images)} plots in {out}")
+    return 0

@@ -1,0 +1,139 @@
+"""Exact resume: a run stopped (cleanly, or by kill -9 at any moment) and resumed logs the same metrics
+as one that never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanogrpo.cli import main
+from nanogrpo.models.tiny import make_model, make_tokenizer
+from nanogrpo.train.logging_sinks import TIMING_KEYS
+from nanogrpo.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen2 + char tokenizer, and 12 GSM8K-format problems."""
+    d = tmp_path_factory.mktemp("resume")
+    tok = make_tokenizer()
+    make_model("tiny", tok, seed=3).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    return d
+
+
+def _args(assets: Path, out: Path, steps: int) -> list[str]:
+    return ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"), "--out", str(out),
+            "--steps", str(steps), "--seed", "7", "data.answer_delimiter=####", "data.system_prompt=''",
+            "rollout.max_new_tokens=10", "rollout.prompts_per_step=2", "grpo.group_size=4",
+            "rewards.functions=['tests.reward_fixtures:length','format']", "rewards.workers=0",
+            "train.lr=1e-3", "train.save_every=2", "grpo.beta=0.04", "log.samples_every=1"]
+
+
+def _resume_args(out: Path, steps: int) -> list[str]:
+    return ["train", "--resume", str(out), "--steps", str(steps)]
+
+
+def _comparable(run: Path) -> list[dict]:
+    rows = read_metrics(run / "metrics.jsonl")
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def straight(assets) -> list[dict]:
+    out = assets / "straight"
+    assert main(_args(assets, out, 6)) == 0
+    rows = _comparable(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert sum(r["loss"] is not None for r in rows) >= 3, "the test needs steps that update the model"
+    return rows
+
+
+def test_resume_in_halves_is_exact(assets, straight, capsys):
+    out = assets / "halves"
+    assert main(_args(assets, out, 3)) == 0
+    assert main(_resume_args(out, 6)) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert _comparable(out) == straight
+    samples = [json.loads(x)["step"] for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples == sorted(samples) and set(samples) == {1, 2, 3, 4, 5, 6}
+
+
+def test_resume_of_finished_run_does_nothing(assets, straight, capsys):
+    out = assets / "straight"
+    before = (out / "metrics.jsonl").read_bytes()
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main(_resume_args(out, 6)) == 0
+    said = capsys.readouterr().out
+    assert "already finished" in said and "nothing to do" in said
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpts
+
+
+def _spawn(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float = 120.0) -> bool:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for the training subprocess")
+
+
+def _steps_logged(out: Path) -> int:
+    p = out / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.is_file() else 0
+
+
+def _saving(out: Path) -> bool:
+    ck = out / "checkpoints"
+    return ck.is_dir() and any(p.name.startswith(".tmp-step_") for p in ck.iterdir())
+
+
+@pytest.mark.slow
+def test_kill9_anywhere_then_resume_is_exact(assets, straight):
+    """kill -9 at several points (mid-step, mid-checkpoint-save, twice in one run), resume, finish."""
+    rng = random.Random(0)
+    scenarios = [
+        ("during the save of step_2", [lambda o: _saving(o) and _steps_logged(o) >= 2]),
+        ("mid step 4, then again mid step 6", [lambda o: _steps_logged(o) >= 3, lambda o: _steps_logged(o) >= 5]),
+        ("right after start", [lambda o: (o / "config.yaml").is_file()]),
+    ]
+    for name, kill_points in scenarios:
+        out = assets / f"kill-{name.split()[0]}-{len(kill_points)}-{rng.randrange(1000)}"
+        args = _args(assets, out, 6)
+        for i, point in enumerate(kill_points):
+            env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else None
+            proc = _spawn(args if i == 0 else _resume_args(out, 6), env)
+            reached = _wait_for(lambda p=point: p(out), proc)
+            assert reached, f"{name}: run ended before the kill point: {proc.stderr.read().decode()[-800:]}"
+            time.sleep(rng.uniform(0.0, 0.3))  # a random moment after the point
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stderr.close()
+        resumed = subprocess.run([sys.executable, "-m", "nanogrpo.cli", *_resume_args(out, 6)], cwd=REPO,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert _comparable(out) == straight, f"kill {name}: metrics differ from the uninterrupted run"
+        assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")], name
