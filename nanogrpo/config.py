@@ -196,6 +196,22 @@ class ServerConfig(_Strict):
     retry_for_s: float = Field(600.0, gt=0)
 
 
+class ServerConfig(_Strict):
+    """Split mode: ``nanogrpo serve`` / ``nanogrpo rollout`` / ``nanogrpo train --server``."""
+
+    publish_every: int = Field(1, ge=1)
+    """The trainer publishes its weights to the server every this many optimizer steps."""
+    max_staleness: int = Field(4, ge=0)
+    """Batches generated more than this many policy versions ago are dropped (and counted)."""
+    queue_size: int = Field(16, gt=0)
+    """Batches the server holds (ready + awaiting reference log-probs); beyond it uploads get 503."""
+    token_file: str | None = None
+    """File holding the shared token (else the NANOGRPO_TOKEN environment variable; never a flag)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
+    retry_for_s: float = Field(600.0, gt=0)
+
+
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -204,6 +220,7 @@ class Config(_Strict):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

@@ -1,0 +1,146 @@
+"""``ServerClient``: the one way workers and the trainer talk to ``nanogrpo serve``.
+
+Every request has a timeout. Connection failures, timeouts, 5xx and "busy"
+answers (429/503, honouring ``Retry-After``) are retried with exponential
+backoff and jitter for up to ``retry_for_s`` seconds, then raise
+:class:`ServerError`; a 4xx that retrying cannot fix raises at once with the
+server's one-line reason. Uploads carry an ``X-Batch-Id`` that stays the same
+across retries, so a retry after a lost answer never queues a batch twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from nanogrpo.batch import RolloutBatch
+from nanogrpo.errors import NanoGRPOError
+from nanogrpo.serve.auth import auth_headers
+
+log = logging.getLogger("nanogrpo.serve.client")
+WEIGHTS_FORMAT = "nanogrpo.weights/1"
+
+
+class ServerError(NanoGRPOError):
+    """The server refused a request for good, or stayed away longer than the retry budget."""
+
+
+def encode_state_dict(state_dict: dict[str, torch.Tensor], version: int) -> bytes:
+    """Safetensors bytes of a state dict; tensors sharing storage (tied embeddings) are sent once."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[k] = v.detach().to("cpu", copy=True).contiguous()
+    meta = {"nanogrpo": json.dumps({"format": WEIGHTS_FORMAT, "version": version})}
+    return st_save(out, metadata=meta)
+
+
+def decode_state_dict(data: bytes) -> dict[str, torch.Tensor]:
+    return st_load(data)
+
+
+class ServerClient:
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 60.0,
+                 retry_for_s: float = 600.0, backoff_min_s: float = 0.25, backoff_max_s: float = 10.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s
+        self.backoff = (backoff_min_s, backoff_max_s)
+        self.http = httpx.Client(base_url=self.url, headers=auth_headers(token),
+                                 timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+        self.retries = 0
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ core
+    def _request(self, method: str, path: str, what: str, *, ok: tuple[int, ...] = (200,),
+                 timeout: float | None = None, **kw) -> httpx.Response:
+        deadline = time.monotonic() + self.retry_for_s
+        delay = self.backoff[0]
+        away_since: float | None = None
+        while True:
+            try:
+                r = self.http.request(method, path, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
+                if r.status_code in ok:
+                    if away_since is not None:
+                        log.warning("%s: server %s answered again after %.1f s", what, self.url,
+                                    time.monotonic() - away_since)
+                    return r
+                reason = r.text.strip().splitlines()[0][:300] if r.text.strip() else ""
+                if r.status_code in (408, 429, 503) or r.status_code >= 500:
+                    problem = f"HTTP {r.status_code} {reason}"
+                    ra = r.headers.get("retry-after", "")
+                    wait = min(float(ra), 60.0) if ra.isdigit() else delay
+                else:
+                    raise ServerError(f"{what}: server {self.url} refused with HTTP {r.status_code}: "
+                                      f"{reason}")
+            except httpx.TransportError as e:
+                problem = f"{type(e).__name__}: {str(e)[:200]}"
+                wait = delay
+            now = time.monotonic()
+            if now + wait > deadline:
+                raise ServerError(f"{what}: server {self.url} unavailable for {self.retry_for_s:.0f} s "
+                                  f"(last: {problem}); is `nanogrpo serve` running?")
+            if away_since is None:
+                away_since = now
+                log.warning("%s: %s; retrying with backoff for up to %.0f s", what, problem, self.retry_for_s)
+            else:
+                log.debug("%s: %s; retrying", what, problem)
+            self.retries += 1
+            time.sleep(wait * (0.75 + 0.5 * random.random()))
+            delay = min(delay * 2, self.backoff[1])
+
+    # ------------------------------------------------------------------ endpoints
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health", "health").json()
+
+    def stats(self) -> dict[str, Any]:
+        return self._request("GET", "/stats", "stats").json()
+
+    def upload(self, batch: RolloutBatch | bytes) -> dict[str, Any]:
+        body = batch if isinstance(batch, bytes) else batch.to_bytes()
+        headers = {"X-Batch-Id": uuid.uuid4().hex, "Content-Type": "application/octet-stream"}
+        return self._request("POST", "/upload", "upload", content=body, headers=headers).json()
+
+    def get(self, wait_s: float = 10.0) -> RolloutBatch | None:
+        """The next ready batch, waiting up to ``wait_s`` seconds on the server; None when none came."""
+        r = self._request("GET", "/get", "get batch", ok=(200, 204), params={"wait": wait_s},
+                          timeout=self.timeout_s + wait_s)
+        if r.status_code == 204:
+            return None
+        return RolloutBatch.from_bytes(r.content)
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        body = encode_state_dict(state_dict, version)
+        self._request("POST", "/weights", "publish weights", ok=(200, 409), content=body,
+                      headers={"X-Policy-Version": str(version), "Content-Type": "application/octet-stream"})
+
+    def weights_version(self) -> int:
+        return int(self._request("GET", "/weights/version", "weights version").json()["version"])
+
+    def fetch_weights(self, have: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The published weights when newer than version ``have``, else None."""
+        r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have})
+        if r.status_code == 204:
+            return None
+        return int(r.headers["x-policy-version"]), decode_state_dict(r.content)
