@@ -36,8 +36,9 @@ def assets(tmp_path_factory) -> Path:
 
 
 def _args(assets: Path, out: Path, steps: int) -> list[str]:
-    return ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"), "--out", str(out),
-            "--steps", str(steps), "--seed", "7", "data.answer_delimiter=####", "data.system_prompt=''",
+    return ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"),
+            "--out", str(out), "--steps", str(steps), "--seed", "7",
+            "data.answer_delimiter=####", "data.system_prompt=''",
             "rollout.max_new_tokens=10", "rollout.prompts_per_step=2", "grpo.group_size=4",
             "rewards.functions=['tests.reward_fixtures:length','format']", "rewards.workers=0",
             "train.lr=1e-3", "train.save_every=2", "grpo.beta=0.04", "log.samples_every=1"]
@@ -117,7 +118,8 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
     rng = random.Random(0)
     scenarios = [
         ("during the save of step_2", [lambda o: _saving(o) and _steps_logged(o) >= 2]),
-        ("mid step 4, then again mid step 6", [lambda o: _steps_logged(o) >= 3, lambda o: _steps_logged(o) >= 5]),
+        ("mid step 4, then again mid step 6",
+         [lambda o: _steps_logged(o) >= 3, lambda o: _steps_logged(o) >= 5]),
         ("right after start", [lambda o: (o / "config.yaml").is_file()]),
     ]
     for name, kill_points in scenarios:
@@ -126,7 +128,7 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
         for i, point in enumerate(kill_points):
             env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else None
             proc = _spawn(args if i == 0 else _resume_args(out, 6), env)
-            reached = _wait_for(lambda p=point: p(out), proc)
+            reached = _wait_for(lambda p=point, o=out: p(o), proc)
             assert reached, f"{name}: run ended before the kill point: {proc.stderr.read().decode()[-800:]}"
             time.sleep(rng.uniform(0.0, 0.3))  # a random moment after the point
             proc.send_signal(signal.SIGKILL)
