@@ -11,7 +11,7 @@ variant runs in its own subprocess so one's peak cannot hide the other's:
 Peak: on CUDA ``torch.cuda.max_memory_allocated`` above the inputs; on the CPU
 the process's peak RSS (``ru_maxrss``) above its RSS once the inputs exist.
 
-    python bench/loss_memory.py                       # 64 x 512 tokens, H 896, V 151936 (needs ~45 GB for seed)
+    python bench/loss_memory.py                       # 64 x 512 tokens, H 896, V 151936 (seed: ~45 GB)
     python bench/loss_memory.py --n 8 --device cpu    # what fits a 24 GB CPU machine
 
 Prints a table; with $OUT set, also writes $OUT/loss_memory.json.
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (lean)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--variant", choices=["seed", "lean"], help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")

@@ -55,6 +55,15 @@ class ModelConfig(_Strict):
     chat_template: Literal["auto", "plain"] = "auto"
     """``auto`` uses the tokenizer's chat template and fails loudly if it has none;
     ``plain`` renders ``system\\n\\nuser\\n`` text for base models."""
+    lora_r: int = Field(0, ge=0)
+    """LoRA rank (needs ``peft``); 0 trains all weights. With LoRA the reference log-probs come
+    from the same model with its adapters disabled: no second copy."""
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora_save_merged: bool = False
+    """Checkpoints also hold the merged model (``merged/``) besides the adapter."""
 
 
 class DataConfig(_Strict):
@@ -144,13 +153,26 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, gt=0)
     """Sequences per forward/backward; gradients accumulate over the step's micro-batches."""
-    logprob_chunk: int = Field(4096, gt=0)
-    """Completion tokens per chunk when computing token log-probs (bounds logits memory)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Token budget per micro-batch (rows x padded length), rows length-sorted; 0: by
+    ``micro_batch_size`` only, which stays the cap on rows either way."""
+    logprob_chunk: int = Field(1024, gt=0)
+    """Completion tokens per chunk of the fused LM-head + log-softmax (one (chunk, vocab) float32 buffer)."""
     save_every: int = Field(200, ge=0)
     """0: only the final checkpoint (and step_0)."""
     seed: int = 0
     out: str = "runs/nanogrpo"
     gradient_checkpointing: bool = False
+    autocast: bool = False
+    """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
+    optimizer_offload: bool = False
+    """Keep float32 master weights and AdamW moments in CPU memory (the seed's ZeRO CPU offload)."""
+    backend: Literal["single", "ddp", "fsdp2", "deepspeed"] = "single"
+    """``ddp``/``fsdp2`` under ``torchrun``, ``deepspeed`` under the ``deepspeed`` launcher."""
+    zero_stage: int = Field(2, ge=1, le=3)
+    """DeepSpeed ZeRO stage (backend ``deepspeed``)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2: sharded parameters, gradients and optimizer state on the CPU (``CPUOffloadPolicy``)."""
 
 
 class EvalConfig(_Strict):
@@ -196,22 +218,6 @@ class ServerConfig(_Strict):
     retry_for_s: float = Field(600.0, gt=0)
 
 
-class ServerConfig(_Strict):
-    """Split mode: ``nanogrpo serve`` / ``nanogrpo rollout`` / ``nanogrpo train --server``."""
-
-    publish_every: int = Field(1, ge=1)
-    """The trainer publishes its weights to the server every this many optimizer steps."""
-    max_staleness: int = Field(4, ge=0)
-    """Batches generated more than this many policy versions ago are dropped (and counted)."""
-    queue_size: int = Field(16, gt=0)
-    """Batches the server holds (ready + awaiting reference log-probs); beyond it uploads get 503."""
-    token_file: str | None = None
-    """File holding the shared token (else the NANOGRPO_TOKEN environment variable; never a flag)."""
-    timeout_s: float = Field(60.0, gt=0)
-    """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
-    retry_for_s: float = Field(600.0, gt=0)
-
-
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -220,7 +226,6 @@ class Config(_Strict):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    server: ServerConfig = Field(default_factory=ServerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

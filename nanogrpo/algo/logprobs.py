@@ -63,7 +63,8 @@ class LinearLogprob(torch.autograd.Function):
             for i in range(0, h.shape[0], chunk):
                 logits = F.linear(h[i:i + chunk].to(dt), w, b).float()        # (c, V)
                 lse[i:i + chunk] = torch.logsumexp(logits, -1)                # (c,)
-                out[i:i + chunk] = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
+                picked = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1)  # (c,)
+                out[i:i + chunk] = picked - lse[i:i + chunk]
                 del logits
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk, ctx.dt = chunk, dt

@@ -60,23 +60,44 @@ def set_rng_state(st: dict[str, Any]) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None,
-                    state: dict[str, Any] | None = None) -> Path:
-    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it."""
+                    state: dict[str, Any] | None = None, *, state_dict: dict[str, torch.Tensor] | None = None,
+                    optimizer_state: dict[str, Any] | None = None, extra=None,
+                    save_merged: bool = False) -> Path:
+    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
+
+    Distributed backends pass the gathered ``state_dict`` (the model itself may be sharded),
+    ``optimizer_state`` instead of ``optimizer``, and ``extra(tmp_dir)`` to move their own
+    files in before the rename. A PEFT model saves its adapter; ``save_merged`` adds the
+    merged model under ``merged/``.
+    """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".tmp-step_{step}-"))
-    model.save_pretrained(tmp, safe_serialization=True)
+    if state_dict is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if save_merged:
+        from nanogrpo.models.lora import save_merged as _save_merged
+
+        _save_merged(model, tmp / "merged")
+        tokenizer.save_pretrained(tmp / "merged")
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    elif optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+    if extra is not None:
+        extra(tmp)
     torch.save(rng_state(), tmp / "rng.pt")
     full_state = {"step": step, "python_rng": _py_rng_to_json(random.getstate()), **(state or {})}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     _fsync_dir(tmp)
     _test_pause()
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it

@@ -1,0 +1,92 @@
+"""LoRA through ``peft`` (optional): adapters on the policy, the reference from the same weights.
+
+With ``model.lora_r > 0`` only the adapters train. The reference policy of the
+KL term is the base model, i.e. the same module with its adapters disabled
+(:class:`AdapterDisabledRef`), so beta > 0 costs no second copy of the weights.
+Checkpoints hold the adapter (``adapter_config.json``, ``adapter_model.safetensors``:
+``PeftModel.from_pretrained`` loads it onto the base) and, with
+``model.lora_save_merged``, the merged model under ``merged/`` (plain HF format).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from nanogrpo.config import ModelConfig
+from nanogrpo.errors import ConfigError
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("model.lora_r > 0 needs peft: pip install 'nanogrpo[lora]' (or pip install peft)") \
+            from None
+    return peft
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def apply_lora(model: torch.nn.Module, cfg: ModelConfig, gradient_checkpointing: bool = False):
+    """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model."""
+    peft = _peft()
+    lcfg = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                           target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return peft.get_peft_model(model, lcfg)
+
+
+def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = True):
+    """The base ``model`` with the adapter saved at ``path`` (a checkpoint directory)."""
+    peft = _peft()
+    return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+
+
+class AdapterDisabledRef:
+    """The reference policy as a view of a PEFT model: forwards run with the adapters disabled."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+        self.config = peft_model.config
+
+    def __call__(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.peft_model.get_output_embeddings()
+
+    def parameters(self):
+        return self.peft_model.parameters()
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        return self
+
+
+def reference_for(model: torch.nn.Module):
+    """The reference model for beta > 0: the adapter-disabled view for PEFT, else a frozen copy."""
+    if is_peft(model):
+        return AdapterDisabledRef(model)
+    from nanogrpo.models.load import frozen_copy
+
+    return frozen_copy(model)
+
+
+@torch.no_grad()
+def save_merged(model: torch.nn.Module, out: Path) -> None:
+    """Save base + adapters merged into plain weights (a copy is merged; ``model`` keeps its adapters)."""
+    if not is_peft(model):
+        model.save_pretrained(out, safe_serialization=True)
+        return
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    del merged
