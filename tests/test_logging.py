@@ -1,0 +1,99 @@
+"""Run logging: TensorBoard event files readable by tensorboard's own reader, samples, W&B errors,
+the one-line summary, and truncation on resume."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from nanogrpo.config import Config
+from nanogrpo.errors import ConfigError
+from nanogrpo.train.logging_sinks import RunLogger, run_summary
+from nanogrpo.train.metrics import read_metrics
+
+
+def _row(step: int, **kw) -> dict:
+    return {"step": step, "reward_mean": 0.1 * step, "accuracy": step / 10, "loss": float("nan"),
+            "reward/correctness": -1.0, "step_time_s": 0.5, "completion_tokens": 100, **kw}
+
+
+def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_events_are_readable(tmp_path):
+    cfg = Config()
+    cfg.log.samples_every = 2
+    log = RunLogger(tmp_path, cfg)
+    ex = [{"question": "1+1?", "completion": "<think>x</think><answer>2</answer>", "reward": 2.25,
+           "correctness": 1.0, "format": 1.25}]
+    for s in (1, 2, 3):
+        log.log_step(_row(s, **({"eval/accuracy": 0.5} if s == 2 else {})), ex)
+    log.close()
+    sc = _scalars(tmp_path / "tb")
+    assert [(s, round(v, 6)) for s, v in sc["train/reward_mean"]] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert sc["eval/accuracy"] == [(2, 0.5)]
+    assert [s for s, _ in sc["reward/correctness"]] == [1, 2, 3]
+    assert "train/loss" not in sc  # NaN means "not measured": not plotted as a value
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert any("samples" in t for t in acc.Tags()["tensors"])  # add_text lands as a tensor summary
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2] and samples[0]["format"] == 1.25
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_truncates_every_sink(tmp_path):
+    cfg = Config()
+    cfg.log.samples_every = 1
+    ex = [{"question": "q", "completion": "c", "reward": 1.0}]
+    log = RunLogger(tmp_path, cfg)
+    for s in (1, 2, 3, 4):
+        log.log_step(_row(s), ex)
+    log.close()
+    log = RunLogger(tmp_path, cfg, resume_step=2)  # resumed from the step-2 checkpoint
+    for s in (3, 4):
+        log.log_step(_row(s, reward_mean=9.0), ex)
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+    rewards = _scalars(tmp_path / "tb")["train/reward_mean"]
+    assert [s for s, _ in rewards] == [1, 2, 3, 4] and rewards[-1][1] == 9.0
+
+
+def test_wandb_asked_but_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    cfg = Config()
+    cfg.log.wandb = True
+    cfg.log.tensorboard = False
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        RunLogger(tmp_path, cfg)
+
+
+def test_tensorboard_off_writes_no_events(tmp_path):
+    cfg = Config()
+    cfg.log.tensorboard = False
+    log = RunLogger(tmp_path, cfg)
+    log.log_step(_row(1))
+    log.close()
+    assert not (tmp_path / "tb").exists()
+
+
+def test_one_line_summary(tmp_path):
+    log = RunLogger(tmp_path, Config())
+    log.log_step(_row(1))
+    log.log_step(_row(2, **{"eval/accuracy": 0.75}))
+    log.close()
+    line = run_summary(tmp_path)
+    assert "\n" not in line
+    assert "2 steps" in line and "reward 0.100 -> 0.200" in line and "eval acc 0.750 (step 2)" in line
+    assert "200 tok/s" in line
