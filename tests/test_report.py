@@ -1,0 +1,76 @@
+"""nanogrpo report: PNG plots of several runs overlaid, and a markdown summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nanogrpo.cli import main
+from nanogrpo.report import PANELS, moving_average
+
+pytest.importorskip("matplotlib")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(d: Path, rate: float, steps: int = 30, with_eval: bool = True) -> Path:
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(1, steps + 1):
+            acc = 1 - math.exp(-rate * s)
+            row = {"step": s, "reward_mean": 2 * acc - 1, "accuracy": acc, "format_rate": min(1.0, s / 20),
+                   "kl": None if s == 1 else 0.001 * s, "completion_len_mean": 40.0, "step_time_s": 1.2,
+                   "completion_tokens": 600}
+            if with_eval and s % 10 == 0:
+                row.update({"eval/accuracy": acc - 0.1, "eval/format_rate": 0.5})
+            f.write(json.dumps(row) + "\n")
+    return d
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_report_two_runs(tmp_path, capsys):
+    a = _run(tmp_path / "lr-1e-6", 0.05)
+    b = _run(tmp_path / "lr-3e-6", 0.1, steps=25, with_eval=False)
+    out = tmp_path / "report"
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    for name in [p.file for p in PANELS] + ["overview"]:
+        w, h = _png_size(out / f"{name}.png")
+        assert w >= 600 and h >= 400
+    from matplotlib import image
+
+    img = image.imread(out / "accuracy.png")
+    assert img.ndim == 3 and img.std() > 0.01  # something was drawn
+    md = (out / "report.md").read_text()
+    assert "| lr-1e-6 | 30 |" in md and "| lr-3e-6 | 25 |" in md
+    assert "![accuracy](accuracy.png)" in md
+    assert str(out / "report.md") in capsys.readouterr().out
+
+
+def test_report_single_run_defaults_beside_it(tmp_path):
+    a = _run(tmp_path / "run", 0.05)
+    assert main(["report", str(a)]) == 0
+    assert (a / "report" / "reward.png").is_file() and (a / "report" / "report.md").is_file()
+
+
+def test_report_distinguishes_runs_with_the_same_name(tmp_path):
+    from nanogrpo.report import _labels, load_run
+
+    runs = [load_run(_run(tmp_path / "x" / "run", 0.1)), load_run(_run(tmp_path / "y" / "run", 0.1))]
+    _labels(runs)
+    assert [r.label for r in runs] == ["x/run", "y/run"]
+
+
+def test_report_on_a_non_run_is_an_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_moving_average():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
