@@ -291,3 +291,24 @@ def test_fuzz_10k_malformed_requests_all_4xx():
     assert rss1 - rss0 < 64, f"memory grew from {rss0:.0f} MB to {rss1:.0f} MB"
     print(f"fuzz: {n} requests, statuses {statuses}, rss {rss0:.0f} -> {rss1:.0f} MB, "
           f"rejections {dict(st.rejected)}")
+
+
+def test_staleness_policy_and_server_side_expiry():
+    from nanogrpo.serve.consumer import staleness_action
+
+    assert staleness_action(0, 2) == "on_policy"
+    assert staleness_action(2, 2) == "off_policy"
+    assert staleness_action(3, 2) == "drop" and staleness_action(-1, 2) == "drop"
+    st = _state(max_staleness=1)
+
+    async def fn(c):
+        for v in (0, 1, 2):
+            r = await c.post("/upload", content=make_batch(version=v).to_bytes(), headers=AUTH)
+            assert r.status_code == 200
+        body = encode_state_dict({"w": torch.zeros(1)}, 2)
+        r = await c.post("/weights", content=body, headers={**AUTH, "X-Policy-Version": "2"})
+        assert r.status_code == 200
+        r = await c.get("/get", headers=AUTH)
+        return RolloutBatch.from_bytes(r.content).policy_version
+    assert run(st, fn) == 1
+    assert st.expired == 1 and len(st.ready) == 1

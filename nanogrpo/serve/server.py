@@ -78,6 +78,9 @@ class Settings:
     body_timeout_s: float = 120.0
     max_wait_s: float = 30.0
     state_file: Path | None = None
+    max_staleness: int | None = None
+    """When set, queued batches more than this many versions behind the published weights are discarded
+    (the trainer would drop them anyway) so that their queue slots go to fresh batches."""
 
 
 class Reject(Exception):
@@ -106,7 +109,7 @@ class ServerState:
         self.weights: bytes | None = None
         self.weights_version = -1
         self.weights_busy = False
-        self.batches_in = self.batches_out = self.seqs_in = self.duplicates = 0
+        self.batches_in = self.batches_out = self.seqs_in = self.duplicates = self.expired = 0
         self.ref_tokens = 0
         self.ref_seconds = 0.0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -119,6 +122,16 @@ class ServerState:
     def depth(self) -> int:
         return len(self.ready) + self.pending
 
+    def expire_stale(self) -> None:
+        if self.s.max_staleness is None or self.weights_version < 0:
+            return
+        oldest = self.weights_version - self.s.max_staleness
+        kept = [item for item in self.ready if item[1] >= oldest]
+        if len(kept) != len(self.ready):
+            self.expired += len(self.ready) - len(kept)
+            self.ready = collections.deque(kept)
+            self.record_state()
+
     def event(self) -> asyncio.Event:
         if self._new_batch is None:
             self._new_batch = asyncio.Event()
@@ -129,7 +142,7 @@ class ServerState:
             "queue_ready": len(self.ready), "queue_pending_ref": self.pending,
             "queue_size": self.s.queue_size,
             "batches_in": self.batches_in, "batches_out": self.batches_out, "sequences_in": self.seqs_in,
-            "duplicates": self.duplicates,
+            "duplicates": self.duplicates, "expired_stale": self.expired,
             "ref_model": self.ref_fn is not None, "ref_tokens": self.ref_tokens,
             "ref_tokens_per_s": self.ref_tokens / self.ref_seconds if self.ref_seconds > 0 else 0.0,
             "weights_version": self.weights_version,
@@ -361,6 +374,7 @@ def create_app(st: ServerState) -> Starlette:
     async def get(request: Request) -> Response:
         wait = _int_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
         deadline = time.monotonic() + wait
+        st.expire_stale()
         while not st.ready:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -395,6 +409,7 @@ def create_app(st: ServerState) -> Starlette:
             st.weights, st.weights_version = body, version
         finally:
             st.weights_busy = False
+        st.expire_stale()
         log.info("policy version %d published (%d tensors, %.1f MB)", version, count, len(body) / 1e6)
         return JSONResponse({"version": version, "tensors": count})
 
@@ -489,7 +504,7 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         max_seqs=cfg.rollout.prompts_per_step * cfg.grpo.group_size * 4,
         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         max_body=int(a.max_body_mb * (1 << 20)), max_weights_body=int(a.max_weights_mb * (1 << 20)),
-        queue_size=cfg.server.queue_size,
+        queue_size=cfg.server.queue_size, max_staleness=cfg.server.max_staleness,
         state_file=a.state_file or default_state_file(a.host, a.port))
     ref_fn = None
     shapes = None

@@ -1,0 +1,107 @@
+"""``nanogrpo rollout --server URL``: a generation-only worker (the seed's ``genonly`` mode).
+
+Loop: pick up newer policy weights if the trainer published some (copied in
+place into the engine), sample prompts, generate G completions each, score
+them, build the batch with :func:`nanogrpo.rollout.collect.rollout` (the very
+function the single-process trainer uses) and upload it. Each batch carries the
+policy version that generated it and, in ``meta``, the worker's id and its
+rollout statistics. Any number of workers may feed one server; each samples
+prompts with its own seed. The server being away stalls the worker (retries
+with backoff) rather than killing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import socket
+import time
+import zlib
+from typing import Any
+
+import torch
+
+log = logging.getLogger("nanogrpo.rollout.worker")
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanogrpo rollout", description=(
+        "Generation-only worker: samples, scores and uploads rollout batches to a nanogrpo server, and "
+        "loads the policy weights the trainer publishes. Token: $NANOGRPO_TOKEN or --token-file."))
+    p.add_argument("--server", required=True, help="server URL, e.g. http://10.0.0.5:8471")
+    p.add_argument("--config", help="config file or preset (the same one the trainer uses)")
+    p.add_argument("--batches", type=int, default=0, help="stop after uploading N batches (0: run forever)")
+    p.add_argument("--worker-id", help="name in batch metadata (default: HOST-PID)")
+    p.add_argument("--token-file", help="file holding the shared token")
+    p.add_argument("--device", help="generation device (model.device)")
+    p.add_argument("--seed", type=int,
+                   help="prompt sampling seed (default: train.seed mixed with the worker id)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nanogrpo.cli import _base_config
+    from nanogrpo.data import PromptSampler, load_rows
+    from nanogrpo.models.load import check_model_source, load_policy
+    from nanogrpo.rewards import RewardRunner
+    from nanogrpo.rollout.collect import rollout
+    from nanogrpo.rollout.factory import make_engine
+    from nanogrpo.serve.auth import load_token
+    from nanogrpo.serve.client import ServerClient
+
+    a = build_parser().parse_args(argv)
+    logging.getLogger("nanogrpo").setLevel(logging.INFO)
+    overrides = list(a.overrides) + ([f"model.device={json.dumps(a.device)}"] if a.device else [])
+    cfg = _base_config(a.config, overrides)
+    worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    token = load_token(a.token_file or cfg.server.token_file)
+    rows = load_rows(cfg.data, cfg.data.split)
+    check_model_source(cfg.model)
+    seed = a.seed if a.seed is not None else \
+        (cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % 2**31
+    client = ServerClient(a.server, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
+    client.health()
+    rewards = RewardRunner.from_config(cfg.rewards)
+    try:
+        model, tok, _ = load_policy(cfg.model)
+        model.eval().requires_grad_(False)
+        engine = make_engine(cfg.rollout.engine, model, tok)
+        sampler = PromptSampler(rows, cfg.rollout.prompts_per_step, seed=seed, shuffle=cfg.data.shuffle)
+        version = 0
+        uploaded = attempts = 0
+        log.warning("worker %s: feeding %s (engine %s, %d prompts x %d samples per batch)", worker_id,
+                    a.server, engine.name, cfg.rollout.prompts_per_step, cfg.grpo.group_size)
+        with torch.no_grad():
+            while a.batches <= 0 or uploaded < a.batches:
+                got = client.fetch_weights(version)
+                if got is not None:
+                    version, state_dict = got
+                    engine.update_weights(state_dict)
+                    log.info("worker %s: now generating with policy version %d", worker_id, version)
+                t0 = time.perf_counter()
+                batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
+                                       cfg.grpo, template=cfg.model.chat_template,
+                                       seed=(seed + attempts) % 2**31, policy_version=version)
+                attempts += 1
+                if batch is None:
+                    log.info("worker %s: no group carried signal; sampling again", worker_id)
+                    continue
+                batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
+                                  rollout_time_s=time.perf_counter() - t0)
+                answer = client.upload(batch)
+                uploaded += 1
+                log.info("worker %s: batch %d (v%d, %d seqs, reward %.3f) -> queue %s", worker_id, uploaded,
+                         version, batch.num_seqs, stats.reward_mean, answer.get("depth"))
+    finally:
+        rewards.close()
+        client.close()
+    log.warning("worker %s: done, %d batch(es) uploaded", worker_id, uploaded)
+    return 0
