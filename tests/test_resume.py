@@ -41,7 +41,8 @@ def _args(assets: Path, out: Path, steps: int) -> list[str]:
             "data.answer_delimiter=####", "data.system_prompt=''",
             "rollout.max_new_tokens=10", "rollout.prompts_per_step=2", "grpo.group_size=4",
             "rewards.functions=['tests.reward_fixtures:length','format']", "rewards.workers=0",
-            "train.lr=1e-3", "train.save_every=2", "grpo.beta=0.04", "log.samples_every=1"]
+            "train.lr=1e-3", "train.save_every=2", "grpo.beta=0.04", "log.samples_every=1",
+            "eval.every=3", "eval.n=2"]
 
 
 def _resume_args(out: Path, steps: int) -> list[str]:
@@ -59,6 +60,7 @@ def straight(assets) -> list[dict]:
     assert main(_args(assets, out, 6)) == 0
     rows = _comparable(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [3, 6]
     assert sum(r["loss"] is not None for r in rows) >= 3, "the test needs steps that update the model"
     return rows
 
@@ -134,6 +136,8 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             proc.stderr.close()
+            if "save" in name:
+                assert _saving(out), "the kill was meant to land inside save_checkpoint"
         resumed = subprocess.run([sys.executable, "-m", "nanogrpo.cli", *_resume_args(out, 6)], cwd=REPO,
                                  env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
