@@ -185,3 +185,40 @@ def test_server_kill9_and_restart_trainer_carries_on(tmp_path, tiny_dir):
     assert "the previous server" in text, text
     tlog = (tmp_path / "trainer.log").read_text()
     assert rows[-1]["client_retries"] > 0 and "answered again" in tlog, tlog[-3000:]
+
+
+@pytest.mark.slow
+def test_embedded_model_accuracy_rises_in_split_mode(tmp_path):
+    """The acceptance run: server (reference model) + 2 workers + trainer on the embedded demo; the
+    held-out greedy accuracy of the last checkpoint beats the warm start's, as in single-process mode."""
+    import torch
+
+    from nanogrpo.config import load_config
+    from nanogrpo.evaluate import run_eval
+    from nanogrpo.models.load import load_policy
+
+    steps = 40
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "run"
+    ov = [f"train.steps={steps}", f"train.out={out}", "train.save_every=0", "server.max_staleness=2",
+          "server.retry_for_s=300"]
+    server = _server(port, tmp_path, ov, tmp_path / "server.log")
+    workers = [_spawn(["rollout", "--server", url, "--worker-id", f"w{i}", *ov], tmp_path / f"w{i}.log")
+               for i in (1, 2)]
+    trainer = _spawn(["train", "--server", url, *ov], tmp_path / "trainer.log")
+    try:
+        assert trainer.wait(timeout=1800) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    finally:
+        _stop(*workers, trainer, server)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert {r["worker"] for r in rows} == {"w1", "w2"}
+    accs = {}
+    for step in (0, steps):
+        cfg = load_config(preset="demo", overrides=[f"model.path={out / 'checkpoints' / f'step_{step}'}"])
+        model, tok, _ = load_policy(cfg.model)
+        torch.manual_seed(0)
+        accs[step] = run_eval(cfg, model, tok, cfg.data.eval_split, 100)["accuracy"]
+    print(f"held-out accuracy: step 0 {accs[0]:.2f} -> step {steps} {accs[steps]:.2f}; "
+          f"dropped stale {rows[-1]['dropped_stale']}")
+    assert accs[steps] >= accs[0] + 0.1, accs

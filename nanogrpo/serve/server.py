@@ -487,7 +487,6 @@ def _vocab_from_config(path: str, trust_remote_code: bool) -> int | None:
 
 def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
     from nanogrpo.cli import _base_config
-    from nanogrpo.models.load import load_model, resolve_device, resolve_dtype, resolve_model_path
     from nanogrpo.serve.auth import is_loopback, load_token
 
     overrides = list(a.overrides)
@@ -500,6 +499,8 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
     if not is_loopback(a.host) and token is None:
         raise ConfigError(f"refusing to bind {a.host} (not loopback) without a token: set NANOGRPO_TOKEN or "
                           "--token-file")
+    from nanogrpo.models.load import load_model, resolve_device, resolve_dtype, resolve_model_path
+
     settings = Settings(
         max_seqs=cfg.rollout.prompts_per_step * cfg.grpo.group_size * 4,
         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
