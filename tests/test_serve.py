@@ -312,3 +312,25 @@ def test_staleness_policy_and_server_side_expiry():
         return RolloutBatch.from_bytes(r.content).policy_version
     assert run(st, fn) == 1
     assert st.expired == 1 and len(st.ready) == 1
+
+
+def test_client_gives_up_loudly_when_server_away_and_never_retries_a_4xx():
+    import time
+
+    from nanogrpo.serve.client import ServerClient, ServerError
+    from tests.test_serve_helpers import free_port
+
+    c = ServerClient(f"http://127.0.0.1:{free_port()}", TOKEN, timeout_s=1, retry_for_s=0.8,
+                     backoff_min_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="unavailable for"):
+        c.get(wait_s=0)
+    assert time.monotonic() - t0 < 5 and c.retries >= 2
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, text="input_ids outside the vocabulary [0, 50)\n")
+    c.http = httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler))
+    before = c.retries
+    with pytest.raises(ServerError, match="HTTP 400: input_ids outside"):
+        c.upload(make_batch())
+    assert c.retries == before

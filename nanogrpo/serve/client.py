@@ -3,7 +3,8 @@
 Every request has a timeout. Connection failures, timeouts, 5xx and "busy"
 answers (429/503, honouring ``Retry-After``) are retried with exponential
 backoff and jitter for up to ``retry_for_s`` seconds, then raise
-:class:`ServerError`; a 4xx that retrying cannot fix raises at once with the
+:class:`ServerError` (a server that keeps answering "busy, retry after" is alive, and is
+waited for without limit); a 4xx that retrying cannot fix raises at once with the
 server's one-line reason. Uploads carry an ``X-Batch-Id`` that stays the same
 across retries, so a retry after a lost answer never queues a batch twice.
 """
@@ -91,6 +92,10 @@ class ServerClient:
                     problem = f"HTTP {r.status_code} {reason}"
                     ra = r.headers.get("retry-after", "")
                     wait = min(float(ra), 60.0) if ra.isdigit() else delay
+                    if ra.isdigit() and r.status_code in (429, 503):
+                        # busy, not away (e.g. the queue is full because the trainer is slower than
+                        # the workers): wait as long as it takes, the server is alive
+                        deadline = time.monotonic() + self.retry_for_s
                 else:
                     raise ServerError(f"{what}: server {self.url} refused with HTTP {r.status_code}: "
                                       f"{reason}")
