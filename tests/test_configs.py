@@ -54,6 +54,7 @@ def test_split_configs_document_their_commands(path):
     header = path.read_text().split("[model]")[0]
     for cmd in ("nanogrpo serve", "nanogrpo rollout", "nanogrpo train", "--server"):
         assert cmd in header, f"{path.name}: header lacks {cmd!r}"
+    assert "[server]" in path.read_text()  # split settings are real, validated keys
 
 
 @pytest.fixture(scope="module")
