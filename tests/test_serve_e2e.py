@@ -133,7 +133,7 @@ def test_server_two_workers_trainer(tmp_path, tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     out = tmp_path / "run"
-    ov = _overrides(tiny_dir, out, steps=8)
+    ov = _overrides(tiny_dir, out, steps=8) + ["eval.every=4", "eval.n=8"]
     server = _server(port, tmp_path, ov, tmp_path / "server.log")
     workers = [_spawn(["rollout", "--server", url, "--worker-id", f"w{i}", *ov], tmp_path / f"w{i}.log")
                for i in (1, 2)]
@@ -148,6 +148,8 @@ def test_server_two_workers_trainer(tmp_path, tiny_dir):
     assert {r["worker"] for r in rows} == {"w1", "w2"}, [r["worker"] for r in rows]
     assert all(r["loss"] is not None and r["kl"] is not None for r in rows)
     assert max(r["policy_version"] for r in rows) == 8
+    assert "eval/accuracy" in rows[3] and "eval/accuracy" in rows[7]
+    assert (out / "samples.jsonl").is_file()
     assert set(stats["workers"]) >= {"w1", "w2"} and stats["ref_tokens_per_s"] > 0
     assert stats["weights_version"] >= 6
     assert (out / "checkpoints" / "step_8" / "model.safetensors").is_file()

@@ -75,10 +75,10 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
     from nanogrpo.train.checkpoint import latest_checkpoint, load_state, restore, save_checkpoint
-    from nanogrpo.train.metrics import MetricsWriter
+    from nanogrpo.train.logging_sinks import RunLogger
     from nanogrpo.train.optim import MasterAdamW
     from nanogrpo.train.step import policy_update
-    from nanogrpo.train.trainer import CONFIG_FILE, lr_at
+    from nanogrpo.train.trainer import CONFIG_FILE, Run, _held_out_eval, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     token = load_token(cfg.server.token_file)
@@ -86,7 +86,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     ckpt_root = root / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if resume_dir else None
     if resume_dir is not None and resume_from is None:
-        raise ConfigError(f"--resume {resume_dir}: no complete checkpoint under {ckpt_root}")
+        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
     start_step = load_state(resume_from)["step"] if resume_from is not None else 0
     if start_step >= cfg.train.steps:
         print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
@@ -113,7 +113,16 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     if resume_from is not None:
         version = restore(resume_from, optimizer).get("policy_version", start_step)
         print(f"resuming {root} from {resume_from.name} (policy version {version})")
-    metrics = MetricsWriter(root / "metrics.jsonl", resume_step=start_step if resume_from else None)
+    logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None)
+    evaluation = None
+    if cfg.eval.every:  # held-out evaluation during training, as in single-process mode
+        from nanogrpo.data import load_rows
+        from nanogrpo.rewards import RewardRunner
+        from nanogrpo.rollout.factory import make_engine
+
+        eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
+        evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
+                      make_engine(cfg.rollout.engine, model, tok))
     counts: collections.Counter[str] = collections.Counter()
     workers: collections.Counter[str] = collections.Counter()
 
@@ -157,7 +166,10 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 "train_time_s": time.perf_counter() - t0, "client_retries": client.retries,
                 **{k: v for k, v in roll.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             }
-            metrics.write(row)
+            if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                row.update(_held_out_eval(cfg, model, tok, evaluation[1], evaluation[0], step))
+            examples = batch.meta.get("examples")
+            logger.log_step(row, examples if isinstance(examples, list) else None)
             acc = row.get("accuracy")
             bar.set_postfix_str(f"acc {acc if acc is not None else float('nan'):.3f} loss {loss:.4f} "
                                 f"stale {lag} dropped {counts['dropped_stale']}")
@@ -165,8 +177,10 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 save(step)
     finally:
         bar.close()
-        metrics.close()
+        logger.close()
         client.close()
+        if evaluation is not None:
+            evaluation[0].rewards.close()
     print(f"run directory: {root} (batches by worker: {dict(workers)}; "
           f"dropped stale: {counts['dropped_stale']})")
     return 0

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
                     continue
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
-                                  rollout_time_s=time.perf_counter() - t0)
+                                  rollout_time_s=time.perf_counter() - t0,
+                                  examples=[_clean(ex) for ex in stats.examples])
                 answer = client.upload(batch)
                 uploaded += 1
                 log.info("worker %s: batch %d (v%d, %d seqs, reward %.3f) -> queue %s", worker_id, uploaded,
