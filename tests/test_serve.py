@@ -334,3 +334,15 @@ def test_client_gives_up_loudly_when_server_away_and_never_retries_a_4xx():
     with pytest.raises(ServerError, match="HTTP 400: input_ids outside"):
         c.upload(make_batch())
     assert c.retries == before
+
+
+def test_too_many_bodies_arriving_at_once_get_429():
+    st = _state(max_reading=2)
+    st.reading = 2                                    # two slow uploads in flight
+
+    async def fn(c):
+        r = await c.post("/upload", content=make_batch().to_bytes(), headers=AUTH)
+        assert r.status_code == 429 and r.headers["retry-after"].isdigit()
+        st.reading = 0
+        assert (await c.post("/upload", content=make_batch().to_bytes(), headers=AUTH)).status_code == 200
+    run(st, fn)

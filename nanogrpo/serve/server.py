@@ -74,6 +74,8 @@ class Settings:
     queue_size: int = 16
     max_pending: int = 4
     """Uploads allowed to wait for reference log-probs at once (beyond it: 429)."""
+    max_reading: int = 8
+    """Upload bodies read at once (beyond it: 429): in-flight bodies hold at most max_reading x max_body."""
     retry_after_s: int = 2
     body_timeout_s: float = 120.0
     max_wait_s: float = 30.0
@@ -105,6 +107,7 @@ class ServerState:
         self.weight_shapes = weight_shapes
         self.ready: collections.deque[tuple[bytes, int]] = collections.deque()
         self.pending = 0
+        self.reading = 0
         self.seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.weights: bytes | None = None
         self.weights_version = -1
@@ -331,7 +334,14 @@ def create_app(st: ServerState) -> Starlette:
         bid = request.headers.get("x-batch-id")
         if bid is not None and not _BATCH_ID.match(bid):
             raise Reject(400, "bad_header", "X-Batch-Id must be 1-64 characters of [A-Za-z0-9._:-]")
-        body = await _read_body(request, st.s.max_body, st.s.body_timeout_s)
+        if st.reading >= st.s.max_reading:
+            raise Reject(429, "busy", f"{st.reading} uploads already arriving; retry later",
+                         st.s.retry_after_s)
+        st.reading += 1
+        try:
+            body = await _read_body(request, st.s.max_body, st.s.body_timeout_s)
+        finally:
+            st.reading -= 1
         if bid is not None and bid in st.seen_ids:
             st.duplicates += 1
             return JSONResponse({"queued": False, "duplicate": True, "depth": st.depth()})
