@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -224,6 +225,19 @@ def test_weights_relay_is_conditional_on_version():
         assert torch.equal(v, sd[k])
 
 
+def _bad_weights(rng: random.Random) -> bytes:
+    """A safetensors-shaped body whose header is wrong in some way."""
+    entry = rng.choice([{"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+                        {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]},
+                        {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]},
+                        {"dtype": "F32", "shape": [1], "data_offsets": "ab"},
+                        {"dtype": "F32", "shape": [1], "data_offsets": [0, 400]},
+                        {"dtype": "F32", "shape": [{}], "data_offsets": [0, 4]}, [1, 2], None, "F32"])
+    header = rng.choice([{"w": entry}, {"w": entry, "__metadata__": {"a": "b"}}, {}, [entry], "s"])
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + b"\0" * rng.choice([0, 4, 8])
+
+
 def test_fuzz_10k_malformed_requests_all_4xx():
     """>= 10,000 malformed requests of every kind: all 4xx, memory flat, then a good upload round-trips."""
     st = _state(queue_size=4)
@@ -255,7 +269,8 @@ def test_fuzz_10k_malformed_requests_all_4xx():
             return "GET", f"/get?wait={rng.choice(['x', '-1', '1e9', 'nan', 'inf'])}", dict(AUTH), None
         if kind < 0.96:
             v = rng.choice(["", "x", "-3", "1.5", "99999999999999999"])
-            body = rng.choice([weights_ok[:rng.randrange(len(weights_ok))], b"junk", good_body])
+            body = rng.choice([weights_ok[:rng.randrange(len(weights_ok))], b"junk", good_body,
+                               _bad_weights(rng)])
             h = {**AUTH, "X-Policy-Version": v or "7"} if v else dict(AUTH)
             if not v:
                 h["X-Policy-Version"] = "7"

@@ -36,7 +36,6 @@ import os
 import re
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,7 +54,6 @@ from nanogrpo.errors import ConfigError
 log = logging.getLogger("nanogrpo.serve")
 
 OCTET = "application/octet-stream"
-WEIGHTS_FORMAT = "nanogrpo.weights/1"
 _BATCH_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _WEIGHT_DTYPES = {"F32", "F16", "BF16", "F64"}
 
@@ -283,7 +281,7 @@ def check_weights(body: bytes, shapes: dict[str, tuple[int, ...]] | None) -> int
             a, b = int(a), int(b)
         except (TypeError, KeyError, ValueError):
             raise Reject(400, "bad_weights", f"tensor {name[:80]!r}: malformed entry") from None
-        if dtype not in _WEIGHT_DTYPES:
+        if not isinstance(dtype, str) or dtype not in _WEIGHT_DTYPES:
             raise Reject(400, "bad_weights", f"tensor {name[:80]!r}: dtype {str(dtype)[:10]} is not floating")
         if shapes is not None:
             if name not in shapes:
@@ -559,7 +557,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         st.close()
     return 0
-
-
-def new_batch_id() -> str:
-    return uuid.uuid4().hex
