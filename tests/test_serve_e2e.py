@@ -112,6 +112,15 @@ def test_real_server_rejects_bad_input(tmp_path):
                     answer = s.recv(100)
                     assert answer == b"" or answer.split()[1].startswith(b"4"), answer
             assert c.get("/health").status_code == 200          # the stalled client blocks nobody
+            # an uploader killed mid-body (the socket closes half way): nothing is queued
+            body = good.to_bytes()
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                          + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+            time.sleep(0.5)
+            stats = c.get("/stats", headers=AUTH).json()
+            assert stats["queue_ready"] == 0 and stats["rejected"].get("disconnect", 0) + \
+                stats["rejected"].get("truncated", 0) == 1, stats
             r = c.post("/upload", content=good.to_bytes(), headers=AUTH)
             assert r.status_code == 200
             assert c.get("/get", headers=AUTH).content == good.to_bytes()
