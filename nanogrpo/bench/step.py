@@ -188,7 +188,15 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
 
 
 def run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
-    """TRL's GRPOTrainer for ``a.steps`` steps, configured as the anchor (``trl_anchor.py``)."""
+    """TRL's GRPOTrainer for ``a.steps`` steps, configured as the anchor (``trl_anchor.py``).
+
+    Runs with stdout sent to stderr, imports included: TRL prints its logs, and loggers that
+    its imports create (e.g. DeepSpeed's, through accelerate) keep the stdout they saw."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run_trl(a, device, dtype)
+
+
+def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     import trl
     from datasets import Dataset
     from transformers import Qwen2ForCausalLM, TrainerCallback
@@ -248,8 +256,7 @@ def run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         _reset_peak(device)
         Qwen2ForCausalLM.generate = timed_generate
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: keep stdout to JSON
-                trainer.train()
+            trainer.train()
         finally:
             Qwen2ForCausalLM.generate = orig_generate
         del trainer
