@@ -19,13 +19,12 @@ from nanogrpo.algo.logprobs import batch_token_logprobs
 from nanogrpo.config import Config, load_config, save_config
 from nanogrpo.data import PromptSampler, load_rows
 from nanogrpo.errors import ConfigError
-from nanogrpo.models.load import check_model_source, frozen_copy, load_model, load_policy, resolve_device
+from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import make_engine
-from nanogrpo.train.checkpoint import latest_checkpoint, restore, save_checkpoint
+from nanogrpo.train.checkpoint import latest_checkpoint
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
-from nanogrpo.train.optim import MasterAdamW
 from nanogrpo.train.step import policy_update
 
 log = logging.getLogger("nanogrpo.train")
@@ -95,6 +94,9 @@ def train(run: Run) -> Path:
     save_config(cfg, root / CONFIG_FILE)
     torch.manual_seed(cfg.train.seed)
 
+    from nanogrpo.train.distributed import init_distributed, make_backend
+
+    init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     model, tok, device = load_policy(cfg.model)
     if run.resume_from is not None:
         resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
@@ -108,25 +110,33 @@ def train(run: Run) -> Path:
                              cfg.model.attn_implementation, cfg.model.trust_remote_code)
             ref.eval().requires_grad_(False)
         else:
-            ref = frozen_copy(model)
+            ref = None
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = MasterAdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas,
-                            weight_decay=cfg.train.weight_decay)
-    engine = make_engine(cfg.rollout.engine, model, tok)
+    if cfg.model.lora_r:
+        from nanogrpo.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.model, cfg.train.gradient_checkpointing)
+    if cfg.grpo.beta > 0 and ref is None:
+        from nanogrpo.models.lora import reference_for
+
+        ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
+    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
+    optimizer = backend.optimizer
+    engine = make_engine(cfg.rollout.engine, backend.rollout_model(), tok)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
     if run.resume_from is not None:
-        state = restore(run.resume_from, optimizer)
+        state = backend.restore(run.resume_from)
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
         print(f"resuming {root} from {run.resume_from.name}")
     logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None)
 
     def save(step: int) -> None:
-        save_checkpoint(ckpt_root, step, model, tok, optimizer,
-                        {"policy_version": version, "sampler": sampler.state_dict()})
+        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict()},
+                     save_merged=cfg.model.lora_save_merged)
 
     if run.resume_from is None:
         save(0)
@@ -135,7 +145,7 @@ def train(run: Run) -> Path:
     try:
         for step in bar:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device)
+                             device, backend=backend)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
@@ -169,27 +179,32 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device, backend=None) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = sampler.next_batch()
+    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    if world > 1:
+        rows = backend.shard(rows)  # every rank draws the same global stream and keeps rows rank::world
+        backend.before_rollout()    # FSDP2 / ZeRO-3: refresh the full-weight copy the engine reads
     model.eval()
     batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
-                            template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step),
+                            template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step) + rank,
                             policy_version=version)
     t_roll = time.perf_counter()
     loss = kl = clip = grad_norm = float("nan")
     skipped = 0
     updates = 0
-    if batch is not None:
-        batch = batch.to(device)
-        if ref is not None:
+    if batch is not None or world > 1:  # a rank without rows still joins the update's collectives
+        if batch is not None:
+            batch = batch.to(device)
+        if ref is not None and batch is not None:
             batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
                                                       batch.prompt_len, batch.completion_mask,
                                                       cfg.train.micro_batch_size, cfg.train.logprob_chunk)
         optimizer.set_lr(lr_at(step, cfg))
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
-                                max_new_tokens=cfg.rollout.max_new_tokens)
+                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
             if it == 0:
