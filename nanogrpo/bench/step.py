@@ -12,9 +12,13 @@ With ``--trl`` (and ``trl`` importable) TRL's ``GRPOTrainer`` then runs in the
 same process on the same shape, prompts, batch and lengths, set up as the anchor
 in ``shared/anchors/trl_anchor.py`` (HF ``generate`` forced to full length with
 ``min_new_tokens``, gradient checkpointing, ``loss_type="grpo"``, same ``beta``,
-lr and temperature); it prints its own line and a ratio line.
+lr and temperature); it prints its own line and a ratio line. Rewards run in-process on
+both sides (``--reward-workers 0``), as TRL calls its reward functions.
 
-    nanogrpo bench step --shape small --prompts 4 --gens 8 --max-new 64 --trl
+On a shared CPU pass ``--threads 1`` (both systems use it): with two threads per process on
+two busy cores both ran 5-20x slower, step to step, and the figures meant nothing.
+
+    nanogrpo bench step --shape small --prompts 4 --gens 8 --max-new 64 --trl --threads 1
     nanogrpo bench step --shape qwen2.5-0.5b --prompts 8 --gens 8 --max-new 256   # on a GPU
 """
 
