@@ -129,6 +129,14 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     def save(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, tok, optimizer, {"policy_version": version, "mode": "server"})
 
+    server_version = client.weights_version()
+    if server_version > version:
+        # the server relays weights newer than ours (we resumed from an earlier checkpoint, or it served
+        # another run): continue above them, or workers would keep generating with those and the trainer
+        # would drop every batch as "from the future"; their samples count as stale (clipped ratio)
+        log.warning("server holds policy version %d > ours (%d): continuing at version %d",
+                    server_version, version, server_version + 1)
+        version = server_version + 1
     if resume_from is None:
         save(0)
     client.publish(version, model.state_dict())
