@@ -9,10 +9,17 @@ use and cached, so ``nanogrpo train`` works offline with no arguments.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from nanogrpo.config import ModelConfig
 from nanogrpo.errors import ModelError
@@ -64,9 +71,32 @@ def check_model_source(cfg: ModelConfig) -> None:
         resolve_model_path(cfg.path)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def _saved_tokenizer_class(path: str) -> str | None:
+    cfg = Path(path) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return json.loads(cfg.read_text()).get("tokenizer_class")
+    except (ValueError, OSError):
+        return None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the model.
+
+    A tokenizer saved as a generic fast tokenizer (like the embedded char-level
+    one) is loaded as exactly that: ``AutoTokenizer`` would otherwise pick the
+    model family's class from ``config.json`` (Qwen2Tokenizer for a Qwen2 model)
+    and silently replace its pre-tokenizer.
+    """
+    try:
+        if _saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load tokenizer from {path!r}: {str(e).splitlines()[0][:300]}") from None
     if tok.pad_token_id is None:
