@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -45,8 +46,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
 def _looks_like_path(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or Path(s).suffix != "" or s.count("/") > 1
+    """Anything but ``name`` or ``org/name`` is a filesystem path."""
+    return s.startswith((".", "/", "~")) or not _HUB_ID.match(s)
 
 
 def resolve_model_path(path: str) -> str:
