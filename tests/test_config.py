@@ -17,7 +17,8 @@ def test_defaults_are_the_seeds():
 def test_demo_preset_and_overrides():
     c = load_config(preset="demo", overrides=["grpo.group_size=4", "grpo.beta=0", "grpo.loss=dr_grpo",
                                               "rollout.prompts_per_step=2", "rollout.max_new_tokens=9",
-                                              "rollout.temperature=0.7", "train.lr=1e-5", "train.save_every=3",
+                                              "rollout.temperature=0.7", "train.lr=1e-5",
+                                              "train.save_every=3",
                                               'rewards.functions=["format","tests.reward_fixtures:length"]',
                                               "rewards.weights=[0.5, 2]"])
     assert c.model.path == "embedded" and c.data.source == "arithmetic"
