@@ -1,6 +1,6 @@
 """The embedded task: short arithmetic word problems, generated in code.
 
-Sized for the demo's character-level tiny model on a CPU: a two-digit number
+Sized for the demo's character-level tiny model on a CPU: a number up to 19
 plus or minus a one-digit number, and products of one-digit numbers, in questions under 90
 characters, e.g. ``"Tom has 23 apples and buys 14 more. How many apples does Tom have?"``.
 Answers are integers (as text, like every sample's ``"answer"``).
@@ -40,9 +40,10 @@ TEST_BUCKETS = 10
 
 def _operands(op: str, rng: random.Random) -> tuple[int, int]:
     if op == "+":
-        return rng.randint(10, 89), rng.randint(2, 9)
+        return rng.randint(2, 19), rng.randint(2, 9)
     if op == "-":
-        return rng.randint(12, 99), rng.randint(2, 9)
+        a = rng.randint(10, 19)
+        return a, rng.randint(2, 9)
     return rng.randint(2, 9), rng.randint(2, 9)
 
 
