@@ -114,7 +114,7 @@ class Backend:
         ops = ops or ["sum"] * len(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._coll_device())
         out = t.clone()
-        for op in set(ops):
+        for op in dict.fromkeys(ops):  # same order on every rank (a set's order depends on the hash seed)
             idx = [i for i, o in enumerate(ops) if o == op]
             part = t[idx].clone()
             dist.all_reduce(part, op=_OPS[op])
