@@ -2,7 +2,7 @@
 
 Sized for the demo's character-level tiny model on a CPU: a number up to 19
 plus or minus a one-digit number, and products of one-digit numbers, in questions under 90
-characters, e.g. ``"Tom has 23 apples and buys 14 more. How many apples does Tom have?"``.
+characters, e.g. ``"Tom has 13 apples and buys 4 more. How many apples does Tom have?"``.
 Answers are integers (as text, like every sample's ``"answer"``).
 
 Train and test are disjoint by construction: each (template, a, b) key is
