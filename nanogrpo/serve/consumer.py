@@ -42,11 +42,13 @@ def staleness_action(lag: int, max_staleness: int) -> str:
 
 
 def _next_batch(client, version: int, cfg: Config, counts: collections.Counter, vocab: int,
-                device: torch.device) -> tuple[RolloutBatch, int, float]:
+                device: torch.device, republish) -> tuple[RolloutBatch, int, float]:
     t0 = time.perf_counter()
     last_note = t0
     while True:
         batch = client.get(wait_s=10.0)
+        if batch is None or version - batch.policy_version > cfg.server.max_staleness:
+            republish()  # a restarted server has lost our weights: without them workers stay stale
         if batch is None:
             if time.perf_counter() - last_note > 60:
                 log.warning("no batch for %.0f s: are rollout workers running?", time.perf_counter() - t0)
@@ -141,11 +143,18 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         save(0)
     client.publish(version, model.state_dict())
     published = version
+
+    def republish() -> None:
+        nonlocal published
+        if client.weights_version() < published:
+            log.warning("the server lost the published weights (restarted?); publishing version %d", version)
+            client.publish(version, model.state_dict())
+            published = version
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo (server)", dynamic_ncols=True)
     try:
         for step in bar:
-            batch, lag, wait_s = _next_batch(client, version, cfg, counts, vocab, device)
+            batch, lag, wait_s = _next_batch(client, version, cfg, counts, vocab, device, republish)
             t0 = time.perf_counter()
             optimizer.set_lr(lr_at(step, cfg))
             loss = kl = clip = grad_norm = float("nan")
