@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,17 +47,62 @@ def _single_step():
     return model, res
 
 
+LAUNCH_TIMEOUT = 300  # s per launcher run (the ops are built beforehand, see _deepspeed_ops)
+
+
+def _env() -> dict[str, str]:
+    # The venv's bin first: the launcher, and the `ninja` torch JIT-builds DeepSpeed's ops with. Two
+    # ninjas (pip's 1.13 in the venv, the system's 1.11) hash build commands differently, so switching
+    # between them rebuilds cpu_adam (minutes) on every run.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(Path(__file__).parents[1])}
+
+
+def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """``cmd`` in its own process group; past ``timeout`` the whole group (launcher, ranks,
+    compilers) is killed and the test fails instead of blocking."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[0]} timed out after {timeout:.0f} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def _deepspeed_ops():
+    """Build (or load) DeepSpeed's CPU ops once, in one process, before any launcher run: built
+    under the launcher, every rank waits on torch's build lock, and a rank killed mid-build leaves
+    a stale ``lock`` file on which every later run waits forever, idle."""
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+            "CPUAdamBuilder().load()\n"
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "b is not None and b.is_compatible() and b.load()\n")
+    out = _run([sys.executable, "-c", code], timeout=1500, env=_env())
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
 def _launch(tmp_path: Path, backend: str, stage: int = 2) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = _env()
+    # on a hang, each rank dumps its stacks and exits shortly before the launcher is killed
+    env["NANOGRPO_HANG_DUMP"] = str(LAUNCH_TIMEOUT - 20)
     if backend == "deepspeed":
-        ds = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+        ds = str(Path(sys.executable).parent / "deepspeed")
+        ds = ds if Path(ds).is_file() else shutil.which("deepspeed")
         cmd = [ds, "--num_gpus", "2", "--master_port", str(_port()), str(WORKER)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(_port()), str(WORKER)]
     cmd += ["--backend", backend, "--stage", str(stage), "--out", str(tmp_path)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and (tmp_path / "result.json").is_file(), out.stderr[-3000:]
+    out = _run(cmd, LAUNCH_TIMEOUT, env=env)
+    hint = ("\n(ranks waiting in file_baton.wait: a stale torch_extensions build lock; remove it)"
+            if "file_baton" in out.stdout else "")
+    assert out.returncode == 0 and (tmp_path / "result.json").is_file(), out.stdout[-6000:] + hint
     return json.loads((tmp_path / "result.json").read_text())
 
 
@@ -85,7 +131,8 @@ def test_two_ranks_match_single_process(tmp_path, backend):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_matches_single_process(tmp_path, stage):
+def test_deepspeed_zero_matches_single_process(tmp_path, stage, _deepspeed_ops):
+    # ZeRO-2/3 with the seed's config (overlap_comm, contiguous gradients, CPU AdamW offload), 2 CPU ranks
     _check(tmp_path, _launch(tmp_path, "deepspeed", stage), atol=1e-5)
 
 

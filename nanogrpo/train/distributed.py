@@ -66,8 +66,11 @@ def init_distributed(backend: str) -> tuple[int, int]:
     if not dist.is_initialized():
         if backend == "deepspeed":
             import deepspeed
+            from deepspeed.accelerator import get_accelerator
 
-            deepspeed.init_distributed()
+            # gloo on the CPU accelerator (DeepSpeed would pick oneCCL when its bindings are present)
+            deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu"
+                                       else None)
         else:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
