@@ -142,10 +142,13 @@ def test_server_two_workers_trainer(tmp_path, tiny_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     out = tmp_path / "run"
-    ov = _overrides(tiny_dir, out, steps=8) + ["eval.every=4", "eval.n=8"]
+    # each worker uploads exactly 4 batches and nothing expires, so the trainer's 8 steps must take
+    # batches from both, however the two happen to race on a loaded machine
+    ov = _overrides(tiny_dir, out, steps=8) + ["eval.every=4", "eval.n=8", "server.queue_size=8",
+                                               "server.max_staleness=8"]
     server = _server(port, tmp_path, ov, tmp_path / "server.log")
-    workers = [_spawn(["rollout", "--server", url, "--worker-id", f"w{i}", *ov], tmp_path / f"w{i}.log")
-               for i in (1, 2)]
+    workers = [_spawn(["rollout", "--server", url, "--worker-id", f"w{i}", "--batches", "4", *ov],
+                      tmp_path / f"w{i}.log") for i in (1, 2)]
     trainer = _spawn(["train", "--server", url, *ov], tmp_path / "trainer.log")
     try:
         assert trainer.wait(timeout=600) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
