@@ -78,11 +78,9 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     """Sample, score and package one step's groups; ``None`` when no group carries signal."""
     g = grpo.group_size
     stats = RolloutStats()
-    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)
+    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
     skipped_set = set(skipped)
     kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
-    prompt_ids = [p for i, p in enumerate(prompt_ids) if i not in skipped_set] \
-        if len(prompt_ids) == len(rows) else prompt_ids
     stats.prompts_skipped = len(skipped)
     if not kept_rows:
         return None, stats

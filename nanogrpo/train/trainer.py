@@ -23,7 +23,7 @@ from nanogrpo.models.load import check_model_source, load_model, load_policy, re
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import make_engine
-from nanogrpo.train.checkpoint import latest_checkpoint
+from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
 from nanogrpo.train.step import policy_update
 
@@ -84,7 +84,6 @@ def train(run: Run) -> Path:
     ckpt_root = root / "checkpoints"
     start_step = 0
     if run.resume_from is not None:
-        from nanogrpo.train.checkpoint import load_state
         start_step = load_state(run.resume_from)["step"]
         if start_step >= cfg.train.steps:
             print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
