@@ -22,15 +22,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 20, 21, 22], [10, 11], [12, 13, 14, 40, 50], [60, 61,
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matmuls on a shared 2-core box: one thread is faster and far less noisy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def qwen(shape: str = "small", seed: int = 0, device="cpu", dtype=None) -> Qwen2ForCausalLM:
     """Untied random Qwen2 (a tied random model just repeats its input token)."""
     cfg = model_config(shape, TOK)

@@ -154,8 +154,11 @@ class Backend:
         self.optimizer.set_lr(lr)
 
     # -- rollout
+    _gen: torch.nn.Module | None = None
+    """Sharded backends keep an unsharded copy for generation, refreshed by ``before_rollout``."""
+
     def rollout_model(self) -> torch.nn.Module:
-        return self.module
+        return self._gen if self._gen is not None else self.module
 
     def before_rollout(self) -> None:
         pass
@@ -274,9 +277,6 @@ class FSDP2Backend(Backend):
             sd = torch.load(f, weights_only=True, map_location="cpu")["fsdp2_full"]
             set_optimizer_state_dict(self.module, self.optimizer.opt, sd, options=self._opts())
 
-    def rollout_model(self):
-        return self._gen if self._gen is not None else self.module
-
     @torch.no_grad()
     def before_rollout(self) -> None:
         if self._gen is None:
@@ -366,9 +366,6 @@ class DeepSpeedBackend(Backend):
         d = ckpt / "deepspeed"
         if d.is_dir():
             self.engine.load_checkpoint(str(d), tag="ds")
-
-    def rollout_model(self):
-        return self._gen if self._gen is not None else self.module
 
     @torch.no_grad()
     def before_rollout(self) -> None:
