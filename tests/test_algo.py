@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from nanogrpo.algo import BatchTotals, group_advantages, k3_kl, policy_loss, signal_mask
-from nanogrpo.algo.logprobs import token_logprobs
-from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rollout.collect import pad_batch
 
 LN = math.log
@@ -123,22 +121,3 @@ def test_mask_keeps_eos_when_pad_equals_eos():
     assert am.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
     assert lp[0].tolist() == pytest.approx([-0.1, -0.2, -0.3])
 
-
-def test_chunked_logprobs_match_full_log_softmax_with_left_padding():
-    torch.manual_seed(0)
-    tok = make_tokenizer()
-    model = make_model("tiny", tok)
-    ids = torch.randint(3, len(tok), (3, 12))
-    am = torch.ones_like(ids)
-    am[0, :3] = 0
-    cm = torch.ones(3, 5, dtype=torch.bool)
-    cm[1, 2:] = False
-    am[1, 7 + 2:] = 0
-    lp = token_logprobs(model, ids, am, 7, cm, chunk=3)
-    pos = (am.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()
-    ref = logits.log_softmax(-1)[:, 6:-1].gather(-1, ids[:, 7:, None]).squeeze(-1)
-    assert torch.allclose(lp, ref * cm, atol=1e-5)
-    # gradients flow through the chunked path
-    lp.sum().backward()
-    assert model.model.embed_tokens.weight.grad is not None
