@@ -163,6 +163,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     out: str = "runs/nanogrpo"
     gradient_checkpointing: bool = False
+    share_prefix: bool = True
+    """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
+    samples read its keys/values); same log-probs and gradients. Off under gradient checkpointing."""
     autocast: bool = False
     """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
     optimizer_offload: bool = False

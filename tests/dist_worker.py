@@ -37,6 +37,8 @@ def make_batch(vocab: int, n: int = 8, p: int = 6, c: int = 9, seed: int = 1) ->
         cm[i, :clen] = True
         am[i, p + clen:] = 0
         ids[i, p + clen:] = 0
+    for i in range(n):  # each group of 4 shares its first row's prompt (prefix sharing is exercised)
+        ids[i, :p], am[i, :p] = ids[i - i % 4, :p], am[i - i % 4, :p]
     adv = torch.randn(n, generator=g)
     ref = -torch.rand(n, c, generator=g) * 3 * cm
     return RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, rewards=adv.clone(),

@@ -71,3 +71,56 @@ def test_token_logprobs_grads_match_full_logits_path():
     # unarmed, the head is still a plain linear layer (generation path)
     out = model(input_ids=ids).logits
     assert out.shape == (3, 12, len(tok))
+
+
+def _grouped_batch(tok, groups=3, g=4, p=9, c=6, seed=0):
+    """Groups of g rows sharing a left-padded prompt; completions of different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, len(tok), (groups, p), generator=gen).repeat_interleave(g, 0)
+    am = torch.ones(groups * g, p + c, dtype=torch.long)
+    am[:g, :4] = 0                                        # group 0: 4 pad tokens on the left
+    prompts[:g, :4] = tok.pad_token_id
+    comp = torch.randint(3, len(tok), (groups * g, c), generator=gen)
+    cm = torch.ones(groups * g, c, dtype=torch.bool)
+    for i, n in ((1, 2), (5, 4), (9, 1)):                 # some completions stop early (right padding)
+        cm[i, n:] = False
+        am[i, p + n:] = 0
+        comp[i, n:] = tok.pad_token_id
+    return torch.cat([prompts, comp], 1), am, cm
+
+
+def test_shared_prefix_gives_the_plain_forwards_logprobs_and_gradients():
+    torch.manual_seed(0)
+    tok = make_tokenizer()
+    model = make_model("tiny", tok)
+    twin = copy.deepcopy(model)
+    ids, am, cm = _grouped_batch(tok)
+    w = torch.randn(cm.shape)
+    shared = token_logprobs(model, ids, am, 9, cm, chunk=5, share_prefix=True)
+    plain = token_logprobs(twin, ids, am, 9, cm, chunk=5, share_prefix=False)
+    assert torch.allclose(shared, plain, atol=1e-5) and bool((shared[~cm] == 0).all())
+    (shared * w).sum().backward()
+    (plain * w).sum().backward()
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5), n
+
+
+def test_shared_prefix_runs_each_distinct_prompt_once():
+    tok = make_tokenizer()
+    model = make_model("tiny", tok)
+    ids, am, cm = _grouped_batch(tok)
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    try:
+        token_logprobs(model, ids, am, 9, cm, share_prefix=True)
+        assert seen == [(3, 8), (12, 6)]  # 3 prompts less their last token; then 1 + 5 per row
+        seen.clear()
+        token_logprobs(model, ids[::4], am[::4], 9, cm[::4], share_prefix=True)  # no prompt repeats
+        assert seen == [(3, 14)]                          # one plain forward, the last token left out
+        seen.clear()
+        model.gradient_checkpointing_enable()             # HF drops the KV cache then: plain forward
+        model.train()
+        token_logprobs(model, ids, am, 9, cm, share_prefix=True)
+        assert seen == [(12, 14)]
+    finally:
+        hook.remove()

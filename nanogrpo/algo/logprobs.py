@@ -19,6 +19,15 @@ model's forward keeps the hooks of DDP, FSDP2, DeepSpeed ZeRO-3 and PEFT in
 play (they gather and reduce parameters around module forwards), so the lean
 path works under every training backend.
 
+Shared prompts: the G completions of a group share one prompt, so by default
+(``share_prefix``) each distinct prompt of a call runs through the model once
+(all its tokens but the last, with the KV cache on), its keys and values are
+indexed out to its rows, and the rows then run only their last prompt token and
+completion against that cache. Autograd goes through the cache, so gradients
+equal the plain forward's; the prompt's share of the FLOPs drops by the group
+size. It falls back to the plain forward when no prompt repeats, when gradient
+checkpointing is on (HF turns the cache off then) and on the ``full`` path.
+
 Models whose head is not a plain linear projection of the last hidden state
 (logit soft-capping, scaled heads) take the ``full`` path: the model's own
 logits, row by row.
@@ -26,6 +35,7 @@ logits, row by row.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -111,9 +121,11 @@ def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 class LeanHead(torch.nn.Linear):
     """An ``nn.Linear`` LM head that, while armed, returns completion-token log-probs instead of logits.
 
-    Armed (by :func:`token_logprobs`) with the prompt length, the completion mask
-    (N, C) and the targets; its input is then the full hidden states (N, L, H)
-    and its output the selected tokens' log-probs (T,) float32, T = mask.sum().
+    Armed (by :func:`token_logprobs`) with ``start``, the completion mask (N, C) and
+    the targets (N, C); its input is then the hidden states (N, start + C, H), of
+    which positions ``start ..`` predict the targets, and its output the selected
+    tokens' log-probs (T,) float32, T = mask.sum(). Armed with ``sel=None`` it
+    returns an empty tensor (a pass that only fills the KV cache).
     """
 
     _lean: tuple | None = None
@@ -122,13 +134,17 @@ class LeanHead(torch.nn.Linear):
         spec = self.__dict__.get("_lean")
         if spec is None:
             return super().forward(x)
-        prompt_len, sel, targets, chunk = spec
-        h = x[:, prompt_len - 1:-1]                                           # (N, C, H) predicts targets
+        start, sel, targets, chunk = spec
+        if sel is None:                                                       # a prefix pass: no output
+            return x.new_zeros(0)
+        h = x[:, start:]                                                      # (N, C, H) predicts targets
+        if h.shape[1] != sel.shape[1]:
+            raise ValueError(f"LeanHead: {h.shape[1]} positions after {start} for {sel.shape[1]} targets")
         return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk)  # (T,)
 
     @contextmanager
-    def armed(self, prompt_len: int, sel: torch.Tensor, targets: torch.Tensor, chunk: int):
-        self.__dict__["_lean"] = (prompt_len, sel, targets, chunk)
+    def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int):
+        self.__dict__["_lean"] = (start, sel, targets, chunk)
         try:
             yield
         finally:
@@ -163,12 +179,14 @@ def lean_head(model) -> LeanHead | None:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+                   prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
+                   share_prefix: bool = True) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
 
     input_ids/attention_mask: (N, P + C), prompts left-padded to P, completions
     right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
     (DDP, DeepSpeed engine, FSDP2 module, PEFT model): it is called as a whole.
+    ``share_prefix``: run each distinct prompt once (see the module docstring).
     """
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
@@ -176,11 +194,53 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if head is None:
         return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len)
     sel = completion_mask.bool()                                              # (N, C)
-    with head.armed(prompt_len, sel, targets, chunk):
-        flat = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                     use_cache=False).logits                                  # (T,) float32
+    if sel.shape[1] == 0:
+        return torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
+    # the last token predicts nothing: every forward below stops one short of it
+    ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
+    flat = None
+    if share_prefix and prompt_len > 1 and not _checkpointing(model):
+        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk)
+    if flat is None:
+        with head.armed(prompt_len - 1, sel, targets, chunk):
+            flat = model(input_ids=ids, attention_mask=am, position_ids=pos,
+                         use_cache=False).logits                              # (T,) float32
     res = torch.zeros(sel.shape, dtype=torch.float32, device=flat.device)     # (N, C)
     return res.masked_scatter(sel, flat.float())
+
+
+def _checkpointing(model) -> bool:
+    """Gradient checkpointing on (HF layers then drop the KV cache that prefix sharing needs)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
+
+
+def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt_len: int, sel, targets,
+                   chunk: int) -> torch.Tensor | None:
+    """The selected log-probs (T,) with each distinct prompt run once; None if no prompt repeats.
+    input_ids, attention_mask, pos: (N, P + C - 1), the sequences without their last token."""
+    p = prompt_len - 1                                                        # the prefix: all but the last
+    key = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)  # (N, 2p)
+    uniq, inv = torch.unique(key, dim=0, return_inverse=True)                 # (U, 2p), (N,)
+    if uniq.shape[0] == input_ids.shape[0]:
+        return None
+    u_ids, u_mask = uniq[:, :p], uniq[:, p:]                                  # (U, p) each
+    with head.armed(prompt_len, None, None, chunk):
+        out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask),
+                    use_cache=True)
+    cache = out.get("cache") if "cache" in out else out.get("past_key_values")  # (U, p) keys/values
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inv)                                           # (N, p), differentiable gather
+    with head.armed(0, sel, targets, chunk):                                  # suffix position 0 predicts c_0
+        return model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:],
+                     use_cache=True, **{_cache_kwarg(model): cache}).logits   # (T,) float32
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (recent transformers) or ``past_key_values``."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner   # PEFT
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
@@ -195,11 +255,11 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
 @torch.no_grad()
 def batch_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          prompt_len: int, completion_mask: torch.Tensor, micro_batch_size: int = 16,
-                         chunk: int = 1024) -> torch.Tensor:
+                         chunk: int = 1024, share_prefix: bool = True) -> torch.Tensor:
     """``token_logprobs`` without gradients, ``micro_batch_size`` rows at a time (reference model)."""
     out = []
     for i in range(0, input_ids.shape[0], micro_batch_size):
         sl = slice(i, i + micro_batch_size)
         out.append(token_logprobs(model, input_ids[sl], attention_mask[sl], prompt_len,
-                                  completion_mask[sl], chunk))
+                                  completion_mask[sl], chunk, share_prefix))
     return torch.cat(out)                                                     # (N, C)

@@ -65,6 +65,12 @@ class AdapterDisabledRef:
     def parameters(self):
         return self.peft_model.parameters()
 
+    def modules(self):
+        return self.peft_model.modules()
+
+    def get_base_model(self):
+        return self.peft_model.get_base_model()
+
     def eval(self):
         return self
 

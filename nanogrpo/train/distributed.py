@@ -86,6 +86,9 @@ class Backend:
     """One process: the model itself, :class:`MasterAdamW` (optionally offloaded to the CPU)."""
 
     name = "single"
+    prefix_sharing = True
+    """Whether forwards may run a prompt prefix pass (``train.share_prefix``): a rank then issues a
+    data-dependent number of forwards, which only backends without forward collectives allow."""
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, lr: float = 1e-6,
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0, offload: bool = False):
@@ -228,6 +231,7 @@ class FSDP2Backend(Backend):
     the model's original dtype (``MixedPrecisionPolicy``), reduce in float32; optional CPU offload."""
 
     name = "fsdp2"
+    prefix_sharing = False  # every forward all-gathers: ranks must run the same number
 
     def __init__(self, model, *, cpu_offload: bool = False, keep_rollout_copy: bool = True, **kw):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -293,6 +297,7 @@ class DeepSpeedBackend(Backend):
     """DeepSpeed ZeRO 1-3 (the seed's config), AdamW with optional CPU offload, bf16 when the model is."""
 
     name = "deepspeed"
+    prefix_sharing = False  # ZeRO-3 gathers in forwards; ZeRO-2's step differed with a second pass
 
     def __init__(self, model, *, stage: int = 2, lr: float = 1e-6, betas=(0.9, 0.999),
                  weight_decay: float = 0.0, offload: bool = False, max_grad_norm: float = 1.0,

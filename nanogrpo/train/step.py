@@ -111,7 +111,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
                 ids, am, p, cm, old, ref, adv = _trim(batch, mbs[k])
-                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk)  # (n, c)
+                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk,
+                                      share_prefix=train.share_prefix and be.prefix_sharing)  # (n, c)
                 loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
                                           ref if use_ref else None, adv, cm, totals, beta=grpo.beta,
                                           eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)

@@ -182,6 +182,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     t0 = time.perf_counter()
     rows = sampler.next_batch()
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    share_ok = backend is None or backend.prefix_sharing
     if world > 1:
         rows = backend.shard(rows)  # every rank draws the same global stream and keeps rows rank::world
         backend.before_rollout()    # FSDP2 / ZeRO-3: refresh the full-weight copy the engine reads
@@ -199,7 +200,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         if ref is not None and batch is not None:
             batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
                                                       batch.prompt_len, batch.completion_mask,
-                                                      cfg.train.micro_batch_size, cfg.train.logprob_chunk)
+                                                      cfg.train.micro_batch_size, cfg.train.logprob_chunk,
+                                                      cfg.train.share_prefix and share_ok)
         optimizer.set_lr(lr_at(step, cfg))
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
