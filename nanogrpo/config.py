@@ -52,6 +52,9 @@ class ModelConfig(_Strict):
     device: str = "auto"
     """``auto``: ``cuda`` when available, else ``cpu``."""
     trust_remote_code: bool = False
+    cpu_linear: Literal["onednn", "torch"] = "onednn"
+    """On the CPU in float32, linear layers run through oneDNN (``nanogrpo.models.cpu_linear``: ~2x
+    MKL's sgemm on AMD CPUs, same accuracy) or, with ``torch``, through PyTorch's default."""
     chat_template: Literal["auto", "plain"] = "auto"
     """``auto`` uses the tokenizer's chat template and fails loudly if it has none;
     ``plain`` renders ``system\\n\\nuser\\n`` text for base models."""

@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    p.add_argument("--cpu-linear", choices=["onednn", "torch"], default="onednn",
+                   help="nanogrpo's float32 CPU linears (model.cpu_linear); TRL always runs torch's")
     p.add_argument("--reward-workers", type=int, default=0,
                    help="reward worker processes (0: in-process, as TRL calls its reward functions)")
     p.add_argument("--seed", type=int, default=0)
@@ -136,6 +138,7 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """``a.steps`` calls of the trainer's own ``train_step`` on a fresh random-init model."""
     from nanogrpo.config import Config
     from nanogrpo.data import PromptSampler
+    from nanogrpo.models.cpu_linear import use_onednn_linears
     from nanogrpo.models.load import frozen_copy
     from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.rewards import RewardRunner
@@ -158,6 +161,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     _rng.seed(a.seed)
     tok = make_tokenizer()
     model = make_model(a.shape, tok, seed=a.seed, dtype=dtype, device=device)
+    if device.type == "cpu" and a.cpu_linear == "onednn":
+        use_onednn_linears(model)  # as load_model does for model.cpu_linear = "onednn"
     model.generation_config.pad_token_id = tok.pad_token_id
     ref = frozen_copy(model) if a.beta > 0 else None  # before the engine, as train() does
     if cfg.train.gradient_checkpointing:
@@ -184,7 +189,9 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
                                    f"expected {n * a.max_new} (engine did not force full length)")
     finally:
         rewards.close()
-    return {"system": "nanogrpo", "engine": engine.name, "grad_ckpt": int(cfg.train.gradient_checkpointing),
+    return {"system": "nanogrpo", "engine": engine.name,
+            "cpu_linear": a.cpu_linear if device.type == "cpu" else None,
+            "grad_ckpt": int(cfg.train.gradient_checkpointing),
             "micro_batch": cfg.train.micro_batch_size, "updates": version, "groups_kept": kept,
             **_summary(times, engine.times, n * a.max_new), **_peak(device),
             "step_times": [round(x, 4) for x in times],

@@ -24,6 +24,7 @@ from transformers import (
 
 from nanogrpo.config import ModelConfig
 from nanogrpo.errors import ModelError
+from nanogrpo.models.cpu_linear import use_onednn_linears
 
 EMBEDDED = "embedded"
 
@@ -112,7 +113,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
-               trust_remote_code: bool = False) -> PreTrainedModel:
+               trust_remote_code: bool = False, cpu_linear: str = "onednn") -> PreTrainedModel:
+    """An HF causal LM on ``device``; on the CPU its float32 linears go through oneDNN unless
+    ``cpu_linear == "torch"`` (see :mod:`nanogrpo.models.cpu_linear`)."""
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
@@ -122,7 +125,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impleme
             trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model from {path!r}: {str(e).splitlines()[0][:300]}") from None
-    return model.to(device)
+    model = model.to(device)
+    if device.type == "cpu" and cpu_linear == "onednn":
+        use_onednn_linears(model)
+    return model
 
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
@@ -131,7 +137,7 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     dtype = resolve_dtype(cfg.dtype, device)
     path = resolve_model_path(cfg.path)
     tok = load_tokenizer(path, cfg.trust_remote_code)
-    model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code)
+    model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code, cfg.cpu_linear)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok, device
 

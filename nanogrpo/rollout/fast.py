@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from nanogrpo.errors import ModelError
+from nanogrpo.models.cpu_linear import OneDnnLinear
+from nanogrpo.models.cpu_linear import linear as onednn_linear
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.hf import check_request, cut_at_eos, load_in_place, resolve_special_ids
 
@@ -65,33 +67,34 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def pre_attn(x, ln, qkv_w, qkv_b, cos, sin, eps: float, nh: int, nkv: int, hd: int):
-    """x [..., hidden] -> q [..., nh, D], k [..., nkv, D] (both rotated), v [..., nkv, D]."""
+def pre_attn(x, ln, qkv_w, qkv_b, cos, sin, eps: float, nh: int, nkv: int, hd: int, lin=F.linear):
+    """x [..., hidden] -> q [..., nh, D], k [..., nkv, D] (both rotated), v [..., nkv, D].
+    ``lin``: the linear function (``F.linear``, or oneDNN's on the CPU)."""
     h = rms_norm(x, ln, eps)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., 1, D]
     if len(qkv_w) == 1:  # fused: one GEMM, RoPE on q and k together
-        out = F.linear(h, qkv_w[0], qkv_b[0])  # [..., (nh + 2 nkv) D]
+        out = lin(h, qkv_w[0], qkv_b[0])  # [..., (nh + 2 nkv) D]
         qk = rope(out[..., :(nh + nkv) * hd].unflatten(-1, (nh + nkv, hd)), cos, sin)
         return qk[..., :nh, :], qk[..., nh:, :], out[..., (nh + nkv) * hd:].unflatten(-1, (nkv, hd))
-    q, k, v = [F.linear(h, w, b) for w, b in zip(qkv_w, qkv_b, strict=True)]
+    q, k, v = [lin(h, w, b) for w, b in zip(qkv_w, qkv_b, strict=True)]
     return (rope(q.unflatten(-1, (nh, hd)), cos, sin), rope(k.unflatten(-1, (nkv, hd)), cos, sin),
             v.unflatten(-1, (nkv, hd)))
 
 
-def post_attn(x, a, o_w, o_b, ln, gu_w, gu_b, down_w, down_b, eps: float):
+def post_attn(x, a, o_w, o_b, ln, gu_w, gu_b, down_w, down_b, eps: float, lin=F.linear):
     """Residual + output projection, then the SwiGLU MLP block. x, a [..., hidden]."""
-    x = x + F.linear(a, o_w, o_b)
+    x = x + lin(a, o_w, o_b)
     h = rms_norm(x, ln, eps)
     if len(gu_w) == 1:
-        g, u = F.linear(h, gu_w[0], gu_b[0]).chunk(2, -1)  # [..., inter] each
+        g, u = lin(h, gu_w[0], gu_b[0]).chunk(2, -1)  # [..., inter] each
     else:
-        g, u = [F.linear(h, w, b) for w, b in zip(gu_w, gu_b, strict=True)]
-    return x + F.linear(F.silu(g) * u, down_w, down_b)
+        g, u = [lin(h, w, b) for w, b in zip(gu_w, gu_b, strict=True)]
+    return x + lin(F.silu(g) * u, down_w, down_b)
 
 
-def head(x, norm_w, lm_w, eps: float) -> torch.Tensor:
+def head(x, norm_w, lm_w, eps: float, lin=F.linear) -> torch.Tensor:
     """Final norm + LM head; float32 logits [..., vocab] from the model-dtype GEMM (as HF)."""
-    return F.linear(rms_norm(x, norm_w, eps), lm_w).float()
+    return lin(rms_norm(x, norm_w, eps), lm_w).float()
 
 
 # ---------------------------------------------------------------- weights
@@ -165,6 +168,8 @@ class FastEngine:
             CUDA). Any failure of compile or capture warns and falls back to eager.
         compact: move unfinished rows to a smaller batch when that halves it.
         check_every: decode steps between looks at the finished flags (one host sync each).
+        cpu_linear: run float32 CPU GEMMs through oneDNN (:mod:`nanogrpo.models.cpu_linear`);
+            default: when the model's own linear layers do (``model.cpu_linear``).
 
     With a sharded trainer (FSDP, ZeRO-3) build the engine over a separate, full copy of
     the model and push weights with ``update_weights(full_state_dict)``.
@@ -175,7 +180,7 @@ class FastEngine:
     def __init__(self, model, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False,
                  fuse: bool = True, cuda_graphs: bool | None = None, compile: bool | None = None,
-                 compact: bool = True, check_every: int = 16):
+                 compact: bool = True, check_every: int = 16, cpu_linear: bool | None = None):
         kind = type(model).__name__
         if kind not in SUPPORTED:
             raise ModelError(f"FastEngine supports {', '.join(SUPPORTED)}, not {kind}; "
@@ -212,6 +217,9 @@ class FastEngine:
         self._bound = [(mod, name, getattr(mod, name).data) for mod in model.modules()
                        for name, prm in mod.named_parameters(recurse=False) if prm is not None]
         self._rotary = base.rotary_emb
+        if cpu_linear is None:
+            cpu_linear = any(isinstance(m, OneDnnLinear) for m in model.modules())
+        self._lin = onednn_linear if cpu_linear and self.device.type == "cpu" else F.linear
         self._pre, self._post, self._head = pre_attn, post_attn, head
         if self.use_compile:
             self._pre, self._post, self._head = (torch.compile(f, fullgraph=True)
@@ -333,26 +341,37 @@ class FastEngine:
 
     # ------------------------------------------------------------ one decode step
 
-    def _step(self, st: _State) -> None:
-        """Feed ``st.tok`` at ``st.slot``, sample the next token into the state; ``slot += 1``."""
+    def _step(self, st: _State, upto: int | None = None) -> None:
+        """Feed ``st.tok`` at ``st.slot``, sample the next token into the state; ``slot += 1``.
+        ``upto`` (eager runs, where the host knows it): ``slot + 1``, so attention reads only the
+        filled part of the cache; graphs read all of it, masked."""
         pos = st.slot - st.pad  # [rows]
         cos, sin = self._cos[pos], self._sin[pos]  # [rows, D]
-        ar = torch.arange(st.length, device=self.device)
-        valid = (ar >= st.pad[:, None]) & (ar <= st.slot)  # [rows, length]
+        n_kv = st.length if upto is None else upto
+        ar = torch.arange(n_kv, device=self.device)
+        valid = (ar >= st.pad[:, None]) & (ar <= st.slot)  # [rows, n_kv]
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, NEG_INF)
         mask = mask[:, None, None]  # [rows, 1, 1, length]
         x = F.embedding(st.tok, self.embed)  # [rows, hidden]
         r, g = st.rows, self.nh // self.nkv
         for i, L in enumerate(self.layers):
-            q, k, v = self._pre(x, L.ln1, L.qkv_w, L.qkv_b, cos, sin, self.eps, self.nh, self.nkv, self.hd)
+            q, k, v = self._pre(x, L.ln1, L.qkv_w, L.qkv_b, cos, sin, self.eps, self.nh, self.nkv, self.hd,
+                                self._lin)
             st.k[i].index_copy_(2, st.slot, k.unsqueeze(2))  # cache [rows, kv, length, D]
             st.v[i].index_copy_(2, st.slot, v.unsqueeze(2))
-            with self._attn_backends():  # the g query heads of a KV head act as its query block
-                a = F.scaled_dot_product_attention(q.reshape(r, self.nkv, g, self.hd), st.k[i], st.v[i],
-                                                   attn_mask=mask)  # [rows, kv, g, D]
+            a = self._attend(q.reshape(r, self.nkv, g, self.hd), st.k[i][:, :, :n_kv], st.v[i][:, :, :n_kv],
+                             mask)  # [rows, kv, g, D]: the g query heads of a KV head act as its query block
             x = self._post(x, a.reshape(r, self.nh * self.hd), L.o_w, L.o_b, L.ln2, L.gu_w, L.gu_b,
-                           L.down_w, L.down_b, self.eps)
-        self._sample_into(st, self._head(x, self.norm_w, self.lm_w, self.eps))
+                           L.down_w, L.down_b, self.eps, self._lin)
+        self._sample_into(st, self._head(x, self.norm_w, self.lm_w, self.eps, self._lin))
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """One decode step's attention: q [rows, kv, g, D], k/v [rows, kv, n, D], mask [rows, 1, 1, n]."""
+        if self.device.type == "cpu":  # a few queries per row: two batched matmuls beat the SDPA kernel here
+            s = torch.matmul(q, k.transpose(-1, -2)).mul_(self.hd ** -0.5).add_(mask)  # [rows, kv, g, n]
+            return torch.matmul(s.softmax(-1), v)
+        with self._attn_backends():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def _sample_into(self, st: _State, logits: torch.Tensor) -> None:
         """logits [rows, vocab] float32 -> token, untempered log-prob, EOS flag; advances the slot."""
@@ -420,7 +439,7 @@ class FastEngine:
             if st.graph is not None:
                 st.graph.replay()
             else:
-                self._step(st)
+                self._step(st, upto=width + steps + 1)
             steps += 1
             if steps % self.check_every or self.ignore_eos or steps == n_new - 1:
                 continue
@@ -476,7 +495,8 @@ class FastEngine:
         x = F.embedding(ids, self.embed)  # [b, P, hidden]
         g = self.nh // self.nkv
         for i, L in enumerate(self.layers):
-            q, k, v = pre_attn(x, L.ln1, L.qkv_w, L.qkv_b, cos, sin, self.eps, self.nh, self.nkv, self.hd)
+            q, k, v = pre_attn(x, L.ln1, L.qkv_w, L.qkv_b, cos, sin, self.eps, self.nh, self.nkv, self.hd,
+                               self._lin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
             for cache, t in ((st.k[i], k), (st.v[i], v)):  # row row0 + b_i*n + j <- prompt b_i
                 dst = cache[row0:row0 + b * n].view(b, n, self.nkv, st.length, self.hd)[:, :, :, :width]
@@ -484,8 +504,8 @@ class FastEngine:
             a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                attn_mask=mask)  # [b, nh, P, D]
             x = post_attn(x, a.transpose(1, 2).reshape(b, width, -1), L.o_w, L.o_b, L.ln2, L.gu_w, L.gu_b,
-                          L.down_w, L.down_b, self.eps)
-        return head(x[:, -1], self.norm_w, self.lm_w, self.eps)
+                          L.down_w, L.down_b, self.eps, self._lin)
+        return head(x[:, -1], self.norm_w, self.lm_w, self.eps, self._lin)
 
     def _harvest(self, st: _State, res_tok, res_lp, width: int, n_new: int) -> None:
         """Copy the state's real rows' outputs (columns width .. width + n_new) to the results."""

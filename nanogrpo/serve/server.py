@@ -522,7 +522,7 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         device = resolve_device(cfg.model.device)
         path = resolve_model_path(cfg.model.path)
         model = load_model(path, resolve_dtype(cfg.model.dtype, device), device,
-                           cfg.model.attn_implementation, cfg.model.trust_remote_code)
+                           cfg.model.attn_implementation, cfg.model.trust_remote_code, cfg.model.cpu_linear)
         model.eval().requires_grad_(False)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         vocab = vocab or model.get_input_embeddings().num_embeddings

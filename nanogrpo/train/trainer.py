@@ -106,7 +106,7 @@ def train(run: Run) -> Path:
     if cfg.grpo.beta > 0:
         if run.resume_from is not None and (ckpt_root / "step_0").is_dir():
             ref = load_model(str(ckpt_root / "step_0"), next(model.parameters()).dtype, device,
-                             cfg.model.attn_implementation, cfg.model.trust_remote_code)
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code, cfg.model.cpu_linear)
             ref.eval().requires_grad_(False)
         else:
             ref = None

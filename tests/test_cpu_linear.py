@@ -1,0 +1,112 @@
+"""Float32 CPU linears through oneDNN: same outputs and gradients as ``F.linear``, switched per model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanogrpo.algo.logprobs import LeanHead, token_logprobs
+from nanogrpo.config import Config
+from nanogrpo.models import cpu_linear
+from nanogrpo.models.cpu_linear import OneDnnLinear, OneDnnLinearFn, onednn_available, use_onednn_linears
+from nanogrpo.models.load import load_model
+from nanogrpo.models.tiny import make_model, make_tokenizer
+from nanogrpo.rollout import HFEngine, SamplingParams
+from nanogrpo.rollout.fast import FastEngine
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN's linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_function_matches_f_linear_forward_and_backward(bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16, requires_grad=True)              # a (B, L, in) input, as in a model
+    w = torch.randn(24, 16, requires_grad=True)
+    b = torch.randn(24, requires_grad=True) if bias else None
+    g = torch.randn(3, 7, 24)
+    ins = [x, w] + ([b] if bias else [])
+    y = OneDnnLinearFn.apply(x, w, b)
+    y0 = F.linear(x, w, b)
+    assert y.shape == y0.shape and torch.allclose(y, y0, atol=1e-5)
+    for a, r in zip(torch.autograd.grad((y * g).sum(), ins), torch.autograd.grad((y0 * g).sum(), ins)):
+        assert torch.allclose(a, r, atol=1e-4)
+
+
+@needs_onednn
+def test_model_switch_keeps_weights_logits_and_gradients():
+    tok = make_tokenizer()
+    plain = make_model("tiny", tok, seed=0)
+    fast = copy.deepcopy(plain)
+    n = use_onednn_linears(fast)
+    assert n == 2 * (4 + 3)  # tiny: 2 layers x (q, k, v, o + gate, up, down)
+    assert not isinstance(fast.lm_head, OneDnnLinear)         # the head is the lean path's to project
+    assert list(fast.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(3, len(tok), (4, 12))
+    am = torch.ones_like(ids)
+    cm = torch.ones(4, 5, dtype=torch.bool)
+    outs = []
+    for m in (plain, fast):
+        lp = token_logprobs(m, ids, am, 7, cm)
+        (lp * torch.arange(20.0).view(4, 5)).sum().backward()
+        outs.append((lp, {k: p.grad for k, p in m.named_parameters()}))
+    assert isinstance(fast.lm_head, LeanHead)
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5)
+    for k, g in outs[0][1].items():
+        assert torch.allclose(g, outs[1][1][k], atol=1e-4), k
+
+
+@needs_onednn
+def test_non_float32_and_autocast_take_torchs_path():
+    lin = torch.nn.Linear(8, 4)
+    lin.__class__ = OneDnnLinear
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16                 # autocast still applies
+    lin.to(torch.bfloat16)
+    xb = x.bfloat16()
+    assert torch.equal(lin(xb), F.linear(xb, lin.weight, lin.bias))
+
+
+def test_unavailable_onednn_leaves_the_model_alone(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
+    m = make_model("tiny", make_tokenizer())
+    assert use_onednn_linears(m) == 0
+    assert not any(isinstance(x, OneDnnLinear) for x in m.modules())
+    x = torch.randn(2, 3)
+    w = torch.randn(4, 3)
+    assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
+
+
+@needs_onednn
+def test_load_model_follows_the_config(tmp_path):
+    tok = make_tokenizer()
+    make_model("tiny", tok).save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    on = load_model(str(tmp_path), torch.float32, cpu, cpu_linear="onednn")
+    off = load_model(str(tmp_path), torch.float32, cpu, cpu_linear="torch")
+    assert any(isinstance(m, OneDnnLinear) for m in on.modules())
+    assert not any(isinstance(m, OneDnnLinear) for m in off.modules())
+    with pytest.raises(ValueError, match="cpu_linear"):
+        Config.model_validate({"model": {"cpu_linear": "mkl"}})
+
+
+@needs_onednn
+def test_fast_engine_on_onednn_matches_generate():
+    tok = make_tokenizer()
+    m = make_model("small", tok, seed=3)
+    m.eval()
+    plain = copy.deepcopy(m)                                   # torch's linears: the reference
+    use_onednn_linears(m)
+    engine = FastEngine(m, tokenizer=tok)
+    assert engine._lin is cpu_linear.linear
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    greedy = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)
+    ours = engine.generate(prompts, greedy)
+    ref = HFEngine(plain, tokenizer=tok).generate(prompts, greedy)
+    assert ours.completion_ids == ref.completion_ids and len({tuple(c) for c in ours.completion_ids}) > 1
+    for lp, rlp in zip(ours.logprobs, ref.logprobs):
+        assert torch.allclose(torch.tensor(lp), torch.tensor(rlp), atol=1e-4)
