@@ -58,3 +58,55 @@ def test_lora_step_reference_and_checkpoint(tmp_path):
         want_logits = model(input_ids=ids).logits
         assert torch.allclose(merged(ids).logits, want_logits, atol=1e-4)
         assert torch.allclose(reloaded(input_ids=ids).logits, want_logits, atol=1e-4)
+
+
+def _lora_run_args(assets: Path, out: Path, steps: int) -> list[str]:
+    return ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"),
+            "--out", str(out), "--steps", str(steps), "--seed", "5", "model.lora_r=4",
+            "data.answer_delimiter=####", "data.system_prompt=''", "rollout.max_new_tokens=8",
+            "rollout.prompts_per_step=2", "grpo.group_size=4", "rewards.workers=0",
+            "rewards.functions=['tests.reward_fixtures:length']", "train.lr=1e-2", "train.save_every=2",
+            "grpo.beta=0.04", "log.tensorboard=false"]
+
+
+def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tmp_path):
+    import json
+
+    from nanogrpo.cli import main
+    from nanogrpo.train.logging_sinks import TIMING_KEYS
+    from nanogrpo.train.metrics import read_metrics
+
+    tok = make_tokenizer()
+    make_model("tiny", tok, seed=3).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+
+    def metrics(run):  # the halves run also evaluates at its own last step (2): eval keys left out
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("eval/")}
+                for r in read_metrics(run / "metrics.jsonl")]
+
+    assert main(_lora_run_args(tmp_path, tmp_path / "straight", 4)) == 0
+    assert main(_lora_run_args(tmp_path, tmp_path / "halves", 2)) == 0
+    assert (tmp_path / "halves/checkpoints/step_2/adapter_config.json").is_file()
+    assert main(["train", "--resume", str(tmp_path / "halves"), "--steps", "4"]) == 0
+    straight = metrics(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert sum(r["loss"] is not None for r in straight) >= 2, "the test needs steps that update the adapter"
+    assert metrics(tmp_path / "halves") == straight
+
+
+def test_resume_kind_must_fit_the_config(tmp_path):
+    from nanogrpo.errors import ConfigError
+    from nanogrpo.train.trainer import check_resume_kind
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter/adapter_config.json").write_text("{}")
+    (tmp_path / "full").mkdir()
+    assert check_resume_kind(None, 4) is False
+    assert check_resume_kind(tmp_path / "adapter", 4) is True
+    with pytest.raises(ConfigError, match="lora_r is 0"):
+        check_resume_kind(tmp_path / "adapter", 0)
+    with pytest.raises(ConfigError, match="not a LoRA adapter"):
+        check_resume_kind(tmp_path / "full", 4)

@@ -42,9 +42,20 @@ def apply_lora(model: torch.nn.Module, cfg: ModelConfig, gradient_checkpointing:
     return peft.get_peft_model(model, lcfg)
 
 
-def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = True):
-    """The base ``model`` with the adapter saved at ``path`` (a checkpoint directory)."""
+def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = True,
+                 cfg: ModelConfig | None = None, gradient_checkpointing: bool = False):
+    """The base ``model`` with the adapter saved at ``path`` (a checkpoint directory). With ``cfg``,
+    the saved adapter must have the configured rank and target modules (a resumed run continues
+    the same adapter, not another one)."""
     peft = _peft()
+    if cfg is not None:
+        saved = peft.PeftConfig.from_pretrained(str(path))
+        want = (cfg.lora_r, sorted(cfg.lora_target_modules))
+        got = (getattr(saved, "r", None), sorted(getattr(saved, "target_modules", None) or []))
+        if got != want:
+            raise ConfigError(f"the adapter at {path} has rank/targets {got}, the config asks for {want}")
+    if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
     return peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
 
 

@@ -83,6 +83,9 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     from nanogrpo.train.trainer import CONFIG_FILE, Run, _held_out_eval, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
+    if cfg.model.lora_r or cfg.train.backend != "single":
+        raise ConfigError("split mode trains one process without LoRA (model.lora_r = 0, train.backend = "
+                          "single); LoRA and multi-rank training run in the single-process trainer")
     token = load_token(cfg.server.token_file)
     root = Path(resume_dir or cfg.train.out)
     ckpt_root = root / "checkpoints"

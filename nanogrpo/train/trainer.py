@@ -97,13 +97,14 @@ def train(run: Run) -> Path:
 
     init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     model, tok, device = load_policy(cfg.model)
-    if run.resume_from is not None:
+    adapter = check_resume_kind(run.resume_from, cfg.model.lora_r)
+    if run.resume_from is not None and not adapter:
         resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
                              cfg.model.attn_implementation, cfg.model.trust_remote_code)
         model.load_state_dict(resumed.state_dict())
         del resumed
     ref = None
-    if cfg.grpo.beta > 0:
+    if cfg.grpo.beta > 0 and not cfg.model.lora_r:  # LoRA: the reference is the adapter-disabled model
         if run.resume_from is not None and (ckpt_root / "step_0").is_dir():
             ref = load_model(str(ckpt_root / "step_0"), next(model.parameters()).dtype, device,
                              cfg.model.attn_implementation, cfg.model.trust_remote_code, cfg.model.cpu_linear)
@@ -113,9 +114,11 @@ def train(run: Run) -> Path:
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.model.lora_r:
-        from nanogrpo.models.lora import apply_lora
+        from nanogrpo.models.lora import apply_lora, load_adapter
 
-        model = apply_lora(model, cfg.model, cfg.train.gradient_checkpointing)
+        model = (load_adapter(model, run.resume_from, trainable=True, cfg=cfg.model,
+                              gradient_checkpointing=cfg.train.gradient_checkpointing) if adapter
+                 else apply_lora(model, cfg.model, cfg.train.gradient_checkpointing))
     if cfg.grpo.beta > 0 and ref is None:
         from nanogrpo.models.lora import reference_for
 
@@ -160,6 +163,20 @@ def train(run: Run) -> Path:
         run.rewards.close()
     print(run_summary(root))
     return root
+
+
+def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
+    """Whether ``resume_from`` is a LoRA adapter checkpoint; a loud error if it does not fit the config."""
+    if resume_from is None:
+        return False
+    adapter = (Path(resume_from) / "adapter_config.json").is_file()
+    if adapter and not lora_r:
+        raise ConfigError(f"{resume_from} holds a LoRA adapter but model.lora_r is 0; resume with the "
+                          "run's own config (model.lora_r > 0)")
+    if lora_r and not adapter:
+        raise ConfigError(f"{resume_from} holds a full model, not a LoRA adapter, but model.lora_r = "
+                          f"{lora_r}; resume with model.lora_r=0")
+    return adapter
 
 
 def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict[str, Any]:
