@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         return train_from_server(cfg, a.server, resume_dir=a.resume)
     run = prepare(cfg, a.resume)
     root = train(run)
-    print(f"run directory: {root}")
+    if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
+        print(f"run directory: {root}")
     return 0
 
 

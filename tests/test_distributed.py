@@ -167,3 +167,31 @@ def test_micro_batch_indices_respect_token_budget():
     for rows in mbs:
         assert len(rows) <= 5
         assert len(rows) == 1 or len(rows) * int(plen[rows].max() + clen[rows].max()) <= 40
+
+
+@pytest.mark.slow
+def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
+    """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+    from nanogrpo.train.metrics import read_metrics
+
+    tok = make_tokenizer()
+    make_model("tiny", tok, seed=3).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(_port()), "-m", "nanogrpo.cli", "train", "--model", str(tmp_path / "model"),
+           "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--steps", "3",
+           "data.answer_delimiter=####", "data.system_prompt=''", "rollout.max_new_tokens=8",
+           "rollout.prompts_per_step=2", "grpo.group_size=4", "rewards.workers=0",
+           "rewards.functions=['tests.reward_fixtures:length']", "train.backend=ddp", "eval.every=3",
+           "eval.n=2"]
+    out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stdout[-6000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]                   # one writer, not one per rank
+    assert all(r["num_completions"] == 8 and r["completion_tokens"] == 64 for r in rows)  # both ranks' rows
+    assert rows[-1]["eval/n"] == 2
+    assert out.stdout.count("run directory:") == 1 and out.stdout.count("nanogrpo: 3 steps") == 1

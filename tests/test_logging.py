@@ -97,3 +97,59 @@ def test_one_line_summary(tmp_path):
     assert "\n" not in line
     assert "2 steps" in line and "reward 0.100 -> 0.200" in line and "eval acc 0.750 (step 2)" in line
     assert "200 tok/s" in line
+
+
+def _two_ranks(rows: list[dict], keys: list[str]) -> list[dict]:
+    """merge_rank_metrics on each of two simulated ranks: the all-reduce combines both ranks' vectors."""
+    import math
+
+    from nanogrpo.train.metrics import merge_rank_metrics
+
+    sent = []
+    for r in rows:  # first pass: what each rank contributes
+        merge_rank_metrics(r, lambda vals, ops: sent.append((vals, ops)) or vals, keys)
+    (va, ops), (vb, _) = sent
+
+    def reduce(vals, ops_):
+        return [x + y if op == "sum" else max(x, y) for x, y, op in zip(va, vb, ops_)]
+
+    out = [merge_rank_metrics(r, reduce, keys) for r in rows]
+    assert all(isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+               for k, v in out[0].items() if k in ("reward_mean", "reward_std", "num_completions"))
+    return out
+
+
+def test_rank_metrics_merge_into_whole_batch_figures():
+    import statistics
+
+    ra, rb = [1.0, 0.0, 2.0, 2.0], [0.5, 0.5, 3.0, 1.0, 0.0, 0.0]
+    keys = ["reward/f"]
+
+    def row(rw, t):
+        return {"step": 3, "loss": 0.25, "reward_mean": statistics.fmean(rw),
+                "reward_std": statistics.stdev(rw),
+                "accuracy": sum(x > 0.9 for x in rw) / len(rw), "num_completions": len(rw),
+                "completion_tokens": 10 * len(rw), "groups_kept": 1, "reward/f": statistics.fmean(rw),
+                "step_time_s": t, "rollout_time_s": t / 2, "tokens_per_s": 10 * len(rw) / t}
+
+    a, b = _two_ranks([row(ra, 2.0), row(rb, 4.0)], keys)
+    assert a == b
+    allr = ra + rb
+    assert a["num_completions"] == 10 and a["completion_tokens"] == 100 and a["groups_kept"] == 2
+    assert a["reward_mean"] == pytest.approx(statistics.fmean(allr))
+    assert a["reward/f"] == pytest.approx(statistics.fmean(allr))
+    assert a["reward_std"] == pytest.approx(statistics.stdev(allr))
+    assert a["accuracy"] == pytest.approx(sum(x > 0.9 for x in allr) / 10)
+    assert a["step_time_s"] == 4.0 and a["tokens_per_s"] == pytest.approx(100 / 4.0)
+    assert a["loss"] == 0.25 and "gpu_mem_gib" not in a
+
+
+def test_a_rank_without_completions_weighs_nothing():
+    full = {"step": 1, "reward_mean": 0.5, "reward_std": 0.1, "accuracy": 0.5, "num_completions": 4,
+            "reward/f": 0.5, "step_time_s": 1.0}
+    empty = {"step": 1, "reward_mean": float("nan"), "reward_std": float("nan"), "accuracy": float("nan"),
+             "num_completions": 0, "step_time_s": 1.0}  # no reward/f key: its rollout kept no rows
+    a, b = _two_ranks([full, empty], ["reward/f"])
+    assert a["reward_mean"] == b["reward_mean"] == pytest.approx(0.5)
+    assert a["reward/f"] == pytest.approx(0.5) and a["num_completions"] == 4
+    assert a["reward_std"] == pytest.approx(0.1)

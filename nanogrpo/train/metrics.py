@@ -35,3 +35,53 @@ class MetricsWriter:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+COUNT_KEYS = ("completion_tokens", "num_completions", "groups_total", "groups_kept", "prompts_skipped",
+              "reward_failures", "reward_timeouts", "reward_non_finite")
+"""Summed over ranks."""
+MAX_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "gpu_mem_gib")
+"""The slowest (largest) rank's value."""
+MEAN_KEYS = ("reward_mean", "accuracy", "format_rate", "completion_len_mean", "stop_rate")
+"""Per-completion means: weighted by each rank's completions (as are the ``reward/<function>`` means)."""
+
+
+def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] = ()) -> dict[str, Any]:
+    """One step's metrics over all ranks from each rank's own ``row`` (a collective: every rank calls
+    it). Counts add up, per-completion means (``MEAN_KEYS`` and ``reward_keys``) are weighted by each
+    rank's completions, ``reward_std`` is the pooled (unbiased) standard deviation, times are the
+    slowest rank's, ``tokens_per_s`` follows from those; the update's metrics (loss, kl, grad norm)
+    are already global. A rank without completions weighs nothing.
+
+    ``all_reduce(values, ops)`` is :meth:`nanogrpo.train.distributed.Backend.all_reduce`."""
+    means = list(MEAN_KEYS) + sorted(reward_keys)
+
+    def num(k: str) -> float:
+        v = row.get(k)
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else math.nan
+
+    n = num("num_completions") if num("num_completions") > 0 else 0.0
+    m, s = num("reward_mean"), num("reward_std")
+    sq = (n - 1) * s * s + n * m * m if n > 0 and math.isfinite(m) and math.isfinite(s) else 0.0
+    vals = [n, sq] + [num(k) * n if n > 0 and math.isfinite(num(k)) else 0.0 for k in means]
+    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in COUNT_KEYS]
+    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in MAX_KEYS]
+    out = all_reduce(vals, ["sum"] * (2 + len(means) + len(COUNT_KEYS)) + ["max"] * len(MAX_KEYS))
+    total, sq_total = out[0], out[1]
+    out_means, out_counts = out[2:2 + len(means)], out[2 + len(means):2 + len(means) + len(COUNT_KEYS)]
+    out_maxes = out[2 + len(means) + len(COUNT_KEYS):]
+    merged = dict(row)
+    for k, v in zip(means, out_means):
+        merged[k] = v / total if total > 0 else math.nan
+    for k, v in zip(COUNT_KEYS, out_counts):
+        merged[k] = int(v)
+    for k, v in zip(MAX_KEYS, out_maxes):
+        if k in row:
+            merged[k] = v
+    mean = merged["reward_mean"]
+    merged["reward_std"] = (math.sqrt(max(sq_total - total * mean * mean, 0.0) / (total - 1)) if total > 1
+                            else 0.0 if total == 1 else math.nan)
+    if "tokens_per_s" in row:
+        t = merged.get("step_time_s") or 0.0
+        merged["tokens_per_s"] = merged["completion_tokens"] / t if t > 0 else 0.0
+    return merged

@@ -25,6 +25,7 @@ from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import make_engine
 from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
+from nanogrpo.train.metrics import merge_rank_metrics
 from nanogrpo.train.step import policy_update
 
 log = logging.getLogger("nanogrpo.train")
@@ -133,8 +134,11 @@ def train(run: Run) -> Path:
         state = backend.restore(run.resume_from)
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
-        print(f"resuming {root} from {run.resume_from.name}")
-    logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None)
+        if backend.is_main:
+            print(f"resuming {root} from {run.resume_from.name}")
+    # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
+    logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None) if backend.is_main \
+        else None
 
     def save(step: int) -> None:
         backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict()},
@@ -143,7 +147,7 @@ def train(run: Run) -> Path:
     if run.resume_from is None:
         save(0)
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
-               desc="nanogrpo", dynamic_ncols=True)
+               desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:
         for step in bar:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
@@ -151,17 +155,23 @@ def train(run: Run) -> Path:
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                row.update(_held_out_eval(cfg, model, tok, engine, run, step))
-            logger.log_step(row, examples)
+                if backend.world_size > 1:
+                    backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
+                if backend.is_main:
+                    row.update(_held_out_eval(cfg, model, tok, engine, run, step))
+            if logger is not None:
+                logger.log_step(row, examples)
             bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
                                 f"loss {row['loss'] if row['loss'] is not None else float('nan'):.4f}")
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
         bar.close()
-        logger.close()
+        if logger is not None:
+            logger.close()
         run.rewards.close()
-    print(run_summary(root))
+    if backend.is_main:
+        print(run_summary(root))
     return root
 
 
@@ -240,6 +250,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                            "_examples": rstats.examples}
     if device.type == "cuda":
         row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if world > 1:  # every rank logs the same, whole-batch figures (rank 0 writes them)
+        row = merge_rank_metrics(row, backend.all_reduce, [f"reward/{s}" for s in rewards.specs])
     return row
 
 
