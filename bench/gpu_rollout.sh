@@ -12,6 +12,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+source bench/gpu_setup.sh || exit 1
 # overridable for a dry run elsewhere, e.g. SHAPE="--shape tiny --prompt-len 16 --dtype fp32" BATCH=8 NEW=16
 SHAPE=${SHAPE:-"--shape qwen2.5-0.5b --prompt-len 128 --dtype bf16"}
 BATCH=${BATCH:-64}

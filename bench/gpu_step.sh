@@ -5,11 +5,8 @@
 #   Target (issue 6): <= 0.9 s median, against TRL 1.16's 9.09 s measured on one H200
 #   (../shared/anchors/results-h200.jsonl).
 # TRL runs beside it in the same process (--trl) only when it is importable. It is not on the GPU
-# image; to carry it, put wheels in bench/wheels/ (TRL_WHEELS) and they are installed with
-# --no-deps into a scratch folder. For trl 1.16.0 that is: trl-1.16.0-py3-none-any.whl and, where
-# the image lacks them, accelerate (>= 1.10.1), datasets (>= 4.7) with its own pure-python deps
-# (dill, multiprocess, fsspec, huggingface_hub, httpx, filelock, tqdm, requests) and binary ones
-# (pyarrow >= 21 ~45 MB, pandas >= 2.1 ~12 MB, xxhash, psutil) for cp3XX manylinux x86_64.
+# image: bench/fetch_wheels.sh puts it (and what nanogrpo needs) in .whl/, which the device call
+# carries; bench/gpu_setup.sh (sourced here) installs them.
 # Logs go to $OUT (a temporary folder when unset); a short table ends the output.
 # Usage: bash bench/gpu_step.sh   (PYTHON=python3 by default)
 set -u
@@ -25,17 +22,12 @@ GENS=${GENS:-8}
 NEW=${NEW:-256}
 STEPS=${STEPS:-8}
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}
-TRL_WHEELS=${TRL_WHEELS:-bench/wheels}
+source bench/gpu_setup.sh || exit 1
 
 if [ -z "${GPU_ALL:-}" ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 fi
 TRL_FLAG=""
-if ls "$TRL_WHEELS"/trl-*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-deps --no-index --target /tmp/nanogrpo_trl_site "$TRL_WHEELS"/*.whl \
-    >"$OUT/trl_install.log" 2>&1
-  export PYTHONPATH=/tmp/nanogrpo_trl_site${PYTHONPATH:+:$PYTHONPATH}
-fi
 if $PY -c "import trl, datasets, accelerate" >/dev/null 2>&1; then
   TRL_FLAG="--trl"
   echo "TRL found: running it beside nanogrpo"

@@ -13,6 +13,11 @@ the process's peak RSS (``ru_maxrss``) above its RSS once the inputs exist.
 
     python bench/loss_memory.py                       # 64 x 512 tokens, H 896, V 151936 (seed: ~45 GB)
     python bench/loss_memory.py --n 8 --device cpu    # what fits a 24 GB CPU machine
+    python bench/loss_memory.py --device cpu --seed-fit 4,8,16   # 64 x 512 on a 24 GB machine
+
+``--seed-fit N1,N2,..``: the seed's path runs at those batch sizes only and its peak at
+``--n`` is the least-squares line through them (its memory is linear in the batch: the
+(N, L, V) logits and their gradient); lean always runs at ``--n`` itself.
 
 Prints a table; with $OUT set, also writes $OUT/loss_memory.json.
 """
@@ -86,26 +91,46 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk (lean)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--seed-fit", default="", help="comma-separated batch sizes: extrapolate the seed's peak")
     p.add_argument("--variant", choices=["seed", "lean"], help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     if a.variant:
         print(json.dumps(run_variant(a)))
         return
-    res = {}
-    for v in ("lean", "seed"):
-        cmd = [sys.executable, __file__, "--variant", v, "--n", str(a.n), "--len", str(a.len),
+    def run(v: str, n: int) -> dict:
+        cmd = [sys.executable, __file__, "--variant", v, "--n", str(n), "--len", str(a.len),
                "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--chunk", str(a.chunk),
                "--device", a.device, "--dtype", a.dtype]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
-            res[v] = {"variant": v, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            return {"variant": v, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    res = {"lean": run("lean", a.n)}
+    fit = [int(x) for x in a.seed_fit.split(",") if x.strip()]
+    if len(fit) >= 2:
+        pts = [(n, run("seed", n)) for n in fit]
+        bad = [r for _, r in pts if "error" in r]
+        if bad:
+            res["seed"] = bad[0]
         else:
-            res[v] = json.loads(out.stdout.strip().splitlines()[-1])
+            xs, ys = [n for n, _ in pts], [r["peak_bytes"] for _, r in pts]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            res["seed"] = {"variant": "seed", "peak_bytes": int(my + slope * (a.n - mx)),
+                           "extrapolated_from": {str(n): r["peak_bytes"] for n, r in pts}}
+            for n, r in pts:
+                res[f"seed@{n}"] = r
+    else:
+        res["seed"] = run("seed", a.n)
     shape = f"{a.n} x {a.len} tokens, H {a.hidden}, V {a.vocab}, {a.dtype} on {a.device}"
     print(f"loss-path peak memory ({shape}; lean chunk {a.chunk})")
     print(f"{'variant':8} {'peak GiB':>10} {'seconds':>9}")
     for v, r in res.items():
+        if v == "seed" and "extrapolated_from" in r:
+            print(f"{'seed':8} {r['peak_bytes'] / 2**30:10.3f}   (line through the seed@N rows, N = {a.n})")
+            continue
         if "error" in r:
             print(f"{v:8} failed: {r['error']}")
         else:
@@ -113,8 +138,9 @@ def main() -> None:
     ok = all("error" not in r for r in res.values())
     if ok:
         ratio = res["lean"]["peak_bytes"] / max(res["seed"]["peak_bytes"], 1)
-        print(f"lean / seed = {ratio:.3f}  (1/{1 / ratio:.1f}); "
-              f"loss diff {abs(res['lean']['loss'] - res['seed']['loss']):.2e}")
+        diff = ("the seed's peak extrapolated" if "extrapolated_from" in res["seed"]
+                else f"loss diff {abs(res['lean']['loss'] - res['seed']['loss']):.2e}")
+        print(f"lean / seed = {ratio:.3f}  (1/{1 / ratio:.1f}); {diff}")
         res["ratio"] = ratio
     res["shape"] = shape
     if os.environ.get("OUT"):

@@ -195,3 +195,14 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     assert all(r["num_completions"] == 8 and r["completion_tokens"] == 64 for r in rows)  # both ranks' rows
     assert rows[-1]["eval/n"] == 2
     assert out.stdout.count("run directory:") == 1 and out.stdout.count("nanogrpo: 3 steps") == 1
+
+
+def test_backend_bench_runs_one_process_on_cpu(tmp_path):
+    """bench/backend_step.py (the GPU bench of every backend) runs on the CPU and reports a step."""
+    env = {**_env(), "OUT": str(tmp_path)}
+    out = _run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "backend_step.py"),
+                "--backend", "single", "--shape", "tiny", "--rows", "8", "--len", "8", "--prompt", "4",
+                "--steps", "2"], 120, env=env)
+    assert out.returncode == 0, out.stdout[-3000:]
+    row = json.loads((tmp_path / "backend_step.jsonl").read_text().splitlines()[-1])
+    assert row["backend"] == "single" and len(row["loss"]) == 2 and row["step_s_median"] > 0
