@@ -169,6 +169,35 @@ def test_micro_batch_indices_respect_token_budget():
         assert len(rows) == 1 or len(rows) * int(plen[rows].max() + clen[rows].max()) <= 40
 
 
+def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing():
+    from nanogrpo.batch import RolloutBatch
+    from nanogrpo.train.step import _forward_tokens, micro_batch_indices
+
+    # 3 groups of 4 rows, a 40-token prompt each, completions 2..12 tokens spread inside every group
+    n, p, c = 12, 40, 12
+    clens = [12, 2, 7, 4, 11, 3, 6, 5, 10, 2, 8, 9]
+    cm = torch.tensor([[j < k for j in range(c)] for k in clens])
+    am = torch.cat([torch.ones(n, p, dtype=torch.int8), cm.to(torch.int8)], 1)
+    gid = torch.arange(n) // 4
+    batch = RolloutBatch(input_ids=torch.randint(3, 50, (n, p + c)), attention_mask=am, completion_mask=cm,
+                         rewards=torch.zeros(n), advantages=torch.zeros(n), group_ids=gid,
+                         old_logprobs=torch.zeros(n, c), prompt_len=p, group_size=4)
+    by_len = micro_batch_indices(batch, 4, share_prefix=False)
+    shared = micro_batch_indices(batch, 4, share_prefix=True)
+    assert all(len(set(gid[mb].tolist())) == 1 for mb in shared)       # one group, one prompt each
+    assert not all(len(set(gid[mb].tolist())) == 1 for mb in by_len)
+    cost = [_forward_tokens([mb.tolist() for mb in m], gid.tolist(), [p] * n, clens)
+            for m in (by_len, shared)]
+    assert cost[1] < cost[0]
+    assert sorted(torch.cat(shared).tolist()) == list(range(n))
+    # 1-token prompts: nothing worth sharing, the length order (least padding) stays
+    short = RolloutBatch(input_ids=batch.input_ids[:, p - 1:], attention_mask=am[:, p - 1:],
+                         completion_mask=cm, rewards=torch.zeros(n), advantages=torch.zeros(n), group_ids=gid,
+                         old_logprobs=torch.zeros(n, c), prompt_len=1, group_size=4)
+    assert [m.tolist() for m in micro_batch_indices(short, 4, share_prefix=True)] == \
+        [m.tolist() for m in micro_batch_indices(short, 4, share_prefix=False)]
+
+
 @pytest.mark.slow
 def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""

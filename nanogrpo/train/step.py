@@ -40,25 +40,55 @@ class UpdateResult:
     skipped_nonfinite: bool
 
 
-def micro_batch_indices(batch: RolloutBatch, size: int, tokens: int = 0) -> list[torch.Tensor]:
-    """Row indices per micro-batch: rows sorted by length, at most ``size`` rows and (if > 0)
-    ``tokens`` padded tokens (rows x (longest prompt + longest completion)) per micro-batch."""
+def micro_batch_indices(batch: RolloutBatch, size: int, tokens: int = 0,
+                        share_prefix: bool = False) -> list[torch.Tensor]:
+    """Row indices per micro-batch: at most ``size`` rows and (if > 0) ``tokens`` padded tokens
+    (rows x (longest prompt + longest completion)) per micro-batch.
+
+    Rows go in order of length, which pads least. With ``share_prefix`` (the forward runs each
+    distinct prompt of a micro-batch once) a second packing keeps each group's rows together
+    (groups by their longest completion), so that its prompt is shared; the one with the fewer
+    forward tokens (distinct prompts x prompt length + rows x completion length, per micro-batch)
+    is used."""
     clen = batch.completion_mask.sum(1)                                     # (N,)
     plen = batch.attention_mask[:, :batch.prompt_len].sum(1)                # (N,)
-    order = torch.argsort(clen * (batch.prompt_len + 1) + plen, descending=True, stable=True)  # (N,)
-    if tokens <= 0:
-        return [order[i:i + size] for i in range(0, order.numel(), size)]
-    out, cur, mp, mc = [], [], 0, 0
-    for i in order.tolist():
-        np_, nc = max(mp, int(plen[i])), max(mc, int(clen[i]))
-        if cur and (len(cur) >= size or (len(cur) + 1) * (np_ + nc) > tokens):
-            out.append(torch.tensor(cur, dtype=torch.long, device=order.device))
-            cur, np_, nc = [], int(plen[i]), int(clen[i])
+    by_len = torch.argsort(clen * (batch.prompt_len + 1) + plen, descending=True, stable=True)  # (N,)
+    best = _pack(by_len.tolist(), plen.tolist(), clen.tolist(), size, tokens)
+    if share_prefix and batch.group_ids is not None:
+        gid, pl, cl = batch.group_ids.tolist(), plen.tolist(), clen.tolist()
+        longest: dict[int, int] = {}
+        for g, c in zip(gid, cl):
+            longest[g] = max(longest.get(g, 0), c)
+        # sorted() is stable: inside a group the rows keep their length order
+        grouped = sorted(by_len.tolist(), key=lambda i: (-longest[gid[i]], gid[i]))
+        alt = _pack(grouped, pl, cl, size, tokens)
+        if _forward_tokens(alt, gid, pl, cl) < _forward_tokens(best, gid, pl, cl):
+            best = alt
+    return [torch.tensor(mb, dtype=torch.long, device=by_len.device) for mb in best]
+
+
+def _pack(order: list[int], plen: list[int], clen: list[int], size: int, tokens: int) -> list[list[int]]:
+    """Greedy packing in ``order``: a new micro-batch when ``size`` rows or ``tokens`` would be exceeded."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    mp = mc = 0
+    for i in order:
+        np_, nc = max(mp, plen[i]), max(mc, clen[i])
+        if cur and (len(cur) >= size or (tokens > 0 and (len(cur) + 1) * (np_ + nc) > tokens)):
+            out.append(cur)
+            cur, np_, nc = [], plen[i], clen[i]
         cur.append(i)
         mp, mc = np_, nc
     if cur:
-        out.append(torch.tensor(cur, dtype=torch.long, device=order.device))
+        out.append(cur)
     return out
+
+
+def _forward_tokens(mbs: list[list[int]], gid: list[int], plen: list[int], clen: list[int]) -> int:
+    """Tokens the forwards process with prompt sharing: per micro-batch, each distinct prompt once
+    (at the micro-batch's padded prompt length) plus every row's padded completion."""
+    return sum(len({gid[i] for i in mb}) * max(plen[i] for i in mb) + len(mb) * max(clen[i] for i in mb)
+               for mb in mbs)
 
 
 def _trim(batch: RolloutBatch, rows: torch.Tensor):
@@ -99,8 +129,9 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     fwd.train()
     n_local = 0 if batch is None else batch.num_seqs
     t_local = 0 if batch is None else int(batch.completion_mask.sum())
+    share = train.share_prefix and be.prefix_sharing
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
-                                                       train.micro_batch_tokens)
+                                                       train.micro_batch_tokens, share)
     n_seqs, n_tok, n_mb = be.all_reduce([n_local, t_local, len(mbs)], ops=["sum", "sum", "max"])
     totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens)
     be.zero_grad()
@@ -112,7 +143,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
             if k < len(mbs):
                 ids, am, p, cm, old, ref, adv = _trim(batch, mbs[k])
                 logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk,
-                                      share_prefix=train.share_prefix and be.prefix_sharing)  # (n, c)
+                                      share_prefix=share)                        # (n, c)
                 loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
                                           ref if use_ref else None, adv, cm, totals, beta=grpo.beta,
                                           eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)
