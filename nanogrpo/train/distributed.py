@@ -32,6 +32,7 @@ per-rank files under ``deepspeed/`` in the checkpoint).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 from pathlib import Path
@@ -222,8 +223,11 @@ class DDPBackend(Backend):
 
         lean_head(model)
         dev = next(model.parameters()).device
-        self.model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                         broadcast_buffers=False)
+        # no buffer sync in forwards (ranks run different numbers of them with prefix sharing; the
+        # buffers, RoPE tables, are equal anyway); torch >= 2.13 names the switch forward_sync_buffers
+        new = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        no_sync = {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}
+        self.model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **no_sync)
 
 
 class FSDP2Backend(Backend):
