@@ -42,9 +42,16 @@ def _lp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.5
+        return torch.is_autocast_cpu_enabled()
+
+
 def _applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu"))
+            and not _cpu_autocast())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
