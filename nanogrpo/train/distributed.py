@@ -301,7 +301,10 @@ class DeepSpeedBackend(Backend):
     """DeepSpeed ZeRO 1-3 (the seed's config), AdamW with optional CPU offload, bf16 when the model is."""
 
     name = "deepspeed"
-    prefix_sharing = False  # ZeRO-3 gathers in forwards; ZeRO-2's step differed with a second pass
+    # the engine's forward puts loss-scaling backward hooks (grad / accumulation steps, a backward
+    # prologue) on every tensor it returns, so the prefix pass's KV cache would get them too; ZeRO-3
+    # also gathers parameters in forwards (ranks must run the same number of them)
+    prefix_sharing = False
 
     def __init__(self, model, *, stage: int = 2, lr: float = 1e-6, betas=(0.9, 0.999),
                  weight_decay: float = 0.0, offload: bool = False, max_grad_norm: float = 1.0,
