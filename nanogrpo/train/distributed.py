@@ -301,9 +301,9 @@ class DeepSpeedBackend(Backend):
     """DeepSpeed ZeRO 1-3 (the seed's config), AdamW with optional CPU offload, bf16 when the model is."""
 
     name = "deepspeed"
-    # the engine's forward puts loss-scaling backward hooks (grad / accumulation steps, a backward
-    # prologue) on every tensor it returns, so the prefix pass's KV cache would get them too; ZeRO-3
-    # also gathers parameters in forwards (ranks must run the same number of them)
+    # ZeRO-1/2 reduce gradients in buckets filled in the order parameters become ready in backward;
+    # a prefix pass on one rank and none on another changes that order, and 2-rank ZeRO-2 steps
+    # came out wrong (1 rank: exact). ZeRO-3 also gathers parameters in forwards. So: off.
     prefix_sharing = False
 
     def __init__(self, model, *, stage: int = 2, lr: float = 1e-6, betas=(0.9, 0.999),
