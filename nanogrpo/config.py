@@ -168,7 +168,8 @@ class TrainConfig(_Strict):
     gradient_checkpointing: bool = False
     share_prefix: bool = True
     """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
-    samples read its keys/values); same log-probs and gradients. Off under gradient checkpointing."""
+    samples read its keys/values); same log-probs and gradients. Not applied under gradient
+    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.train.distributed``)."""
     autocast: bool = False
     """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
     optimizer_offload: bool = False
