@@ -142,8 +142,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop ``--local_rank=N`` / ``--local_rank N``, which the ``deepspeed`` launcher puts before the
+    subcommand; the rank is read from the environment (``LOCAL_RANK``, set from it when missing)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--local_rank" and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--local_rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if argv and argv[0] in EXTERNAL:

@@ -198,18 +198,72 @@ def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing()
         [m.tolist() for m in micro_batch_indices(short, 4, share_prefix=False)]
 
 
+def _train_cmd(backend: str, assets: Path, out: Path, steps: int, resume: bool = False) -> list[str]:
+    if backend == "deepspeed":
+        ds = str(Path(sys.executable).parent / "deepspeed")
+        ds = ds if Path(ds).is_file() else shutil.which("deepspeed")
+        launch = [ds, "--num_gpus", "2", "--master_port", str(_port()), "--module", "nanogrpo.cli"]
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "--master_port", str(_port()), "-m", "nanogrpo.cli"]
+    if resume:
+        return launch + ["train", "--resume", str(out), "--steps", str(steps)]
+    return launch + ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"),
+                     "--out", str(out), "--steps", str(steps), "--seed", "3", "data.answer_delimiter=####",
+                     "data.system_prompt=''", "rollout.max_new_tokens=8", "rollout.prompts_per_step=2",
+                     "grpo.group_size=4", "rewards.workers=0", "train.lr=1e-2", "train.save_every=2",
+                     "rewards.functions=['tests.reward_fixtures:length']", f"train.backend={backend}",
+                     "train.zero_stage=2", f"train.optimizer_offload={backend == 'deepspeed'}",
+                     "log.tensorboard=false"]
+
+
+def _tiny_assets(d: Path) -> Path:
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model("tiny", tok, seed=3).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "deepspeed"])
+def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request):
+    """4 steps straight == 2 steps + ``--resume`` to 4, on 2 ranks of the same backend."""
+    from nanogrpo.train.logging_sinks import TIMING_KEYS
+    from nanogrpo.train.metrics import read_metrics
+
+    if backend == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("deepspeed not installed")
+        request.getfixturevalue("_deepspeed_ops")
+    assets = _tiny_assets(tmp_path)
+    root = str(Path(__file__).resolve().parents[1])
+    for cmd in (_train_cmd(backend, assets, tmp_path / "straight", 4),
+                _train_cmd(backend, assets, tmp_path / "halves", 2),
+                _train_cmd(backend, assets, tmp_path / "halves", 4, resume=True)):
+        out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=root)
+        assert out.returncode == 0, out.stdout[-6000:]
+
+    def rows(run):  # the halves run also evaluates at its own last step (2): eval keys left out
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("eval/")}
+                for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+
+    straight = rows("straight")
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert sum(r["loss"] is not None for r in straight) >= 2, "the test needs steps that update the model"
+    assert rows("halves") == straight
+
+
 @pytest.mark.slow
 def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""
-    from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.train.metrics import read_metrics
 
-    tok = make_tokenizer()
-    make_model("tiny", tok, seed=3).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    _tiny_assets(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_port()), "-m", "nanogrpo.cli", "train", "--model", str(tmp_path / "model"),
            "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--steps", "3",

@@ -115,3 +115,16 @@ def test_console_script_exit_code(tmp_path):
     r = subprocess.run([sys.executable, "-m", "nanogrpo.cli", "train", "grpo.nope=1"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "unknown config key" in r.stderr
+
+
+def test_deepspeed_launcher_local_rank_argument_is_accepted(monkeypatch):
+    """``deepspeed --module nanogrpo.cli train ...`` runs ``nanogrpo.cli --local_rank=0 train ...``."""
+    from nanogrpo.cli import strip_launcher_args
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_launcher_args(["--local_rank=1", "train", "--steps", "3"]) == ["train", "--steps", "3"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert strip_launcher_args(["train", "--local_rank", "0", "x=1"]) == ["train", "x=1"]
+    assert os.environ["LOCAL_RANK"] == "1"  # the launcher's environment wins
