@@ -32,6 +32,7 @@ per-rank files under ``deepspeed/`` in the checkpoint).
 from __future__ import annotations
 
 import copy
+import datetime
 import inspect
 import math
 import os
@@ -54,6 +55,11 @@ def dist_env() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=60)
+"""How long a rank waits in a collective: rank 0 alone evaluates and saves while the others wait in
+the next step's first collective (NCCL's default, 10 minutes, is short for a long evaluation)."""
+
+
 def init_distributed(backend: str) -> tuple[int, int]:
     """Join the process group (gloo on CPU, nccl on CUDA) and pin this rank's GPU; returns (rank, world)."""
     rank, world, local = dist_env()
@@ -71,9 +77,10 @@ def init_distributed(backend: str) -> tuple[int, int]:
 
             # gloo on the CPU accelerator (DeepSpeed would pick oneCCL when its bindings are present)
             deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu"
-                                       else None)
+                                       else None, timeout=COLLECTIVE_TIMEOUT)
         else:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=COLLECTIVE_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
 
 
