@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -353,4 +354,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write atomically (a temporary file renamed over ``path``): a reader, e.g. another rank
+    resuming the run, sees the old file or the new one, never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)

@@ -56,7 +56,7 @@ def _env() -> dict[str, str]:
     # between them rebuilds cpu_adam (minutes) on every run.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": str(Path(__file__).parents[1])}
+            "PYTHONPATH": str(Path(__file__).parents[1]), "PYTHONFAULTHANDLER": "1"}  # stacks on abort
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:

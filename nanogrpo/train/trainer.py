@@ -91,10 +91,11 @@ def train(run: Run) -> Path:
                   "nothing to do")
             run.rewards.close()
             return root
-    save_config(cfg, root / CONFIG_FILE)
-    torch.manual_seed(cfg.train.seed)
+    from nanogrpo.train.distributed import dist_env, init_distributed, make_backend
 
-    from nanogrpo.train.distributed import init_distributed, make_backend
+    if dist_env()[0] == 0:  # rank 0 writes the run's files; the others may be reading this one
+        save_config(cfg, root / CONFIG_FILE)
+    torch.manual_seed(cfg.train.seed)
 
     init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     model, tok, device = load_policy(cfg.model)
@@ -172,6 +173,10 @@ def train(run: Run) -> Path:
         run.rewards.close()
     if backend.is_main:
         print(run_summary(root))
+    # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
+    # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
+    # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
+    backend.barrier()
     return root
 
 
