@@ -217,30 +217,17 @@ def _train_cmd(backend: str, assets: Path, out: Path, steps: int, resume: bool =
                      "log.tensorboard=false"]
 
 
-def _tiny_assets(d: Path) -> Path:
-    from nanogrpo.models.tiny import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    make_model("tiny", tok, seed=3).save_pretrained(d / "model")
-    tok.save_pretrained(d / "model")
-    with open(d / "data.jsonl", "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
-    return d
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", "deepspeed"])
 def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request):
     """4 steps straight == 2 steps + ``--resume`` to 4, on 2 ranks of the same backend."""
-    from nanogrpo.train.logging_sinks import TIMING_KEYS
-    from nanogrpo.train.metrics import read_metrics
+    from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
 
     if backend == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:
             pytest.skip("deepspeed not installed")
         request.getfixturevalue("_deepspeed_ops")
-    assets = _tiny_assets(tmp_path)
+    assets = write_tiny_run_assets(tmp_path)
     root = str(Path(__file__).resolve().parents[1])
     for cmd in (_train_cmd(backend, assets, tmp_path / "straight", 4),
                 _train_cmd(backend, assets, tmp_path / "halves", 2),
@@ -248,9 +235,8 @@ def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request)
         out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=root)
         assert out.returncode == 0, out.stdout[-6000:]
 
-    def rows(run):  # the halves run also evaluates at its own last step (2): eval keys left out
-        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("eval/")}
-                for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+    def rows(run):  # the halves run also evaluates at its own last step (2)
+        return comparable_metrics(tmp_path / run, drop_eval=True)
 
     straight = rows("straight")
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
@@ -262,8 +248,9 @@ def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request)
 def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""
     from nanogrpo.train.metrics import read_metrics
+    from tests.run_fixtures import write_tiny_run_assets
 
-    _tiny_assets(tmp_path)
+    write_tiny_run_assets(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_port()), "-m", "nanogrpo.cli", "train", "--model", str(tmp_path / "model"),
            "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--steps", "3",

@@ -70,22 +70,13 @@ def _lora_run_args(assets: Path, out: Path, steps: int) -> list[str]:
 
 
 def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tmp_path):
-    import json
-
     from nanogrpo.cli import main
-    from nanogrpo.train.logging_sinks import TIMING_KEYS
-    from nanogrpo.train.metrics import read_metrics
+    from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
 
-    tok = make_tokenizer()
-    make_model("tiny", tok, seed=3).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    write_tiny_run_assets(tmp_path, rows=8)
 
-    def metrics(run):  # the halves run also evaluates at its own last step (2): eval keys left out
-        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("eval/")}
-                for r in read_metrics(run / "metrics.jsonl")]
+    def metrics(run):  # the halves run also evaluates at its own last step (2)
+        return comparable_metrics(run, drop_eval=True)
 
     assert main(_lora_run_args(tmp_path, tmp_path / "straight", 4)) == 0
     assert main(_lora_run_args(tmp_path, tmp_path / "halves", 2)) == 0

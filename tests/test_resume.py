@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.cli import main
-from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.logging_sinks import TIMING_KEYS
-from nanogrpo.train.metrics import read_metrics
+from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,14 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     """A random-init tiny Qwen2 + char tokenizer, and 12 GSM8K-format problems."""
-    d = tmp_path_factory.mktemp("resume")
-    tok = make_tokenizer()
-    make_model("tiny", tok, seed=3).save_pretrained(d / "model")
-    tok.save_pretrained(d / "model")
-    with open(d / "data.jsonl", "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
-    return d
+    return write_tiny_run_assets(tmp_path_factory.mktemp("resume"))
 
 
 def _args(assets: Path, out: Path, steps: int) -> list[str]:
@@ -50,8 +41,7 @@ def _resume_args(out: Path, steps: int) -> list[str]:
 
 
 def _comparable(run: Path) -> list[dict]:
-    rows = read_metrics(run / "metrics.jsonl")
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+    return comparable_metrics(run)
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,10 @@ def micro_batch_indices(batch: RolloutBatch, size: int, tokens: int = 0,
     clen = batch.completion_mask.sum(1)                                     # (N,)
     plen = batch.attention_mask[:, :batch.prompt_len].sum(1)                # (N,)
     by_len = torch.argsort(clen * (batch.prompt_len + 1) + plen, descending=True, stable=True)  # (N,)
-    best = _pack(by_len.tolist(), plen.tolist(), clen.tolist(), size, tokens)
+    pl, cl = plen.tolist(), clen.tolist()
+    best = _pack(by_len.tolist(), pl, cl, size, tokens)
     if share_prefix and batch.group_ids is not None:
-        gid, pl, cl = batch.group_ids.tolist(), plen.tolist(), clen.tolist()
+        gid = batch.group_ids.tolist()
         longest: dict[int, int] = {}
         for g, c in zip(gid, cl):
             longest[g] = max(longest.get(g, 0), c)

@@ -1,0 +1,29 @@
+"""Files for end-to-end ``nanogrpo train`` tests: a random-init tiny model and GSM8K-format rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nanogrpo.train.logging_sinks import TIMING_KEYS
+from nanogrpo.train.metrics import read_metrics
+
+
+def write_tiny_run_assets(d: Path, rows: int = 12, seed: int = 3) -> Path:
+    """``d/model`` (tiny Qwen2 + char tokenizer) and ``d/data.jsonl`` ("i+i?", "#### 2i"); returns ``d``."""
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model("tiny", tok, seed=seed).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"question": f"{i}+{i}?", "answer": f"#### {2 * i}"}) + "\n")
+    return d
+
+
+def comparable_metrics(run: Path, drop_eval: bool = False) -> list[dict]:
+    """A run's metrics without timings (and, with ``drop_eval``, without ``eval/`` keys: a run cut
+    short also evaluates at its own last step)."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not (drop_eval and k.startswith("eval/"))}
+            for r in read_metrics(Path(run) / "metrics.jsonl")]
