@@ -127,7 +127,10 @@ def test_upload_get_round_trip_exact_and_empty_is_204():
         assert r.status_code == 200 and r.content == body
         assert (await c.post("/get", headers=AUTH)).status_code == 204
         s = (await c.get("/stats", headers=AUTH)).json()
-        assert s["batches_in"] == 1 and s["batches_out"] == 1 and s["workers"] == {"w0": 1}
+        assert s["batches_in"] == 1 and s["batches_out"] == 0 and s["queue_leased"] == 1   # until acked
+        assert (await c.post("/ack", params={"lease": r.headers["x-lease"]}, headers=AUTH)).json()["acked"]
+        s = (await c.get("/stats", headers=AUTH)).json()
+        assert s["batches_out"] == 1 and s["queue_leased"] == 0 and s["workers"] == {"w0": 1}
     run(st, fn)
 
 
@@ -158,7 +161,7 @@ def test_queue_full_answers_503_with_retry_after_and_duplicates_are_ignored():
         r = await c.post("/upload", content=make_batch(seed=0).to_bytes(),
                          headers={**AUTH, "X-Batch-Id": "b0"})
         assert r.status_code == 200 and r.json()["duplicate"]
-        assert len(st.ready) == 1
+        assert len(st.queue.ready) == 1 and len(st.queue.leased) == 1
     run(st, fn)
 
 
@@ -174,7 +177,7 @@ def test_oversized_and_truncated_bodies():
             yield body[:100]
         r = await c.post("/upload", content=partial(), headers={**AUTH, "Content-Length": str(len(body))})
         assert r.status_code == 400
-        assert not st.ready
+        assert not st.queue.ready
     run(st, fn)
 
 
@@ -214,7 +217,7 @@ def test_weights_relay_is_conditional_on_version():
         assert r.status_code == 409
         assert (await c.post("/weights", content=body[:-5], headers={**AUTH, "X-Policy-Version": "4"})
                 ).status_code == 400
-        assert (await c.get("/weights/version", headers=AUTH)).json() == {"version": 3}
+        assert (await c.get("/weights/version", headers=AUTH)).json()["version"] == 3
         assert (await c.get("/weights", params={"have": 3}, headers=AUTH)).status_code == 204
         r = await c.get("/weights", params={"have": 1}, headers=AUTH)
         assert r.status_code == 200 and r.headers["x-policy-version"] == "3"
@@ -294,7 +297,7 @@ def test_fuzz_10k_malformed_requests_all_4xx():
                 rss0 = rss_mb()
         rss1 = rss_mb()
         assert (await c.get("/health")).status_code == 200
-        assert not st.ready and st.weights is None
+        assert not st.queue.ready and st.relay.body is None
         r = await c.post("/upload", content=good_body, headers=AUTH)
         assert r.status_code == 200
         back = await c.get("/get", headers=AUTH)
@@ -326,7 +329,7 @@ def test_staleness_policy_and_server_side_expiry():
         r = await c.get("/get", headers=AUTH)
         return RolloutBatch.from_bytes(r.content).policy_version
     assert run(st, fn) == 1
-    assert st.expired == 1 and len(st.ready) == 1
+    assert st.queue.expired == 1 and len(st.queue.ready) == 1 and len(st.queue.leased) == 1
 
 
 def test_client_gives_up_loudly_when_server_away_and_never_retries_a_4xx():

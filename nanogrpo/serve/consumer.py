@@ -46,7 +46,11 @@ def _next_batch(client, version: int, cfg: Config, counts: collections.Counter, 
     t0 = time.perf_counter()
     last_note = t0
     while True:
-        batch = client.get(wait_s=10.0)
+        got = client.get(wait_s=10.0)
+        batch = None
+        if got is not None:
+            client.ack(got.lease)
+            batch = RolloutBatch.from_bytes(got.body)
         if batch is None or version - batch.policy_version > cfg.server.max_staleness:
             republish()  # a restarted server has lost our weights: without them workers stay stale
         if batch is None:
