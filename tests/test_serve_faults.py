@@ -180,6 +180,7 @@ def test_a_long_poll_whose_client_vanished_loses_no_batch():
         time.sleep(1.5)                                                 # the dead poll's turn first
         r = c.get("/get", params={"wait": 5}, headers=AUTH)
         assert r.status_code == 200 and r.content == body
+        assert st.queue.redelivered == 0           # the dead poll saw its client leave and took nothing
 
 
 # --------------------------------------------------------------------------- 5. reference failure

@@ -232,11 +232,13 @@ def create_app(st: ServerState) -> Starlette:
         wait = number_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
         deadline = time.monotonic() + wait
         while True:
+            if await request.is_disconnected():  # a long poll whose client left must not take a batch
+                return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
             item = q.lease()
             if item is not None:
                 break
             left = deadline - time.monotonic()
-            if left <= 0 or await request.is_disconnected():
+            if left <= 0:
                 return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
             ev = st.event()
             ev.clear()

@@ -325,7 +325,7 @@ def uvicorn_config(st: ServerState, host: str, port: int, access_log: bool = Fal
     st.guard = ConnectionGuard(s.idle_timeout_s, max_conns, s.max_connections_per_client)
     st.admission = Admission(create_app(st), s.max_requests, s.max_requests_per_client, retry_after_s=1)
     config = uvicorn.Config(st.admission, host=host, port=port, http=st.guard.protocol(),
-                            log_level="warning", access_log=access_log, timeout_keep_alive=5,
+                            ws="none", log_level="warning", access_log=access_log, timeout_keep_alive=5,
                             limit_concurrency=None, backlog=1024, h11_max_incomplete_event_size=64 * 1024,
                             timeout_graceful_shutdown=5)
     if access_log:  # uvicorn sets its access logger to log_level (warning), which hides every request
