@@ -225,6 +225,29 @@ def _launch(backend: str, args: list[str], log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and everything under it (torchrun starts each rank in a session of its own, so
+    killing the launcher's process group leaves the ranks running)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _build_deepspeed_ops() -> None:
     """DeepSpeed's CPU ops built once, in one process, before a launcher runs (see test_distributed)."""
     code = ("from deepspeed.accelerator import get_accelerator\n"
@@ -310,7 +333,7 @@ def test_two_rank_split_training_learns_and_hands_over_each_batch_once_across_a_
             assert time.monotonic() < deadline and trainer.poll() is None, \
                 (tmp_path / "trainer.log").read_text()[-3000:]
             time.sleep(0.2)
-        os.killpg(trainer.pid, signal.SIGKILL)                 # launcher and both ranks, mid-step
+        _kill_tree(trainer.pid)                                # launcher and both ranks, mid-step
         trainer.wait()
         shutil.copy(metrics, tmp_path / "before_kill.jsonl")
         resumed = _launch("ddp", ["train", "--resume", str(out), "--server", url], tmp_path / "resumed.log")
@@ -320,8 +343,8 @@ def test_two_rank_split_training_learns_and_hands_over_each_batch_once_across_a_
         stats = httpx.get(url + "/stats", headers=AUTH, timeout=10).json()
     finally:
         for p in (trainer, resumed):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            if p is not None and p.poll() is None:              # (a reaped pid may belong to anyone now)
+                _kill_tree(p.pid)
         _stop(worker, server)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -370,7 +393,7 @@ def test_sharded_trainers_behind_the_server(tmp_path, tiny_dir, backend):
         stats = httpx.get(url + "/stats", headers=AUTH, timeout=10).json()
     finally:
         if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
+            _kill_tree(trainer.pid)
         _stop(worker, server)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]

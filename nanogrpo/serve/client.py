@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import NanoGRPOError
 from nanogrpo.serve.auth import auth_headers
-from nanogrpo.serve.weights import WeightLayout, check_weights
+from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights
 
 log = logging.getLogger("nanogrpo.serve.client")
 WEIGHTS_FORMAT = "nanogrpo.weights/1"
@@ -203,5 +203,5 @@ class ServerClient:
             return None
         version = r.headers.get("x-policy-version", "")
         if not version.isascii() or not version.isdigit():
-            raise ServerError(f"fetch weights: server {self.url} sent weights without a version")
+            raise WeightsError(f"server {self.url} sent weights without a policy version")
         return int(version), load_published(r.content, layout)

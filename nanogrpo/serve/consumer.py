@@ -82,8 +82,8 @@ class _Feed:
         return RolloutBatch.from_bytes(self.inbox.read(kept)), kept, drops
 
     def fetch(self, step: int, version: int, drops: list[dict]) -> tuple[RolloutBatch | None, dict | None]:
-        """A batch to train on from the server (dropping stale and invalid ones, appended to ``drops``),
-        or (None, None) when a long poll brought nothing."""
+        """A batch to train on from the server, or (None, None) when a long poll brought nothing or the
+        batch it brought was dropped (stale or invalid; appended to ``drops``)."""
         cfg = self.cfg
         while True:
             got = self.client.get(wait_s=POLL_S)
@@ -111,12 +111,13 @@ class _Feed:
             if action == "stale":
                 log.info("dropped batch %s of policy version %d (trainer at %d, max_staleness %d)",
                          got.batch_id, batch.policy_version, version, cfg.server.max_staleness)
+            return None, None
 
 
 def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> int:
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
-    from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.client import ServerClient, ServerError
     from nanogrpo.train.checkpoint import latest_checkpoint, load_state
     from nanogrpo.train.distributed import init_distributed, make_backend
     from nanogrpo.train.logging_sinks import RunLogger
@@ -239,7 +240,12 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                     batch, entry = feed.fetch(step, version, drops)
                 if not backend.all_reduce([float(batch is None)], ["max"])[0]:
                     break
-                if decide(float(client.weights_version() < published) if main else 0.0) > 0:
+                held = decide(client.weights_version() if main else -1.0)
+                if held > version:  # workers generate with weights this trainer never had: it would starve
+                    raise ServerError(f"server {url} holds policy version {held:.0f}, newer than this "
+                                      f"trainer's {version}: another trainer publishes to this server (one "
+                                      "trainer per server); stop it, or restart `nanogrpo serve`")
+                if held < published:
                     # a restarted server lost our weights: without them workers stay stale
                     log.warning("the server lost the published weights (restarted?); publishing version %d",
                                 version)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import re
 import time
 import uuid
@@ -121,16 +122,19 @@ def number_param(request: Request, name: str, default: float, lo: float, hi: flo
     return v
 
 
-def _meta_depth(x) -> int:
-    """Nesting depth of a JSON value, without recursion (a hostile header may nest 1,000 deep)."""
-    depth, stack = 0, [(x, 1)]
+def _check_meta(meta: dict) -> None:
+    """``meta`` nests at most MAX_META_DEPTH deep and holds only finite numbers (``1e999`` parses as
+    inf, which the batch could not be encoded with again); walked without recursion (a hostile header
+    may nest 1,000 deep)."""
+    stack = [(meta, 1)]
     while stack:
         v, d = stack.pop()
         if isinstance(v, (dict, list)):
-            depth = max(depth, d)
-            if d <= MAX_META_DEPTH:
-                stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return depth
+            if d > MAX_META_DEPTH:
+                raise Reject(400, "bad_batch", f"meta is nested deeper than {MAX_META_DEPTH} levels")
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise Reject(400, "bad_batch", "meta holds a non-finite number")
 
 
 def decode_batch(st: ServerState, body: bytes) -> RolloutBatch:
@@ -144,8 +148,7 @@ def decode_batch(st: ServerState, body: bytes) -> RolloutBatch:
         raise Reject(400, "bad_batch", f"undecodable batch ({type(e).__name__})") from None
     if batch.policy_version > MAX_VERSION:
         raise Reject(400, "bad_batch", f"policy_version must be at most {MAX_VERSION}")
-    if _meta_depth(batch.meta) > MAX_META_DEPTH:
-        raise Reject(400, "bad_batch", f"meta is nested deeper than {MAX_META_DEPTH} levels")
+    _check_meta(batch.meta)
     worker = batch.meta.get("worker", "?")
     if not isinstance(worker, str) or len(worker) > MAX_WORKER_LEN:
         raise Reject(400, "bad_batch", f"meta.worker must be a string of at most {MAX_WORKER_LEN} characters")
