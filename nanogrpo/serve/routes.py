@@ -194,10 +194,7 @@ def create_app(st: ServerState) -> Starlette:
         if bid in q.processing:
             raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
                          st.s.retry_after_s)
-        if q.seen(bid):
-            st.duplicates += 1
-            return JSONResponse({"queued": False, "duplicate": True, "id": bid, "depth": q.depth()})
-        if q.full():
+        if q.full() and not q.seen(bid):  # a retry of a queued batch is told "duplicate" below instead
             raise busy(f"queue full ({q.capacity} batches); retry later")
         if st.ref_fn is not None and st.pending >= st.s.max_pending:
             raise Reject(429, "busy", "reference model busy; retry later", st.s.retry_after_s)
@@ -211,7 +208,7 @@ def create_app(st: ServerState) -> Starlette:
             st.reading -= 1
         batch = await asyncio.to_thread(decode_batch, st, body) if len(body) > (1 << 20) \
             else decode_batch(st, body)
-        # the state may have moved while the body arrived
+        # valid: now the queue's state decides (it may also have moved while the body arrived)
         if bid in q.processing:
             raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
                          st.s.retry_after_s)
