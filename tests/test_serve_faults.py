@@ -59,7 +59,7 @@ def test_idle_connections_from_another_process_do_not_deny_service():
     """Fault 1: 300 idle TCP connections (no token, nothing sent) held by another process made every
     request, /health included, answer 503 until they closed. Now /health, a good upload and a get
     answer within 5 s (the oldest idle sockets make room), and idle sockets time out."""
-    st = _state(idle_timeout_s=3.0)
+    st = _state(idle_timeout_s=2.0)
     with LiveServer(st) as srv:
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(srv.port), "300"],
                                   stdout=subprocess.PIPE, text=True)
