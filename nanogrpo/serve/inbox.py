@@ -17,7 +17,9 @@ same order with the staleness they had, and only then takes new ones. So a batch
 over is neither lost with the steps a crash discards nor trained on twice in the run's history,
 and a resumed run repeats the metrics of those steps. Each rank replays its own inbox: resume with
 the same number of ranks (with more, the new ones start fetching; with fewer, the missing ranks'
-batches are not replayed, and a warning says how many).
+batches are not replayed). The inbox holds at most ``train.save_every`` steps of batches per rank
+(with ``save_every = 0``, the whole run); on several machines the run directory must be shared, as
+for checkpoints.
 """
 
 from __future__ import annotations
