@@ -218,12 +218,20 @@ class ServerConfig(_Strict):
     max_staleness: int = Field(4, ge=0)
     """Batches generated more than this many policy versions ago are dropped (and counted)."""
     queue_size: int = Field(16, gt=0)
-    """Batches the server holds (ready + awaiting reference log-probs); beyond it uploads get 503."""
+    """Batches the server holds (awaiting reference log-probs, ready, or delivered and not yet
+    acknowledged); beyond it uploads get 503."""
     token_file: str | None = None
     """File holding the shared token (else the NANOGRPO_TOKEN environment variable; never a flag)."""
     timeout_s: float = Field(60.0, gt=0)
     """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
     retry_for_s: float = Field(600.0, gt=0)
+    lease_s: float = Field(60.0, gt=0)
+    """Server: a batch delivered to a trainer rank goes back in the queue (same id, delivered again) if the
+    rank does not acknowledge it within this many seconds after receiving it (the rank died, or its
+    connection did); the rank acknowledges as soon as the batch is safe in its run directory."""
+    max_version_step: int = Field(1000, ge=1)
+    """Server: how far one publish may move the policy version forward (the trainer moves it by
+    ``publish_every x grpo.updates_per_batch``); a larger jump is refused."""
 
 
 class Config(_Strict):
