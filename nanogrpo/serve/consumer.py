@@ -123,11 +123,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     if cfg.eval.every:  # held-out evaluation during training, as in single-process mode
         from nanogrpo.data import load_rows
         from nanogrpo.rewards import RewardRunner
-        from nanogrpo.rollout.factory import make_engine
+        from nanogrpo.rollout.factory import engine_for
 
         eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
         evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
-                      make_engine(cfg.rollout.engine, model, tok))
+                      engine_for(cfg, model, tok))
     counts: collections.Counter[str] = collections.Counter()
     workers: collections.Counter[str] = collections.Counter()
 
@@ -163,8 +163,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             loss = kl = clip = grad_norm = float("nan")
             updates = skipped = 0
             for it in range(cfg.grpo.updates_per_batch):
+                # a worker whose engine's numerics differ from ours (vllm) asks for the clipped ratio
+                # against its log-probs even when the batch is fresh
+                exact = not batch.meta.get("behaviour_logprobs", False)
                 res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train,
-                                    on_policy=(it == 0 and lag == 0),
+                                    on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens)
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
@@ -187,6 +190,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 **{k: v for k, v in roll.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
             }
             if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                if getattr(evaluation[1], "owns_weights", False):
+                    evaluation[1].load_from(model)  # vllm evaluates with its own copy: bring it up to date
                 row.update(_held_out_eval(cfg, model, tok, evaluation[1], evaluation[0], step))
             examples = batch.meta.get("examples")
             logger.log_step(row, examples if isinstance(examples, list) else None)
