@@ -215,3 +215,22 @@ def test_clear_errors():
         VLLMEngine(qwen(0), tokenizer=TOK, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="sleep"):
         VLLMEngine(qwen(0), tokenizer=TOK, sleep_mode=True)
+
+
+def test_lora_policy_reaches_vllm_merged():
+    """A LoRA policy goes into vLLM as merged weights: greedy equals the PEFT model's own generate."""
+    pytest.importorskip("peft")
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.lora import apply_lora
+
+    model = apply_lora(qwen(4), ModelConfig(lora_r=8))
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8)
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)                                   # as if trained
+    model.eval()
+    engine.load_from(model)
+    got = engine.generate(PROMPTS, GREEDY).completion_ids
+    assert got != before and got == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)

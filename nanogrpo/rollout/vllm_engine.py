@@ -103,7 +103,8 @@ class _DropNoise(logging.Filter):
              "RotaryEmbedding: Failed to load weights",    # every reload: RoPE has no weights
              "CPU backend doesn't allow to use `torch.set_num_threads`",  # its stub; we put torch's back
              "libtcmalloc is not found in LD_PRELOAD",     # tuning advice for vLLM's own processes
-             "libiomp is not found in LD_PRELOAD")
+             "libiomp is not found in LD_PRELOAD",
+             "Using None for EOS token id")                # we pass the EOS ids with every request
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -205,6 +206,7 @@ class VLLMEngine:
                 and torch.distributed.get_world_size() > 1:
             raise ConfigError("rollout.engine=vllm runs in one process; with several ranks use split mode "
                               "(`nanogrpo rollout ... rollout.engine=vllm` workers) or rollout.engine=fast")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM configures its logging
         vllm = import_vllm()
         base = model.get_base_model() if is_peft(model) else model
         cfg = base.config
@@ -246,13 +248,14 @@ class VLLMEngine:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
         if max_num_seqs:
             kw["max_num_seqs"] = max_num_seqs
+        if not cuda:  # vLLM 0.32 CPU: a seeded request whose prefill is split into chunks crashes
+            kw["enable_chunked_prefill"] = False  # ("CPU Generator does not use offset"): whole prompts
+            kw["max_num_batched_tokens"] = max(4096, self.max_model_len)
         if sleep_mode:
             kw["enable_sleep_mode"] = True
         kw.update(llm_kwargs or {})
         self._keys = set(policy_state_dict(model))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        if "VLLM_LOGGING_LEVEL" not in os.environ:  # its INFO lines flood the progress bar
-            logging.getLogger("vllm").setLevel(logging.WARNING)
         for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
                      "vllm.v1.worker.cpu_worker"):
             logging.getLogger(name).addFilter(_DropNoise())

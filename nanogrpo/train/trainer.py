@@ -50,6 +50,10 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
         rows = load_rows(cfg.data, cfg.data.split)
         eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
         check_model_source(cfg.model)
+        if cfg.rollout.engine == "vllm":
+            from nanogrpo.rollout.vllm_engine import import_vllm
+
+            import_vllm()  # installed? (a one-line error before any weights are read)
     except Exception:
         rewards.close()
         raise
