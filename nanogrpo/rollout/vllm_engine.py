@@ -111,6 +111,9 @@ class _DropNoise(logging.Filter):
         return not any(msg.startswith(n) for n in self.NOISE)
 
 
+_NOISE = _DropNoise()
+
+
 @contextlib.contextmanager
 def _guard_process_state() -> Iterator[None]:
     """Undo what building ``vllm.LLM`` in-process does to the process (see the module docstring)."""
@@ -156,11 +159,14 @@ def vllm_options(cfg) -> dict[str, Any]:
     the prompt and generation lengths, the rollout batch and the log-prob convention)."""
     v = cfg.vllm
     longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    tempered = bool(getattr(cfg.rollout, "tempered_logprobs", False))  # the convention switch, if present
+    if tempered and (cfg.rollout.top_k or cfg.rollout.top_p < 1):
+        raise ConfigError("rollout.engine=vllm with rollout.tempered_logprobs=true needs rollout.top_k=0 and "
+                          "rollout.top_p=1: vLLM takes tempered log-probs after its top-k/top-p mask")
     return dict(max_model_len=v.max_model_len or cfg.data.max_prompt_tokens + longest,
                 max_batch=max(cfg.rollout.prompts_per_step * cfg.grpo.group_size,
                               cfg.eval.batch_size * cfg.eval.k),
-                # rollout.tempered_logprobs: the convention switch (absent from configs that predate it)
-                tempered_logprobs=bool(getattr(cfg.rollout, "tempered_logprobs", False)),
+                tempered_logprobs=tempered,
                 kv_cache_bytes=int(v.kv_cache_gib * 2**30), gpu_memory_utilization=v.gpu_memory_utilization,
                 tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=v.enable_prefix_caching,
@@ -240,8 +246,7 @@ class VLLMEngine:
             enforce_eager=not cuda if enforce_eager is None else enforce_eager,
             load_format="dummy", skip_tokenizer_init=True, generation_config="vllm", seed=seed,
             logprobs_mode="processed_logprobs" if tempered_logprobs else "raw_logprobs",
-            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=bool(getattr(cfg, "auto_map", None)))
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
         if kv_cache_bytes:
             kw["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         else:
@@ -258,7 +263,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
                      "vllm.v1.worker.cpu_worker"):
-            logging.getLogger(name).addFilter(_DropNoise())
+            logging.getLogger(name).addFilter(_NOISE)  # (adding the same filter twice keeps one)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, _guard_process_state():
             cfg.to_json_file(str(Path(d) / "config.json"))  # the config only: weights come from memory
