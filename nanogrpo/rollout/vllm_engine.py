@@ -104,7 +104,9 @@ class _DropNoise(logging.Filter):
              "CPU backend doesn't allow to use `torch.set_num_threads`",  # its stub; we put torch's back
              "libtcmalloc is not found in LD_PRELOAD",     # tuning advice for vLLM's own processes
              "libiomp is not found in LD_PRELOAD",
-             "Using None for EOS token id")                # we pass the EOS ids with every request
+             "Using None for EOS token id",                # we pass the EOS ids with every request
+             "The global random seed is set to",           # we put the RNG states back
+             "This model does not officially support disabling chunked prefill")  # CPU: see __init__
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -255,6 +257,7 @@ class VLLMEngine:
             kw["max_num_seqs"] = max_num_seqs
         if not cuda:  # vLLM 0.32 CPU: a seeded request whose prefill is split into chunks crashes
             kw["enable_chunked_prefill"] = False  # ("CPU Generator does not use offset"): whole prompts
+            # (vLLM warns that this is not "officially supported"; tests/test_vllm.py checks the outputs)
             kw["max_num_batched_tokens"] = max(4096, self.max_model_len)
         if sleep_mode:
             kw["enable_sleep_mode"] = True
@@ -262,7 +265,7 @@ class VLLMEngine:
         self._keys = set(policy_state_dict(model))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
-                     "vllm.v1.worker.cpu_worker"):
+                     "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils"):
             logging.getLogger(name).addFilter(_NOISE)  # (adding the same filter twice keeps one)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, _guard_process_state():
