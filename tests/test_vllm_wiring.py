@@ -87,6 +87,7 @@ def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(t
         assert all(c == 0 for c in clip), clip                    # on-policy: logp.detach(), ratio 1
 
 
+@pytest.mark.slow  # a real server process (~10-40 s on a shared 2-core machine)
 def test_split_mode_trainer_takes_the_ratio_against_a_marked_fresh_batch(tmp_path, monkeypatch):
     """A worker whose engine has behaviour log-probs (vllm) marks its batches; the split-mode trainer
     then clips against them even at staleness 0, and treats an unmarked fresh batch as on-policy."""
