@@ -214,7 +214,8 @@ class VLLMEngine:
                 and torch.distributed.get_world_size() > 1:
             raise ConfigError("rollout.engine=vllm runs in one process; with several ranks use split mode "
                               "(`nanogrpo rollout ... rollout.engine=vllm` workers) or rollout.engine=fast")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM configures its logging
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM configures its logging,
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # off stdout (eval/bench JSON)
         vllm = import_vllm()
         base = model.get_base_model() if is_peft(model) else model
         cfg = base.config
