@@ -28,7 +28,8 @@ README). The engine lives in the trainer's (or rollout worker's) own process
   with a stub that only warns, reseeds torch / random / numpy, and sets ``LD_PRELOAD`` for
   the children; the engine puts back torch's function, the thread count, the CPU affinity,
   the three RNG states and ``LD_PRELOAD`` (:func:`_guard_process_state`), and checks them.
-  Not undone: vLLM's CPU worker binds the process's memory to the first CPU's NUMA node.
+  Not undone: vLLM's CPU worker binds the process's memory to the first CPU's NUMA node, and
+  vLLM initialises torch.distributed's default process group (gloo, world size 1) itself.
 - **Sleep mode** (``vllm.sleep_mode``, GPU): between calls vLLM's weights go to CPU memory
   and its KV cache is freed (vLLM's sleep level 1), so the update has the GPU; the next
   ``generate`` or weight load wakes it. Refused on the CPU, where vLLM has no sleep mode.
