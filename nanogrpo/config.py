@@ -234,10 +234,41 @@ class ServerConfig(_Strict):
     ``publish_every x grpo.updates_per_batch``); a larger jump is refused."""
 
 
+class VllmConfig(_Strict):
+    """``rollout.engine=vllm``: vLLM in the trainer's (or a rollout worker's) own process, its weights
+    pushed in place after every update (``nanogrpo.rollout.vllm_engine``). Needs the ``vllm`` extra."""
+
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + completion vLLM holds; 0: ``data.max_prompt_tokens`` + the longest of
+    ``rollout.max_new_tokens`` and ``eval.max_new_tokens`` (at most the model's positions)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """GPU: share of the device's memory vLLM takes for weights and KV cache. Beside the trainer it
+    must leave room for the update; a ``nanogrpo rollout`` worker alone on its GPU can take ~0.9.
+    Not used when ``kv_cache_gib`` is set, nor on the CPU."""
+    kv_cache_gib: float = Field(0.0, ge=0)
+    """KV cache size; 0: on a GPU from ``gpu_memory_utilization``, on the CPU room for one rollout
+    (``rollout.prompts_per_step`` x ``grpo.group_size`` sequences of ``max_model_len`` tokens)."""
+    enforce_eager: bool | None = None
+    """None: eager on the CPU (vLLM compiles nothing there), CUDA graphs on a GPU."""
+    sleep_mode: bool = False
+    """GPU only: between generate calls vLLM moves its weights to CPU memory and frees its KV cache
+    (vLLM sleep level 1), leaving the GPU to the update; it wakes for the next rollout."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans. Only 1 is supported in-process (vLLM runs tensor-parallel workers as
+    separate processes, which the in-memory weight sync does not reach): use split mode instead."""
+    max_num_seqs: int = Field(0, ge=0)
+    """Sequences decoded at once; 0: vLLM's default."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys and values of a prompt across its samples (reset at every weight load)."""
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
+
+
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -182,12 +182,12 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
         from nanogrpo.data import load_rows
         from nanogrpo.rewards import RewardRunner
-        from nanogrpo.rollout.factory import make_engine
+        from nanogrpo.rollout.factory import engine_for
 
         if main:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
             evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
-                          make_engine(cfg.rollout.engine, backend.rollout_model(), tok))
+                          engine_for(cfg, backend.rollout_model(), tok))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]
     published = -1  # the version the server holds, as far as all ranks know (the same on every rank)
     live = False    # past the replayed steps: taking batches from the server
@@ -261,8 +261,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             loss = kl = clip = grad_norm = float("nan")
             updates = skipped = 0
             for it in range(cfg.grpo.updates_per_batch):
+                # a worker whose engine's numerics differ from ours (vllm) asks for the clipped ratio
+                # against its log-probs even when the batch is fresh
+                exact = not batch.meta.get("behaviour_logprobs", False)
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
-                                    on_policy=(it == 0 and lag == 0),
+                                    on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
@@ -302,6 +305,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 if world > 1:
                     backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
                 if evaluation is not None:
+                    if getattr(evaluation[1], "owns_weights", False):
+                        evaluation[1].load_from(backend.rollout_model())  # vllm evaluates with its own copy
                     row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step))
             if logger is not None:
                 examples = batch.meta.get("examples")

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.rewards import RewardRunner
     from nanogrpo.rollout.collect import rollout
-    from nanogrpo.rollout.factory import make_engine
+    from nanogrpo.rollout.factory import engine_for
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
     from nanogrpo.serve.weights import WeightLayout
@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
-        engine = make_engine(cfg.rollout.engine, model, tok)
+        engine = engine_for(cfg, model, tok)
         follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
+        if getattr(engine, "owns_weights", False):
+            del model  # vllm holds its own copy of the weights; new ones come from the relay
         sampler = PromptSampler(rows, cfg.rollout.prompts_per_step, seed=seed, shuffle=cfg.data.shuffle)
         # batch ids: unique across workers and restarts of one, the same over an upload's retries
         id_prefix = f"{re.sub(r'[^A-Za-z0-9._:-]', '_', worker_id)[:40]}-{secrets.token_hex(3)}"
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
                     continue
+                # behaviour_logprobs: the trainer takes the clipped ratio against our log-probs (vllm)
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
+                                  behaviour_logprobs=bool(getattr(engine, "behaviour_logprobs", False)),
                                   rollout_time_s=time.perf_counter() - t0,
                                   examples=[_clean(ex) for ex in stats.examples])
                 batch_id = f"{id_prefix}-{uploaded}"
