@@ -106,7 +106,11 @@ def _launch(tmp_path: Path, backend: str, stage: int = 2) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def _check(tmp_path: Path, res: dict, atol: float = 1e-5) -> None:
+def _check(tmp_path: Path, res: dict, atol: float = 5e-5) -> None:
+    # atol: Adam's first step moves each weight by lr * g / (|g| + eps), about lr (1e-3) for every
+    # element; where |g| is within a few orders of eps, the ranks' different reduction order
+    # (rounding at 1e-7 relative) shifts that step by up to ~1% of lr (1.06e-5 seen with fsdp2).
+    # 5e-5 still fails on any wrong update, which moves an element by ~lr or more.
     model, single = _single_step()
     assert res["loss"] == pytest.approx(single.loss, rel=1e-5, abs=1e-6)
     assert res["grad_norm"] == pytest.approx(single.grad_norm, rel=1e-4)
@@ -133,7 +137,7 @@ def test_two_ranks_match_single_process(tmp_path, backend):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_matches_single_process(tmp_path, stage, _deepspeed_ops):
     # ZeRO-2/3 with the seed's config (overlap_comm, contiguous gradients, CPU AdamW offload), 2 CPU ranks
-    _check(tmp_path, _launch(tmp_path, "deepspeed", stage), atol=1e-5)
+    _check(tmp_path, _launch(tmp_path, "deepspeed", stage))
 
 
 def test_token_budget_micro_batches_sum_to_full_batch_loss():
