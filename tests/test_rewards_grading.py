@@ -213,11 +213,13 @@ def test_no_credit_where_a_grader_gives_none(completion: str) -> None:
     assert correctness(completion, {"question": QUESTION, "answer": "42"}) == -1.0
 
 
-def test_question_numbers_decide_a_sentence_only_when_given() -> None:
-    text = "<answer>Leo earned $10 for 50 minutes of babysitting.</answer>"
-    q = "Leo earns $12 an hour babysitting. Yesterday he babysat for 50 minutes. How much did he earn?"
-    assert read_answer(text, q).values == (10,)
-    assert read_answer(text).values == (50,)  # without the question: the last number, as the seed
+def test_a_sentence_answer_is_read_past_restated_question_numbers() -> None:
+    leo = "<answer>Leo earned $10 for 50 minutes of babysitting.</answer>"
+    assert read_answer(leo).values == (10,)  # "for 50 minutes": the object of a preposition is no result
+    zoe = "<answer>Zoe has 30 stickers after she used 12.</answer>"
+    q = "Zoe has 3 sheets of 14 stickers. She uses 12 stickers. How many stickers does she have left?"
+    assert read_answer(zoe, q).values == (30,)  # 12 is the question's
+    assert read_answer(zoe).values == (12,)  # without the question: the last number, as the seed
 
 
 # ----------------------------------------------------------------------------- format

@@ -4,7 +4,8 @@ Reads a labelled set (JSONL: ``completion``, ``reference``, ``question``, ``cate
 labels ``correct`` and ``format``; default ``tests/data/graded_completions.jsonl``) and prints,
 per category, how often nanogrpo's ``correctness`` / ``format`` and the seed's rules agree with
 the labels; then the time of one ``correctness`` call over the set (median and p99 of all calls
-over ``--repeats`` passes, in this process, after a warm-up), and the slowest of the
+over ``--repeats`` passes, in this process, after a warm-up; and the p99 over rows of each row's
+median, which a busy machine's preemptions do not reach), and the slowest of the
 :func:`pathological` 100,000-character completions.
 
     python -m nanogrpo.bench.rewards [--data FILE] [--repeats 20] [--markdown]
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in disagreements(rows, judge):
                 print(f"{judge} label={r[judge]}: {r['id']} {r['category']}: {r['completion']!r}",
                       file=sys.stderr)
-    times = sorted(call_times(rows, a.repeats))
+    raw = call_times(rows, a.repeats)
+    times = sorted(raw)
+    per_row = sorted(statistics.median(raw[i::len(rows)]) for i in range(len(rows)))
     patho = pathological_times()
     worst = max(patho, key=lambda x: x[1])
     total = table["all"]
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "correctness_median_ms": round(1000 * statistics.median(times), 4),
         "correctness_p99_ms": round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 4),
         "correctness_max_ms": round(1000 * times[-1], 3),
+        "correctness_row_median_p99_ms": round(1000 * per_row[min(len(rows) - 1, int(0.99 * len(rows)))], 4),
         "pathological_100k_worst_ms": round(1000 * worst[1], 2), "pathological_100k_worst": worst[0],
         "date": time.strftime("%Y-%m-%d"),
     }))

@@ -76,8 +76,9 @@ _LEAD_SKIP = " \t\r\n*_`$\\:=([{~≈>#\"'"
 _TAIL_SKIP = " \t\r\n*_`:=~≈>#\"'"
 _OPERATOR_AFTER_RE = re.compile(r"[ \t]{0,3}(?:[+*/×÷^·=]|\\times|\\cdot|\\div|-[ \t]{0,2}\$?[0-9]"
                                 r"|x[ \t]{0,2}\$?[0-9])")
-_STOP_RE = re.compile(r"[,.;:()\[\]—=\n]|\b(?:since|because|as|which|so|from|per|each|for|in|after|"
-                      r"when|with|if|to)\b", re.IGNORECASE)
+_STOP_RE = re.compile(r"[,.;:()\[\]—=\n]|\s-\s|\b(?:since|because|as|which|so|from|per|each|for|in|after|"
+                      r"when|with|if|to|given|using|assuming|where|i\.e)\b", re.IGNORECASE)
+_ARITHMETIC_RE = re.compile(r"[+×*/÷^]|\\times|\\cdot|\s-\s|\b(?:x|times|plus|minus|divided)\b")
 _VERB_RE = re.compile(r"\b(?:is|are|was|were|has|have|had|will|would|can|could|must|needs?|do|does|did|"
                       r"gets?|got|makes?|made|costs?|sold|sells?|buys?|bought|takes?|took|gives?|gave|earns?|earned|"
                       r"pays?|paid|runs?|ran|reads?|lay|lays)\b", re.IGNORECASE)
@@ -92,9 +93,12 @@ _NEGATED_RE = re.compile(r"(?:\bnot|n't|\bnever)\s+(?:equal\s+to\s+|be\s+|exactl
                          re.IGNORECASE)
 _CONCLUSION_RE = re.compile(r"\b(?:so|therefore|thus|hence|total|altogether|overall|finally|result)\b",
                             re.IGNORECASE)
-_COPULA_RE = re.compile(r"\b(?:is|are|was|were|be|equals?|makes|comes\s+to|totals?|gives)\b"
+_COPULA_RE = re.compile(r"\b(?:is|are|was|were|be|equals?(?:\s+to)?|makes?|comes\s+to|totals?|gives)\b"
                         r"(?:[ \t]{1,3}(?:about|approximately|exactly|just|only)\b)?"
                         r"[ \t$\\*]{0,4}(?=[0-9.½¼¾-])", re.IGNORECASE)
+_PREPOSITION_RE = re.compile(r"\b(?:for|after|before|in|into|from|of|with|by|at|per|than|within|over|during|"
+                             r"on|among|across|using)\s+(?:[a-z]+ing\s+|the\s+|an?\s+|each\s+|every\s+)?[$\\]*$",
+                             re.IGNORECASE)
 _SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)|\n")
 _ENUMERATOR_RE = re.compile(r"[ \t]{0,4}(?:(?:step|part)[ \t]{0,2})?[0-9]{1,2}[.):][ \t]{1,3}(?=\D)",
                             re.IGNORECASE)
@@ -178,7 +182,7 @@ def _announced(text: str, qnums: frozenset[Fraction]) -> Answer | None:
             return found
     if box is not None:
         _check_other_boxes(text, box)
-        return _read_region(box[1], qnums, boxed=True)
+        return _read_region(box[1], qnums, inner=True)
     return None
 
 
@@ -209,8 +213,8 @@ def _read_tail(text: str, pos: int, qnums: frozenset[Fraction]) -> Answer | None
         return None
     box = _last_box(sentence)
     if box is not None:
-        return _read_region(box[1], qnums, boxed=True)
-    return _read_region(sentence, qnums, boxed=True)  # no announcement inside an announcement
+        return _read_region(box[1], qnums, inner=True)
+    return _read_region(sentence, qnums, inner=True)
 
 
 def _last_box(text: str) -> tuple[int, str] | None:
@@ -242,12 +246,13 @@ def _braced(text: str, start: int) -> str | None:
 
 
 def _check_other_boxes(text: str, box: tuple[int, str]) -> None:
-    """Raise :class:`_Hedged` when one of the previous boxes holds another number than the last."""
+    """Raise :class:`_Hedged` when a box in the same sentence as the last holds another number
+    ("if 6 per box, \\boxed{42}; if 8, \\boxed{56}"); an earlier sentence's box was a step or a draft."""
     last = _box_values(box[1])
     pos = box[0]
     for _ in range(3):
-        pos = text.rfind("\\boxed", 0, pos)
-        if pos == -1:
+        pos = text.rfind("\\boxed", max(0, pos - WINDOW), pos)
+        if pos == -1 or _SENTENCE_END_RE.search(text, pos, box[0]):
             return
         m = _BOX_RE.match(text, pos)
         content = _braced(text, m.end()) if m is not None else None
@@ -273,19 +278,20 @@ def _clean(region: str) -> str:
     return region
 
 
-def _read_region(region: str, qnums: frozenset[Fraction], boxed: bool = False) -> Answer | None:
-    """The value a stretch of text announces (an answer block, a box's content, an announcement)."""
+def _read_region(region: str, qnums: frozenset[Fraction], inner: bool = False) -> Answer | None:
+    """The value a stretch of text announces (an answer block; ``inner``: a box's content or what an
+    announcement says, where no further box or announcement is looked for)."""
     text = _clean(region)
     if not text:
         return None
-    if not boxed:
+    if not inner:
         found = _announced(text, qnums)
         if found is not None:
             return found
     head = normalize(text[:WINDOW])
     nums = find_numbers(head)
-    if not nums and len(text) <= WINDOW:
-        nums = find_number_words(head)
+    if head.lstrip(_LEAD_SKIP)[:1].isalpha():  # "forty-two (6 × 7)"
+        nums = sorted(nums + find_number_words(head), key=lambda n: n.start)
     if nums:
         lead = _leading(head, nums)
         if lead is not None:
@@ -300,10 +306,15 @@ def _leading(text: str, nums: list[Num]) -> Answer | None:
         return None
     if _OPERATOR_AFTER_RE.match(text, first.end):
         return None  # an expression: 7 × 6 = 42
-    stop = _STOP_RE.search(text, first.end)
-    boundary = stop.start() if stop is not None else len(text)
-    if any(first.end <= n.start < boundary for n in nums[1:]) or _VERB_RE.search(text, first.end, boundary):
-        return None  # "1 bag has 7 apples, so …", "9 eggs are sold, so …": sentences, not results
+    stop = _STOP_RE.search(text, first.end, first.end + 200)
+    boundary = stop.start() if stop is not None else min(len(text), first.end + 200)
+    if _VERB_RE.search(text, first.end, boundary):
+        return None  # "9 eggs are sold, so …": a sentence, not a result
+    if any(first.end <= n.start < boundary for n in nums[1:]):
+        return None  # "8 ft × 5 ft = 40", "3 bags of 7 apples each, so 21": it goes on to a result
+    for concl in _CONCLUSION_RE.finditer(text, first.end, first.end + WINDOW):
+        if any(concl.end() <= n.start < concl.end() + 30 for n in nums[1:]):
+            return None  # "7 apples in a bag. So 6 bags hold 42": reasoning that ends in a result
     _check_hedges(text, first)
     return _as_answer(text, first)
 
@@ -317,7 +328,7 @@ def _last_sentence(text: str, qnums: frozenset[Fraction], region: bool = True) -
         words = find_number_words(tail)
         kept = [w for w in words if not _negated(tail, w)]
         if kept:
-            return _as_answer(tail, _choose(kept, qnums))
+            return _as_answer(tail, _choose(tail, kept, qnums))
         return Answer(text) if region and not words and len(text) <= _MAX_TEXT else None
     lo = max(0, end_digit - WINDOW)
     start = lo
@@ -363,7 +374,7 @@ def _pick(s: str, nums: list[Num], qnums: frozenset[Fraction]) -> Num | Answer:
         i = bisect.bisect_left(starts, cop.end())
         if i < len(nums) and nums[i].start - cop.end() <= 2:
             return nums[i]
-    return nums[0] if len(nums) == 1 else _choose(nums, qnums)
+    return nums[0] if len(nums) == 1 else _choose(s, nums, qnums)
 
 
 def _equation_result(s: str, nums: list[Num]) -> Num | None:
@@ -384,10 +395,12 @@ def _value_side(s: str, side_start: int, n: Num) -> bool:
     return not s[side_start:n.start].strip(_LEAD_SKIP) and not _OPERATOR_AFTER_RE.match(s, n.end)
 
 
-def _choose(nums: list[Num], qnums: frozenset[Fraction]) -> Num:
-    """Several numbers and nothing that says which: the last one not taken from the question."""
-    fresh = [n for n in nums if qnums.isdisjoint(n.values)]
-    return fresh[-1] if fresh else nums[-1]
+def _choose(s: str, nums: list[Num], qnums: frozenset[Fraction]) -> Num:
+    """Several numbers and nothing that says which: of those that are not the object of a preposition
+    ("for 50 minutes", "in 3 weeks", "out of 7 dozen"), those not taken from the question, the last."""
+    main = [n for n in nums if not _PREPOSITION_RE.search(s, max(0, n.start - 24), n.start)] or nums
+    fresh = [n for n in main if qnums.isdisjoint(n.values)] or main
+    return fresh[-1]
 
 
 def _is_expression(s: str, nums: list[Num]) -> bool:

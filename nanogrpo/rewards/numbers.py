@@ -65,7 +65,7 @@ _GROUP_SEP_RE = re.compile(r"\{,\}|\\,|\\ |[, ]")
 _GAP, _GAP1 = r"[ \t]{0,2}", r"[ \t]{1,2}"
 _SLASH_RE = re.compile(r"/([0-9]{1,30})(?![0-9./])")  # MAX_DIGITS
 _MIXED_RE = re.compile(
-    r"(?:" + _GAP1 + r"(?:and" + _GAP1 + r")?([0-9]{1,6})/([0-9]{1,6})(?![0-9./])"
+    r"(?:(?:" + _GAP1 + r"(?:and" + _GAP1 + r")?|-)([0-9]{1,6})/([0-9]{1,6})(?![0-9./]|\s{0,3}=)"
     r"|" + _GAP + r"([" + "".join(_VULGAR) + r"])"
     r"|" + _GAP + r"(?:and" + _GAP1 + r")?" + _FRAC +
     r"|" + _GAP1 + r"and" + _GAP1 + r"(?:a|one)" + _GAP1 + r"(half|third|quarter)\b)"
