@@ -194,6 +194,11 @@ QUESTION = ("A bakery sells muffins in boxes of 6. Mara buys 7 boxes for a party
     "<think>draft <answer>40</answer> no: 7 × 6 = 42</think>\nThe final answer is 42.",
     "<think>7 × 6 = 42</think><answer>42</answer>\nUser: and 8 boxes?\nAssistant: <answer>48</answer>",
     "<answer>Not 48 but 42.</answer>", "<answer>It is not 36; it is 42.</answer>",
+    "<answer>42, 6 muffins in each of 7 boxes</answer>", "<answer>42 (6, 7)</answer>",
+    "<answer>42, not 48</answer>",
+    "<answer>Forty-two muffins (7 × 6)</answer>", "<answer>42 - she buys 7 boxes of 6</answer>",
+    "<answer>3 boxes of 7, so 6 boxes hold 42</answer>", "<answer>The count went from 36 to 42.</answer>",
+    "First the eggs: $\\boxed{9}$ left.\nThen the total is $7 \\times 6 = \\boxed{42}$.",
 ])
 def test_the_announced_value_is_read(completion: str) -> None:
     assert correctness(completion, {"question": QUESTION, "answer": "42"}) == 1.0
@@ -208,6 +213,9 @@ def test_the_announced_value_is_read(completion: str) -> None:
     "<think>7 × 6 = 42</think><answer>",
     "<answer>-42</answer>", "<answer>$42k</answer>", "<answer>42 - 6 = 36</answer>", "<answer>6/7</answer>",
     "<think>The answer is 42.</think><answer>48</answer>", "I need more information.", "",
+    "<answer>42, 48.</answer>", "<answer>36 and 42 muffins</answer>",
+    "<answer>She buys 40 to 45 muffins</answer>",
+    "\\boxed{40} or \\boxed{42}",
 ])
 def test_no_credit_where_a_grader_gives_none(completion: str) -> None:
     assert correctness(completion, {"question": QUESTION, "answer": "42"}) == -1.0

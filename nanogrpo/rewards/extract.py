@@ -83,8 +83,12 @@ _VERB_RE = re.compile(r"\b(?:is|are|was|were|has|have|had|will|would|can|could|m
                       r"gets?|got|makes?|made|costs?|sold|sells?|buys?|bought|takes?|took|gives?|gave|earns?|earned|"
                       r"pays?|paid|runs?|ran|reads?|lay|lays)\b", re.IGNORECASE)
 _EXPLAIN_RE = re.compile(r"[(\[—]|\b(?:because|since)\b", re.IGNORECASE)
-_AFTER_ALT_RE = re.compile(r"[ \t]{0,3}(?:\([ \t]{0,2})?(?:,|;|/|\bor\b|\band\b|\bto\b|-|~|\band/or\b)"
-                           r"(?:[ \t]{1,3}(?:maybe|perhaps)\b)?[ \t$\\]{0,4}[0-9]", re.IGNORECASE)
+_AFTER_ALT_RE = re.compile(r"[ \t]{0,3}(?:\([ \t]{0,2})?"
+                           r"(?:(?P<list>,|;|\band\b)|/|\bor\b|\bto\b|-|~|\band/or\b)"
+                           r"(?:[ \t]{1,3}(?:maybe|perhaps)\b)?[ \t$\\]{0,4}(?=[0-9])", re.IGNORECASE)
+_LIST_END_RE = re.compile(r"[ \t]{0,3}(?:[A-Za-z]+[ \t]{0,3})?(?:$|[,;.)\n]|\b(?:and|or)\b)")
+_CHANGE_RE = re.compile(r"\b(?:dropp?e?d?|drops|fell|falls|rose|rises|went|goes|increased?|decreased?|grew|"
+                        r"grows|changed?|reduced?|cut|raised?|lowered?|moved?|climbed|sank)\b", re.IGNORECASE)
 _BEFORE_ALT_RE = re.compile(r"(?:\b(?:between|either)\s+[$\\]*\s*"
                             r"|[0-9%]\s*(?:,|\bor|\bto|-|\band)\s*[$\\]*\s*)$", re.IGNORECASE)
 _OR_NEAR_RE = re.compile(r"\b(?:or|and/or)\s+(?:maybe\s+|perhaps\s+|possibly\s+|even\s+)?[$\\]*\s*(?=[0-9])",
@@ -419,15 +423,21 @@ def _negated(text: str, n: Num) -> bool:
 
 def _check_hedges(text: str, n: Num) -> None:
     """Raise :class:`_Hedged` when ``n`` comes with an alternative or is the end of a range."""
-    if _AFTER_ALT_RE.match(text, n.end):
-        raise _Hedged
+    alt = _AFTER_ALT_RE.match(text, n.end)
+    if alt is not None:
+        if alt.group("list") is None:
+            raise _Hedged  # "42 or 56", "40-45", "6 to 7"
+        other = find_numbers(text[alt.end():alt.end() + 40])
+        if other and _LIST_END_RE.match(text, alt.end() + other[0].end):
+            raise _Hedged  # "36, 42", "6 and 8" (not "$18, 9 eggs at $2 each")
     near = _OR_NEAR_RE.search(text, n.end, n.end + 60)
     if near is not None:
         other = find_numbers(text[near.end():near.end() + 40])
         if other and set(other[0].values).isdisjoint(n.values):
             raise _Hedged
     window = text[max(0, n.start - 30):n.start]
-    if _BEFORE_ALT_RE.search(window) and not window.rstrip().endswith(("=", "is", ":")):
+    change = window.rstrip(" $\\").endswith("to") and _CHANGE_RE.search(text, 0, n.start)  # "fell to 20"
+    if _BEFORE_ALT_RE.search(window) and not window.rstrip().endswith(("=", "is", ":")) and not change:
         raise _Hedged
 
 
