@@ -69,6 +69,11 @@ _NEW_TURN_RE = re.compile(r"\n[ \t>#*]{0,6}(?:Question|Problem|User|Human|Q|Inst
 _ANNOUNCE_RE = re.compile(
     r"\banswer\b(?:\s{1,3}to\s{1,3}(?:the|this)\s{1,3}(?:question|problem))?[ \t]{0,3}(?:\*\*[ \t]{0,3})?"
     r"(?:is\b|would\s{1,3}be\b|will\s{1,3}be\b|=|:)|####", re.IGNORECASE)
+_VALUE_START_RE = re.compile(r"[ \t\r\n*_`:=~≈>#\"']{0,12}(?:[-−–$(0-9½¼¾⅓⅔]|\\[(\[$]|\\(?:boxed|[dt]?frac)"
+                             r"|(?:zero|none|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
+                             r"twelve|[a-z]+teen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                             r"a dozen|half)\b)",
+                             re.IGNORECASE)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s{0,2}\{")
 _LATEX_NOISE_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s{0,2}\{"
                              r"|\\(?:left|right|displaystyle|,|!|;|:|quad|qquad)(?![A-Za-z])|\\[()\[\]]")
@@ -76,6 +81,7 @@ _LEAD_SKIP = " \t\r\n*_`$\\:=([{~≈>#\"'"
 _TAIL_SKIP = " \t\r\n*_`:=~≈>#\"'"
 _OPERATOR_AFTER_RE = re.compile(r"[ \t]{0,3}(?:[+*/×÷^·=]|\\times|\\cdot|\\div|-[ \t]{0,2}\$?[0-9]"
                                 r"|x[ \t]{0,2}\$?[0-9])")
+_OPERATOR_BEFORE_RE = re.compile(r"(?:[+*/×÷^·]|\\times|\\cdot|\\div|\s-|\bx)[ \t$\\]{0,3}$")
 _STOP_RE = re.compile(r"[,.;:()\[\]—=\n]|\s-\s|\b(?:since|because|as|which|so|from|per|each|for|in|after|"
                       r"when|with|if|to|given|using|assuming|where|i\.e)\b", re.IGNORECASE)
 _ARITHMETIC_RE = re.compile(r"[+×*/÷^]|\\times|\\cdot|\s-\s|\b(?:x|times|plus|minus|divided)\b")
@@ -176,11 +182,14 @@ def _cut_new_turn(text: str, after: int) -> str:
     return text[:m.start()] if m is not None else text
 
 
-def _announced(text: str, qnums: frozenset[Fraction]) -> Answer | None:
-    """The answer a box or an announcement gives (whichever comes last); None if neither gives one."""
+def _announced(text: str, qnums: frozenset[Fraction], worded: bool = True) -> Answer | None:
+    """The answer a box or an announcement gives (whichever comes last); None if neither gives one.
+    ``worded=False`` skips announcements that do not start with their value ("the answer is found by
+    multiplying 6 by 7", as opposed to "the answer is 42")."""
     box = _last_box(text)
     ann = _last_announcement(text)
-    if ann is not None and (box is None or ann.start() > box[0]):
+    if ann is not None and (box is None or ann.start() > box[0]) and (
+            worded or _VALUE_START_RE.match(text, ann.end())):
         found = _read_tail(text, ann.end(), qnums)
         if found is not None:
             return found
@@ -289,7 +298,7 @@ def _read_region(region: str, qnums: frozenset[Fraction], inner: bool = False) -
     if not text:
         return None
     if not inner:
-        found = _announced(text, qnums)
+        found = _announced(text, qnums, worded=False)  # a box, "the answer is 42"
         if found is not None:
             return found
     head = normalize(text[:WINDOW])
@@ -300,6 +309,10 @@ def _read_region(region: str, qnums: frozenset[Fraction], inner: bool = False) -
         lead = _leading(head, nums)
         if lead is not None:
             return lead
+    if not inner:
+        found = _announced(text, qnums)  # "the answer is: she has 42 apples"
+        if found is not None:
+            return found
     return _last_sentence(text, qnums)
 
 
@@ -400,9 +413,12 @@ def _value_side(s: str, side_start: int, n: Num) -> bool:
 
 
 def _choose(s: str, nums: list[Num], qnums: frozenset[Fraction]) -> Num:
-    """Several numbers and nothing that says which: of those that are not the object of a preposition
-    ("for 50 minutes", "in 3 weeks", "out of 7 dozen"), those not taken from the question, the last."""
-    main = [n for n in nums if not _PREPOSITION_RE.search(s, max(0, n.start - 24), n.start)] or nums
+    """Several numbers and nothing that says which: of those that are neither the object of a preposition
+    ("for 50 minutes", "in 3 weeks", "out of 7 dozen") nor an operand ("6 × 7"), those not taken from
+    the question, the last."""
+    main = [n for n in nums if not (_PREPOSITION_RE.search(s, max(0, n.start - 24), n.start)
+                                    or _OPERATOR_AFTER_RE.match(s, n.end)
+                                    or _OPERATOR_BEFORE_RE.search(s, max(0, n.start - 12), n.start))] or nums
     fresh = [n for n in main if qnums.isdisjoint(n.values)] or main
     return fresh[-1]
 
