@@ -343,7 +343,7 @@ def _last_sentence(text: str, qnums: frozenset[Fraction], region: bool = True) -
     if end_digit < 0:
         tail = normalize(text[-WINDOW:])
         words = find_number_words(tail)
-        kept = [w for w in words if not _negated(tail, w)]
+        kept = _unnegated(tail, words)
         if kept:
             return _as_answer(tail, _choose(tail, kept, qnums))
         return Answer(text) if region and not words and len(text) <= _MAX_TEXT else None
@@ -357,7 +357,7 @@ def _last_sentence(text: str, qnums: frozenset[Fraction], region: bool = True) -
     if e is not None:
         start = e.end()
     sentence = normalize(text[start:end])
-    nums = [n for n in find_numbers(sentence) if not _negated(sentence, n)]
+    nums = _unnegated(sentence, find_numbers(sentence))
     if not nums:
         return None
     pick = _pick(sentence, nums, qnums)
@@ -435,6 +435,14 @@ def _is_expression(s: str, nums: list[Num]) -> bool:
 
 def _negated(text: str, n: Num) -> bool:
     return _NEGATED_RE.search(text, max(0, n.start - 30), n.start) is not None
+
+
+def _unnegated(text: str, nums: list[Num]) -> list[Num]:
+    """``nums`` without those a "not" / "n't" / "never" negates ("not 42")."""
+    low = text.lower()
+    if "not" not in low and "n't" not in low and "never" not in low:
+        return nums
+    return [n for n in nums if not _negated(text, n)]
 
 
 def _check_hedges(text: str, n: Num) -> None:

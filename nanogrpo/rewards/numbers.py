@@ -114,6 +114,8 @@ def _int(s: str) -> int | None:
 
 
 def _decimal(s: str) -> Fraction | None:
+    if s.isdigit():  # the common case
+        return Fraction(int(s)) if len(s) <= MAX_DIGITS else None
     whole, _, frac = s.partition(".")
     if len(whole) + len(frac) > MAX_DIGITS * 2:
         return None
