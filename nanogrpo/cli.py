@@ -91,11 +91,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.server:
         from nanogrpo.serve.consumer import train_from_server
 
-        return train_from_server(cfg, a.server, resume_dir=a.resume)
-    run = prepare(cfg, a.resume)
-    root = train(run)
-    if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
-        print(f"run directory: {root}")
+        train_from_server(cfg, a.server, resume_dir=a.resume)
+    else:
+        root = train(prepare(cfg, a.resume))
+        if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
+            print(f"run directory: {root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched rank whose run is done (files written and closed, every rank past the final
         # barrier). Leave without interpreter teardown: tearing down gloo's process group aborted

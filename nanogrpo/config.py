@@ -222,18 +222,57 @@ class ServerConfig(_Strict):
     max_staleness: int = Field(4, ge=0)
     """Batches generated more than this many policy versions ago are dropped (and counted)."""
     queue_size: int = Field(16, gt=0)
-    """Batches the server holds (ready + awaiting reference log-probs); beyond it uploads get 503."""
+    """Batches the server holds (awaiting reference log-probs, ready, or delivered and not yet
+    acknowledged); beyond it uploads get 503."""
     token_file: str | None = None
     """File holding the shared token (else the NANOGRPO_TOKEN environment variable; never a flag)."""
     timeout_s: float = Field(60.0, gt=0)
     """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
     retry_for_s: float = Field(600.0, gt=0)
+    lease_s: float = Field(60.0, gt=0)
+    """Server: a batch delivered to a trainer rank goes back in the queue (same id, delivered again) if the
+    rank does not acknowledge it within this many seconds after receiving it (the rank died, or its
+    connection did); the rank acknowledges as soon as the batch is safe in its run directory."""
+    max_version_step: int = Field(1000, ge=1)
+    """Server: how far one publish may move the policy version forward (the trainer moves it by
+    ``publish_every x grpo.updates_per_batch``); a larger jump is refused."""
+
+
+class VllmConfig(_Strict):
+    """``rollout.engine=vllm``: vLLM in the trainer's (or a rollout worker's) own process, its weights
+    pushed in place after every update (``nanogrpo.rollout.vllm_engine``). Needs the ``vllm`` extra."""
+
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + completion vLLM holds; 0: ``data.max_prompt_tokens`` + the longest of
+    ``rollout.max_new_tokens`` and ``eval.max_new_tokens`` (at most the model's positions)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """GPU: share of the device's memory vLLM takes for weights and KV cache. Beside the trainer it
+    must leave room for the update; a ``nanogrpo rollout`` worker alone on its GPU can take ~0.9.
+    Not used when ``kv_cache_gib`` is set, nor on the CPU."""
+    kv_cache_gib: float = Field(0.0, ge=0)
+    """KV cache size; 0: on a GPU from ``gpu_memory_utilization``, on the CPU room for one rollout
+    (``rollout.prompts_per_step`` x ``grpo.group_size`` sequences of ``max_model_len`` tokens)."""
+    enforce_eager: bool | None = None
+    """None: eager on the CPU (vLLM compiles nothing there), CUDA graphs on a GPU."""
+    sleep_mode: bool = False
+    """GPU only: between generate calls vLLM moves its weights to CPU memory and frees its KV cache
+    (vLLM sleep level 1), leaving the GPU to the update; it wakes for the next rollout."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans. Only 1 is supported in-process (vLLM runs tensor-parallel workers as
+    separate processes, which the in-memory weight sync does not reach): use split mode instead."""
+    max_num_seqs: int = Field(0, ge=0)
+    """Sequences decoded at once; 0: vLLM's default."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys and values of a prompt across its samples (reset at every weight load)."""
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
 
 
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

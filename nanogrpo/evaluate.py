@@ -36,7 +36,7 @@ from nanogrpo.data import encode_prompts, load_rows
 from nanogrpo.rewards import RewardRunner, correctness, format_reward
 from nanogrpo.rewards.extract import extract_answer
 from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
+from nanogrpo.rollout.factory import engine_for
 
 
 def vote_key(answer: str | None) -> str | None:
@@ -131,7 +131,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
              engine=None) -> dict[str, Any]:
     """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
     rows = load_rows(cfg.data, split)[:n]
-    engine = engine or make_engine(cfg.rollout.engine, model, tokenizer)
+    engine = engine or engine_for(cfg, model, tokenizer)
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     model.eval()
     with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():

@@ -9,6 +9,7 @@ import random
 import httpx
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.serve.auth import is_loopback, load_token
@@ -43,7 +44,8 @@ class Answer:
 async def asgi_call(app, method: str, path: str, headers: dict[str, str], body: bytes | None) -> Answer:
     """One request straight into the ASGI app (no HTTP client): ~10x faster than httpx's transport."""
     path, _, query = path.partition("?")
-    raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    raw_headers = [(k.lower().encode(), v if isinstance(v, bytes) else v.encode())
+                   for k, v in headers.items()]
     if body is not None and not any(k == b"content-length" for k, _ in raw_headers):
         raw_headers.append((b"content-length", str(len(body)).encode()))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
@@ -127,7 +129,10 @@ def test_upload_get_round_trip_exact_and_empty_is_204():
         assert r.status_code == 200 and r.content == body
         assert (await c.post("/get", headers=AUTH)).status_code == 204
         s = (await c.get("/stats", headers=AUTH)).json()
-        assert s["batches_in"] == 1 and s["batches_out"] == 1 and s["workers"] == {"w0": 1}
+        assert s["batches_in"] == 1 and s["batches_out"] == 0 and s["queue_leased"] == 1   # until acked
+        assert (await c.post("/ack", params={"lease": r.headers["x-lease"]}, headers=AUTH)).json()["acked"]
+        s = (await c.get("/stats", headers=AUTH)).json()
+        assert s["batches_out"] == 1 and s["queue_leased"] == 0 and s["workers"] == {"w0": 1}
     run(st, fn)
 
 
@@ -158,7 +163,7 @@ def test_queue_full_answers_503_with_retry_after_and_duplicates_are_ignored():
         r = await c.post("/upload", content=make_batch(seed=0).to_bytes(),
                          headers={**AUTH, "X-Batch-Id": "b0"})
         assert r.status_code == 200 and r.json()["duplicate"]
-        assert len(st.ready) == 1
+        assert len(st.queue.ready) == 1 and len(st.queue.leased) == 1
     run(st, fn)
 
 
@@ -174,7 +179,7 @@ def test_oversized_and_truncated_bodies():
             yield body[:100]
         r = await c.post("/upload", content=partial(), headers={**AUTH, "Content-Length": str(len(body))})
         assert r.status_code == 400
-        assert not st.ready
+        assert not st.queue.ready
     run(st, fn)
 
 
@@ -214,7 +219,7 @@ def test_weights_relay_is_conditional_on_version():
         assert r.status_code == 409
         assert (await c.post("/weights", content=body[:-5], headers={**AUTH, "X-Policy-Version": "4"})
                 ).status_code == 400
-        assert (await c.get("/weights/version", headers=AUTH)).json() == {"version": 3}
+        assert (await c.get("/weights/version", headers=AUTH)).json()["version"] == 3
         assert (await c.get("/weights", params={"have": 3}, headers=AUTH)).status_code == 204
         r = await c.get("/weights", params={"have": 1}, headers=AUTH)
         assert r.status_code == 200 and r.headers["x-policy-version"] == "3"
@@ -267,7 +272,7 @@ def test_fuzz_10k_malformed_requests_all_4xx():
             return "POST", "/upload", h, good_body                                     # garbage headers
         if kind < 0.90:
             return "GET", f"/get?wait={rng.choice(['x', '-1', '1e9', 'nan', 'inf'])}", dict(AUTH), None
-        if kind < 0.96:
+        if kind < 0.93:
             v = rng.choice(["", "x", "-3", "1.5", "99999999999999999"])
             body = rng.choice([weights_ok[:rng.randrange(len(weights_ok))], b"junk", good_body,
                                _bad_weights(rng)])
@@ -275,6 +280,25 @@ def test_fuzz_10k_malformed_requests_all_4xx():
             if not v:
                 h["X-Policy-Version"] = "7"
             return "POST", "/weights", h, body if v else body[:40]                      # bad weights
+        if kind < 0.96:                                # non-ASCII digits, odd leases, deep or huge headers
+            sub = rng.randrange(4)
+            if sub == 0:
+                v = rng.choice([b"\xb2", b"1\xb3", b"\xb9\xb9", "１".encode(), b"+1", b" 1", b"1 ", b"0x1"])
+                return "POST", "/weights", {**AUTH, "X-Policy-Version": v}, weights_ok
+            if sub == 1:
+                lease = rng.choice(["", "x", "0" * 300, "deadbeef.1", "deadbeef.1.deadbee", "../../x", "%00"])
+                return "POST", f"/ack?lease={lease}", dict(AUTH), None
+            if sub == 2:
+                have = rng.choice(["x", "1e99", "²", "-2", "9" * 40])
+                return "GET", f"/weights?have={have}", dict(AUTH), None
+            meta = rng.choice(['{"worker": ' + "[" * 990 + "1" + "]" * 990 + "}", '{"worker": 1}',
+                               '{"worker": "' + "w" * 200 + '"}', '{"x": 1e999}', '{"x": ' + "9" * 5000 + "}",
+                               '{"a": {"b": ' + "[" * 18 + "1" + "]" * 18 + "}}"])
+            header = json.dumps({"format": "nanogrpo.batch/1", "prompt_len": good.prompt_len,
+                                 "group_size": good.group_size, "policy_version": rng.choice([0, 10**30]),
+                                 "meta": "@"}).replace('"@"', meta)
+            tensors = {k: v.contiguous() for k, v in good.tensors().items()}
+            return "POST", "/upload", dict(AUTH), st_save(tensors, metadata={"nanogrpo": header})
         method = rng.choice(["PUT", "DELETE", "GET", "POST"])
         return method, rng.choice(["/nope", "/upload/x", "/", "/health/x"]), AUTH, None
 
@@ -294,7 +318,7 @@ def test_fuzz_10k_malformed_requests_all_4xx():
                 rss0 = rss_mb()
         rss1 = rss_mb()
         assert (await c.get("/health")).status_code == 200
-        assert not st.ready and st.weights is None
+        assert not st.queue.ready and st.relay.body is None
         r = await c.post("/upload", content=good_body, headers=AUTH)
         assert r.status_code == 200
         back = await c.get("/get", headers=AUTH)
@@ -326,7 +350,7 @@ def test_staleness_policy_and_server_side_expiry():
         r = await c.get("/get", headers=AUTH)
         return RolloutBatch.from_bytes(r.content).policy_version
     assert run(st, fn) == 1
-    assert st.expired == 1 and len(st.ready) == 1
+    assert st.queue.expired == 1 and len(st.queue.ready) == 1 and len(st.queue.leased) == 1
 
 
 def test_client_gives_up_loudly_when_server_away_and_never_retries_a_4xx():

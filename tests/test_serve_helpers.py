@@ -8,6 +8,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,3 +174,34 @@ def rss_mb_of(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+class LiveServer:
+    """A server state's app on a real uvicorn server (real sockets, the connection guard and request caps
+    of ``nanogrpo serve``) in a thread of this process."""
+
+    def __init__(self, st, access_log: bool = False):
+        import uvicorn
+
+        from nanogrpo.serve.server import uvicorn_config
+
+        self.st = st
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn_config(st, "127.0.0.1", self.port, access_log)
+        config.timeout_graceful_shutdown = 1
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

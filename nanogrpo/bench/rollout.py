@@ -5,7 +5,8 @@ Builds a random-init model of a named shape offline, samples ``batch`` sequences
 with each engine, and prints one JSON line per engine: first call, median of the
 timed repeats (warm-up excluded), tokens/s, ms per decode step, peak GPU memory.
 
-Engines: ``fast``, ``hf`` (our reference engine, ``generate`` + log-probs), ``trl``
+Engines: ``fast``, ``hf`` (our reference engine, ``generate`` + log-probs), ``vllm`` (vLLM in this
+process, ``pip install -e ".[vllm]"``), ``trl``
 (``generate`` called as TRL's GRPOTrainer does: dynamic cache, no log-probs), and fast
 variants for ablations: ``fast-nofuse``, ``fast-nocompile``, ``fast-eager`` (no graphs,
 no compile), ``fast-torchlinear`` (on the CPU: PyTorch's float32 GEMMs instead of oneDNN's, see
@@ -33,7 +34,7 @@ FAST_VARIANTS = {"fast": {"cpu_linear": True}, "fast-nofuse": {"fuse": False, "c
                  "fast-nocompile": {"compile": False, "cpu_linear": True},
                  "fast-eager": {"compile": False, "cuda_graphs": False, "cpu_linear": True},
                  "fast-torchlinear": {"cpu_linear": False}}
-ENGINES = (*FAST_VARIANTS, "hf", "trl")
+ENGINES = (*FAST_VARIANTS, "hf", "trl", "vllm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,7 +98,11 @@ class _TRLStyle:
         return out
 
 
-def _engine(name: str, model, tok):
+def _engine(name: str, model, tok, max_len: int = 0, batch: int = 0):
+    if name == "vllm":  # vLLM in this process over a copy of the weights (nanogrpo.rollout.vllm_engine)
+        from nanogrpo.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, tokenizer=tok, ignore_eos=True, max_model_len=max_len, max_batch=batch)
     if name in FAST_VARIANTS:
         from nanogrpo.rollout.fast import FastEngine
 
@@ -114,7 +119,7 @@ def measure(name: str, model, tok, prompts, params, repeats: int, device: torch.
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine = _engine(name, model, tok)
+    engine = _engine(name, model, tok, len(prompts[0]) + params.max_new_tokens, len(prompts) * params.n)
     times = []
     for _ in range(repeats + 1):
         if cuda:
@@ -149,7 +154,7 @@ def check(name: str, model, tok, prompts, params) -> dict:
     from nanogrpo.rollout.hf import left_pad
 
     prompts = prompts[:16]
-    engine = _engine(name, model, tok)
+    engine = _engine(name, model, tok, len(prompts[0]) + params.max_new_tokens, len(prompts))
     gen = engine.generate(prompts, SamplingParams(params.max_new_tokens, temperature=1.0, seed=params.seed))
     worst, total, count = 0.0, 0.0, 0
     for prompt, comp, lps in zip(prompts, gen.completion_ids, gen.logprobs, strict=True):

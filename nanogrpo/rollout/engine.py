@@ -27,6 +27,9 @@ class SamplingParams:
     n: int = 1
     """Samples per prompt; results are prompt-major (prompt 0's n samples first)."""
     seed: int | None = None
+    logprob_temperature: float = 1.0
+    """Engines report log_softmax(logits / logprob_temperature) of the sampled tokens; 1.0 is the
+    untempered model distribution (the seed's convention)."""
 
     @property
     def greedy(self) -> bool:

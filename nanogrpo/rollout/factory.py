@@ -14,8 +14,8 @@ def make_engine(name: str, model, tokenizer=None, **kwargs) -> Engine:
     """Build the named engine over a live HF model (weights shared with the caller).
 
     ``kwargs`` go to the engine's constructor (e.g. ``eos_token_id``, ``pad_token_id``,
-    ``ignore_eos``). ``vllm`` is reserved: nanogrpo has no vLLM backend yet, and the
-    name only checks that the extra is installed and says so.
+    ``ignore_eos``). ``vllm`` builds vLLM over a copy of the model's weights (see
+    :mod:`nanogrpo.rollout.vllm_engine`); :func:`engine_for` passes it the ``[vllm]`` config.
     """
     if name == "auto":
         name = "fast" if type(model).__name__ in FAST_FAMILIES else "hf"
@@ -28,10 +28,16 @@ def make_engine(name: str, model, tokenizer=None, **kwargs) -> Engine:
 
         return FastEngine(model, tokenizer=tokenizer, **kwargs)
     if name == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise ValueError("rollout engine 'vllm' needs the vllm extra, which is not installed "
-                             "(pip install vllm); use 'fast' or 'hf' instead") from e
-        raise NotImplementedError("rollout engine 'vllm' is not implemented yet; use 'fast' or 'hf'")
+        from nanogrpo.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, tokenizer=tokenizer, **kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def engine_for(cfg, model, tokenizer=None, **kwargs) -> Engine:
+    """The engine ``cfg.rollout.engine`` names, with its settings from ``cfg`` (a :class:`Config`)."""
+    if cfg.rollout.engine == "vllm":
+        from nanogrpo.rollout.vllm_engine import vllm_options
+
+        kwargs = {**vllm_options(cfg), **kwargs}
+    return make_engine(cfg.rollout.engine, model, tokenizer, **kwargs)

@@ -7,6 +7,13 @@ backoff and jitter for up to ``retry_for_s`` seconds, then raise
 waited for without limit); a 4xx that retrying cannot fix raises at once with the
 server's one-line reason. Uploads carry an ``X-Batch-Id`` that stays the same
 across retries, so a retry after a lost answer never queues a batch twice.
+
+``get`` returns a :class:`Delivery` under a lease; the consumer acknowledges it with
+``ack`` once the batch is safe with it (the server then forgets it; an unacknowledged lease
+puts it back in the queue). Publishing is idempotent for its own retries (``X-Publish-Id``)
+and refuses loudly when the server holds a newer version from someone else. Fetched
+weights are validated against the receiver's model before anything is copied
+(:func:`load_published`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,6 +34,7 @@ from safetensors.torch import save as st_save
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import NanoGRPOError
 from nanogrpo.serve.auth import auth_headers
+from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights
 
 log = logging.getLogger("nanogrpo.serve.client")
 WEIGHTS_FORMAT = "nanogrpo.weights/1"
@@ -51,6 +60,24 @@ def encode_state_dict(state_dict: dict[str, torch.Tensor], version: int) -> byte
 
 def decode_state_dict(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
+
+
+def load_published(data: bytes, layout: WeightLayout) -> dict[str, torch.Tensor]:
+    """Published weights as a state dict, after checking them in full against the receiver's model
+    (:func:`nanogrpo.serve.weights.check_weights`); raises :class:`~nanogrpo.serve.weights.WeightsError`
+    (or the decoder's error) before anything is loaded anywhere."""
+    check_weights(data, layout)
+    return st_load(data)
+
+
+@dataclass
+class Delivery:
+    """A batch taken from the server under a lease (acknowledge it with :meth:`ServerClient.ack`)."""
+
+    body: bytes
+    batch_id: str
+    lease: str
+    policy_version: int
 
 
 class ServerClient:
@@ -122,30 +149,59 @@ class ServerClient:
     def stats(self) -> dict[str, Any]:
         return self._request("GET", "/stats", "stats").json()
 
-    def upload(self, batch: RolloutBatch | bytes) -> dict[str, Any]:
+    def upload(self, batch: RolloutBatch | bytes, batch_id: str | None = None) -> dict[str, Any]:
+        """Queue a batch under ``batch_id`` (default: a fresh one), the same id on every retry."""
         body = batch if isinstance(batch, bytes) else batch.to_bytes()
-        headers = {"X-Batch-Id": uuid.uuid4().hex, "Content-Type": "application/octet-stream"}
+        headers = {"X-Batch-Id": batch_id or uuid.uuid4().hex, "Content-Type": "application/octet-stream"}
         return self._request("POST", "/upload", "upload", content=body, headers=headers).json()
 
-    def get(self, wait_s: float = 10.0) -> RolloutBatch | None:
-        """The next ready batch, waiting up to ``wait_s`` seconds on the server; None when none came."""
+    def get(self, wait_s: float = 10.0) -> Delivery | None:
+        """The next ready batch, leased to us, waiting up to ``wait_s`` seconds on the server; None when
+        none came. Acknowledge it with :meth:`ack` (else it goes back in the queue after the lease)."""
         r = self._request("GET", "/get", "get batch", ok=(200, 204), params={"wait": wait_s},
                           timeout=self.timeout_s + wait_s)
         if r.status_code == 204:
             return None
-        return RolloutBatch.from_bytes(r.content)
+        try:
+            return Delivery(r.content, r.headers["x-batch-id"], r.headers["x-lease"],
+                            int(r.headers["x-policy-version"]))
+        except (KeyError, ValueError):
+            raise ServerError(f"get batch: server {self.url} answered without a batch id, lease and "
+                              "version: is it a nanogrpo server of this version?") from None
+
+    def ack(self, lease: str) -> str:
+        """Acknowledge a delivery: ``acked`` (the batch is ours; also for a repeated ack), ``lost`` (the
+        lease ran out and the batch went to another consumer: drop our copy), or ``gone`` (the server
+        restarted since: its queue, that batch included, is gone, so nobody else gets it)."""
+        r = self._request("POST", "/ack", "acknowledge batch", ok=(200, 409, 410), params={"lease": lease})
+        return {200: "acked", 409: "lost", 410: "gone"}[r.status_code]
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Publish weights as ``version``. A retry whose first attempt landed is a success; a server
+        holding a newer version from someone else is a :class:`ServerError`."""
         body = encode_state_dict(state_dict, version)
-        self._request("POST", "/weights", "publish weights", ok=(200, 409), content=body,
-                      headers={"X-Policy-Version": str(version), "Content-Type": "application/octet-stream"})
+        pid = uuid.uuid4().hex
+        r = self._request("POST", "/weights", "publish weights", ok=(200, 409), content=body,
+                          headers={"X-Policy-Version": str(version), "X-Publish-Id": pid,
+                                   "Content-Type": "application/octet-stream"})
+        if r.status_code == 409 and r.headers.get("x-publish-id") != pid:
+            held = r.headers.get("x-policy-version", "?")
+            raise ServerError(f"publish weights: server {self.url} holds policy version {held}, not "
+                              f"older than this trainer's {version}: another trainer publishes to this "
+                              "server (one trainer per server), or it serves another run; stop the other "
+                              "publisher or restart `nanogrpo serve`")
 
     def weights_version(self) -> int:
         return int(self._request("GET", "/weights/version", "weights version").json()["version"])
 
-    def fetch_weights(self, have: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The published weights when newer than version ``have``, else None."""
+    def fetch_weights(self, have: int, layout: WeightLayout) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The published weights when newer than version ``have`` (checked against ``layout``, the
+        receiver's model, before they are decoded), else None. Invalid weights raise
+        :class:`~nanogrpo.serve.weights.WeightsError` (or the decoder's error)."""
         r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have})
         if r.status_code == 204:
             return None
-        return int(r.headers["x-policy-version"]), decode_state_dict(r.content)
+        version = r.headers.get("x-policy-version", "")
+        if not version.isascii() or not version.isdigit():
+            raise WeightsError(f"server {self.url} sent weights without a policy version")
+        return int(version), load_published(r.content, layout)

@@ -1,27 +1,16 @@
 """``nanogrpo serve``: the reference/data server (the seed's companion server, made safe to leave running).
 
-Endpoints (all but ``/health`` need ``Authorization: Bearer TOKEN`` when a token is set)::
+Rollout workers upload batches; with ``grpo.beta > 0`` a frozen reference model adds
+per-token reference log-probs (one worker thread, off the event loop); with ``beta == 0`` no
+model is loaded. Trainer ranks take batches with ``/get`` and acknowledge each one
+(:mod:`nanogrpo.serve.queue`: exactly-once delivery through leases). The trainer publishes
+its weights and workers fetch them (:mod:`nanogrpo.serve.weights`). Endpoints and their
+answers: :mod:`nanogrpo.serve.routes`. Connection and request limits (idle sockets cannot
+deny service): :mod:`nanogrpo.serve.limits`.
 
-    POST /upload            body = RolloutBatch.to_bytes()     200 queued | 4xx reason | 429/503 + Retry-After
-    GET|POST /get?wait=S    200 batch bytes | 204 nothing ready (waits up to S seconds for one)
-    POST /weights           body = safetensors state dict, header X-Policy-Version: N   (own size cap)
-    GET  /weights?have=N    200 newer weights + X-Policy-Version | 204 nothing newer than N
-    GET  /weights/version   {"version": N}  (-1: none published yet)
-    GET  /health            {"ok": true}  (no token)
-    GET  /stats             queue depths, batches in/out, reference tokens/s, rejections by reason
-
-Every upload is read with a size cap and a time limit, decoded with
-:meth:`RolloutBatch.from_bytes` (safetensors, never pickle) and validated in full
-before anything is queued, so a truncated body (a worker killed mid-upload) or
-any malformed record leaves the queue untouched. Errors are one line of text
-with a 4xx status. With ``grpo.beta > 0`` a frozen reference model adds
-per-token reference log-probs (one worker thread, off the event loop); with
-``beta == 0`` no model is loaded. The queue is bounded (``server.queue_size``):
-a full server answers 503 with ``Retry-After`` instead of growing.
-
-The server keeps its queue in memory only. It records the queue depth in a
-small state file; a restarted server reads it and logs how many queued batches
-the previous one lost.
+The queue is bounded (``server.queue_size``: a full server answers 503 with
+``Retry-After``) and lives in memory only. The server records its depth in a small state
+file; a restarted server reads it and logs how many queued batches the previous one lost.
 """
 
 from __future__ import annotations
@@ -29,11 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import hmac
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,19 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
 
-from nanogrpo.batch import BatchError, RolloutBatch
+from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import ConfigError
+from nanogrpo.serve.queue import BatchQueue
+from nanogrpo.serve.routes import Reject, create_app
+from nanogrpo.serve.weights import WeightLayout, WeightRelay
 
 log = logging.getLogger("nanogrpo.serve")
 
-OCTET = "application/octet-stream"
-_BATCH_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-_WEIGHT_DTYPES = {"F32", "F16", "BF16", "F64"}
+__all__ = ["Settings", "ServerState", "create_app", "make_ref_fn", "main", "uvicorn_config"]
 
 
 @dataclass
@@ -70,6 +54,11 @@ class Settings:
     max_weights_body: int = 64 << 30
     """Cap on a published state dict (bytes): only ``POST /weights`` may send more than ``max_body``."""
     queue_size: int = 16
+    """Batches held: being processed, ready, or delivered and not yet acknowledged."""
+    lease_s: float = 60.0
+    """A delivered batch not acknowledged this long after its body went out returns to the queue."""
+    max_version_step: int = 1000
+    """How far one publish may move the policy version forward (once the server holds one)."""
     max_pending: int = 4
     """Uploads allowed to wait for reference log-probs at once (beyond it: 429)."""
     max_reading: int = 8
@@ -81,14 +70,14 @@ class Settings:
     max_staleness: int | None = None
     """When set, queued batches more than this many versions behind the published weights are discarded
     (the trainer would drop them anyway) so that their queue slots go to fresh batches."""
-
-
-class Reject(Exception):
-    """An error answer: HTTP status, a stats bucket and a one-line reason."""
-
-    def __init__(self, status: int, bucket: str, reason: str, retry_after: int | None = None):
-        super().__init__(reason)
-        self.status, self.bucket, self.reason, self.retry_after = status, bucket, reason, retry_after
+    idle_timeout_s: float = 10.0
+    """A connection must send a request head within this many seconds of opening or of its last answer."""
+    max_connections: int = 512
+    max_connections_per_client: int = 64
+    """Beyond these, the oldest idle connection (of that client, or of anyone) is closed to make room."""
+    max_requests: int = 64
+    max_requests_per_client: int = 32
+    """Requests served at once (``/health`` aside); beyond: 503 with Retry-After."""
 
 
 RefFn = Callable[[RolloutBatch], torch.Tensor]
@@ -98,59 +87,87 @@ class ServerState:
     """Everything the app holds; bounded in size whatever clients send."""
 
     def __init__(self, settings: Settings, token: str | None = None, ref_fn: RefFn | None = None,
-                 weight_shapes: dict[str, tuple[int, ...]] | None = None):
+                 layout: WeightLayout | None = None):
         self.s = settings
         self.token = token
         self.ref_fn = ref_fn
-        self.weight_shapes = weight_shapes
-        self.ready: collections.deque[tuple[bytes, int]] = collections.deque()
+        self.log = log
+        self.queue = BatchQueue(settings.queue_size, settings.lease_s)
+        self.relay = WeightRelay(layout, settings.max_version_step)
         self.pending = 0
         self.reading = 0
-        self.seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.weights: bytes | None = None
-        self.weights_version = -1
-        self.weights_busy = False
-        self.batches_in = self.batches_out = self.seqs_in = self.duplicates = self.expired = 0
+        self.seqs_in = self.duplicates = 0
         self.ref_tokens = 0
         self.ref_seconds = 0.0
         self.rejected: collections.Counter[str] = collections.Counter()
         self.workers: collections.Counter[str] = collections.Counter()
         self.started = time.time()
+        self.guard = None   # the ConnectionGuard, when served by uvicorn (main)
+        self.admission = None
         self._new_batch: asyncio.Event | None = None  # created on the running loop, at first use
         self._ref_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanogrpo-ref")
 
     # ------------------------------------------------------------------ bookkeeping
-    def depth(self) -> int:
-        return len(self.ready) + self.pending
-
-    def expire_stale(self) -> None:
-        if self.s.max_staleness is None or self.weights_version < 0:
-            return
-        oldest = self.weights_version - self.s.max_staleness
-        kept = [item for item in self.ready if item[1] >= oldest]
-        if len(kept) != len(self.ready):
-            self.expired += len(self.ready) - len(kept)
-            self.ready = collections.deque(kept)
-            self.record_state()
-
     def event(self) -> asyncio.Event:
         if self._new_batch is None:
             self._new_batch = asyncio.Event()
         return self._new_batch
 
+    def new_batch(self) -> None:
+        self.event().set()
+        self.record_state()
+
+    def count_upload(self, batch: RolloutBatch) -> None:
+        self.seqs_in += batch.num_seqs
+        worker = batch.meta.get("worker", "?")
+        if worker in self.workers or len(self.workers) < 256:
+            self.workers[worker] += 1
+
+    def expire_stale(self) -> None:
+        if self.s.max_staleness is None or self.relay.version < 0:
+            return
+        if self.queue.drop_older_than(self.relay.version - self.s.max_staleness):
+            self.record_state()
+
+    async def add_reference(self, batch: RolloutBatch) -> bytes:
+        """The batch's bytes with reference log-probs added; a failure (e.g. out of memory) is a 503 that
+        leaves the upload retryable."""
+        self.pending += 1
+        try:
+            t0 = time.perf_counter()
+            ref = await asyncio.get_running_loop().run_in_executor(self._ref_pool, self.ref_fn, batch)
+            self.ref_seconds += time.perf_counter() - t0
+            self.ref_tokens += int(batch.attention_mask.sum())
+        except Exception as e:  # noqa: BLE001 - the server's own failure, not the client's
+            log.exception("reference log-probs failed")
+            raise Reject(503, "ref_failed", f"reference log-probs failed ({type(e).__name__}); retry later") \
+                from None
+        finally:
+            self.pending -= 1
+        batch.ref_logprobs = ref.float().cpu() * batch.completion_mask
+        return batch.to_bytes()
+
     def stats(self) -> dict[str, Any]:
-        return {
-            "queue_ready": len(self.ready), "queue_pending_ref": self.pending,
-            "queue_size": self.s.queue_size,
-            "batches_in": self.batches_in, "batches_out": self.batches_out, "sequences_in": self.seqs_in,
-            "duplicates": self.duplicates, "expired_stale": self.expired,
+        q, relay = self.queue, self.relay
+        out = {
+            "queue_ready": len(q.ready), "queue_leased": len(q.leased), "queue_pending_ref": self.pending,
+            "queue_size": self.s.queue_size, "lease_s": q.lease_s,
+            "batches_in": q.batches_in, "batches_out": q.acked, "delivered": q.delivered,
+            "redelivered": q.redelivered, "sequences_in": self.seqs_in, "duplicates": self.duplicates,
+            "expired_stale": q.expired,
             "ref_model": self.ref_fn is not None, "ref_tokens": self.ref_tokens,
             "ref_tokens_per_s": self.ref_tokens / self.ref_seconds if self.ref_seconds > 0 else 0.0,
-            "weights_version": self.weights_version,
-            "weights_bytes": len(self.weights) if self.weights is not None else 0,
+            "weights_version": relay.version,
+            "weights_bytes": len(relay.body) if relay.body is not None else 0,
             "rejected": dict(self.rejected), "rejected_total": sum(self.rejected.values()),
             "workers": dict(self.workers), "uptime_s": time.time() - self.started,
         }
+        if self.guard is not None:
+            out.update(self.guard.stats())
+        if self.admission is not None:
+            out["requests_active"] = self.admission.active
+            out["requests_refused"] = self.admission.refused
+        return out
 
     def record_state(self) -> None:
         """Write the queue depth to the state file (atomic rename), so a restart can report the loss."""
@@ -160,7 +177,7 @@ class ServerState:
             self.s.state_file.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.s.state_file.parent, prefix=".serve-state-")
             with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "queued": self.depth(), "time": time.time()}, f)
+                json.dump({"pid": os.getpid(), "queued": self.queue.depth(), "time": time.time()}, f)
             os.replace(tmp, self.s.state_file)
         except OSError as e:  # the server keeps serving; only the restart report is lost
             log.warning("cannot write state file %s: %s", self.s.state_file, e)
@@ -184,264 +201,12 @@ class ServerState:
         return lost
 
     def close(self) -> None:
-        lost = self.depth()
+        lost = self.queue.clear()
         if lost:
             log.warning("shutting down with %d queued batch(es); they are lost", lost)
-        self.ready.clear()
         self.pending = 0
         self.record_state()
         self._ref_pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ---------------------------------------------------------------------- request helpers
-
-
-def _check_auth(st: ServerState, request: Request) -> None:
-    if st.token is None:
-        return
-    got = request.headers.get("authorization", "")
-    if not got:
-        raise Reject(401, "auth", "missing token: send 'Authorization: Bearer TOKEN'")
-    scheme, _, value = got.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode("utf-8", "replace"),
-                                                               st.token.encode()):
-        raise Reject(401, "auth", "wrong token")
-
-
-async def _read_body(request: Request, cap: int, timeout_s: float) -> bytes:
-    """The request body, refusing more than ``cap`` bytes and bodies slower than ``timeout_s``."""
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        if not cl.isdigit() or len(cl) > 19:
-            raise Reject(400, "bad_header", "Content-Length is not a non-negative integer")
-        if int(cl) > cap:
-            raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
-    buf = bytearray()
-
-    async def pull() -> None:
-        async for chunk in request.stream():
-            buf.extend(chunk)
-            if len(buf) > cap:
-                raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
-
-    try:
-        await asyncio.wait_for(pull(), timeout_s)
-    except asyncio.TimeoutError:
-        raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
-    except ClientDisconnect:
-        raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
-    if cl is not None and len(buf) != int(cl):
-        raise Reject(400, "truncated", f"body has {len(buf)} bytes but Content-Length says {cl}")
-    return bytes(buf)
-
-
-def _int_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise Reject(400, "bad_param", f"query parameter {name!r} must be a number") from None
-    if not lo <= v <= hi:
-        raise Reject(400, "bad_param", f"query parameter {name!r} must be in [{lo}, {hi}]")
-    return v
-
-
-def _decode(st: ServerState, body: bytes) -> RolloutBatch:
-    try:
-        return RolloutBatch.from_bytes(body, vocab_size=st.s.vocab_size, max_seqs=st.s.max_seqs,
-                                       max_len=st.s.max_len)
-    except BatchError as e:
-        raise Reject(400, "bad_batch", str(e)) from None
-    except Exception as e:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's fault
-        raise Reject(400, "bad_batch", f"undecodable batch ({type(e).__name__})") from None
-
-
-def check_weights(body: bytes, shapes: dict[str, tuple[int, ...]] | None) -> int:
-    """Validate a safetensors state dict's header (no tensor is materialised); return the tensor count."""
-    if len(body) < 8:
-        raise Reject(400, "bad_weights", "body too short for safetensors")
-    n = int.from_bytes(body[:8], "little")
-    if n <= 1 or n > min(len(body) - 8, 64 << 20):
-        raise Reject(400, "bad_weights", "safetensors header length out of range")
-    try:
-        header = json.loads(body[8:8 + n])
-    except (ValueError, UnicodeDecodeError):
-        raise Reject(400, "bad_weights", "safetensors header is not JSON") from None
-    if not isinstance(header, dict):
-        raise Reject(400, "bad_weights", "safetensors header must be an object")
-    header.pop("__metadata__", None)
-    if not header:
-        raise Reject(400, "bad_weights", "state dict holds no tensors")
-    spans = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (a, b) = info["dtype"], [int(x) for x in info["shape"]], info["data_offsets"]
-            a, b = int(a), int(b)
-        except (TypeError, KeyError, ValueError):
-            raise Reject(400, "bad_weights", f"tensor {name[:80]!r}: malformed entry") from None
-        if not isinstance(dtype, str) or dtype not in _WEIGHT_DTYPES:
-            raise Reject(400, "bad_weights", f"tensor {name[:80]!r}: dtype {str(dtype)[:10]} is not floating")
-        if shapes is not None:
-            if name not in shapes:
-                raise Reject(400, "bad_weights", f"tensor {name[:80]!r} is not in the reference model")
-            if tuple(shape) != shapes[name]:
-                raise Reject(400, "bad_weights", f"tensor {name[:80]!r} has shape {tuple(shape)}, "
-                                                 f"the reference model has {shapes[name]}")
-        spans.append((a, b))
-    spans.sort()
-    end = 0
-    for a, b in spans:
-        if a != end or b < a:
-            raise Reject(400, "bad_weights", "tensor data offsets overlap or leave gaps")
-        end = b
-    if end != len(body) - 8 - n:
-        raise Reject(400, "bad_weights", "tensor data does not match the body length")
-    return len(spans)
-
-
-# ---------------------------------------------------------------------- the app
-
-
-def create_app(st: ServerState) -> Starlette:
-    def guarded(handler, auth: bool = True):
-        async def endpoint(request: Request) -> Response:
-            try:
-                if auth:
-                    _check_auth(st, request)
-                return await handler(request)
-            except Reject as r:
-                st.rejected[r.bucket] += 1
-                headers = {"Retry-After": str(r.retry_after)} if r.retry_after is not None else None
-                return PlainTextResponse(r.reason + "\n", status_code=r.status, headers=headers)
-        return endpoint
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"ok": True, "queue_ready": len(st.ready), "weights_version": st.weights_version})
-
-    async def stats(request: Request) -> Response:
-        return JSONResponse(st.stats())
-
-    async def upload(request: Request) -> Response:
-        if st.depth() >= st.s.queue_size:
-            raise Reject(503, "queue_full", f"queue full ({st.s.queue_size} batches); retry later",
-                         st.s.retry_after_s)
-        if st.ref_fn is not None and st.pending >= st.s.max_pending:
-            raise Reject(429, "busy", "reference model busy; retry later", st.s.retry_after_s)
-        bid = request.headers.get("x-batch-id")
-        if bid is not None and not _BATCH_ID.match(bid):
-            raise Reject(400, "bad_header", "X-Batch-Id must be 1-64 characters of [A-Za-z0-9._:-]")
-        if st.reading >= st.s.max_reading:
-            raise Reject(429, "busy", f"{st.reading} uploads already arriving; retry later",
-                         st.s.retry_after_s)
-        st.reading += 1
-        try:
-            body = await _read_body(request, st.s.max_body, st.s.body_timeout_s)
-        finally:
-            st.reading -= 1
-        if bid is not None and bid in st.seen_ids:
-            st.duplicates += 1
-            return JSONResponse({"queued": False, "duplicate": True, "depth": st.depth()})
-        if len(body) > (1 << 20):
-            batch = await asyncio.to_thread(_decode, st, body)
-        else:
-            batch = _decode(st, body)
-        if st.depth() >= st.s.queue_size:  # filled up while this body was arriving
-            raise Reject(503, "queue_full", f"queue full ({st.s.queue_size} batches); retry later",
-                         st.s.retry_after_s)
-        if bid is not None:
-            st.seen_ids[bid] = None
-            while len(st.seen_ids) > 4096:
-                st.seen_ids.popitem(last=False)
-        if st.ref_fn is not None:
-            st.pending += 1
-            try:
-                t0 = time.perf_counter()
-                ref = await asyncio.get_running_loop().run_in_executor(st._ref_pool, st.ref_fn, batch)
-                st.ref_seconds += time.perf_counter() - t0
-                st.ref_tokens += int(batch.attention_mask.sum())
-            except Exception as e:
-                log.exception("reference log-probs failed")
-                st.rejected["ref_failed"] += 1
-                return PlainTextResponse(f"reference log-probs failed: {type(e).__name__}\n", status_code=500)
-            finally:
-                st.pending -= 1
-            batch.ref_logprobs = ref.float().cpu() * batch.completion_mask
-            body = batch.to_bytes()
-        st.ready.append((body, batch.policy_version))
-        st.batches_in += 1
-        st.seqs_in += batch.num_seqs
-        worker = str(batch.meta.get("worker", "?"))[:64]
-        if worker in st.workers or len(st.workers) < 256:
-            st.workers[worker] += 1
-        st.event().set()
-        st.record_state()
-        return JSONResponse({"queued": True, "depth": st.depth()})
-
-    async def get(request: Request) -> Response:
-        wait = _int_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
-        deadline = time.monotonic() + wait
-        st.expire_stale()
-        while not st.ready:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return Response(status_code=204, headers={"X-Queue-Depth": str(st.depth())})
-            ev = st.event()
-            ev.clear()
-            try:
-                await asyncio.wait_for(ev.wait(), min(left, 1.0))
-            except asyncio.TimeoutError:
-                pass
-        body, version = st.ready.popleft()
-        st.batches_out += 1
-        st.record_state()
-        return Response(body, media_type=OCTET,
-                        headers={"X-Policy-Version": str(version), "X-Queue-Depth": str(st.depth())})
-
-    async def publish(request: Request) -> Response:
-        raw = request.headers.get("x-policy-version", "")
-        if not raw.isdigit() or len(raw) > 12:
-            raise Reject(400, "bad_header", "X-Policy-Version must be a non-negative integer")
-        version = int(raw)
-        if version <= st.weights_version:
-            raise Reject(409, "old_version", f"version {version} is not newer than {st.weights_version}")
-        if st.weights_busy:
-            raise Reject(429, "busy", "another weights upload is in progress", st.s.retry_after_s)
-        st.weights_busy = True
-        try:
-            body = await _read_body(request, st.s.max_weights_body, st.s.body_timeout_s * 10)
-            count = await asyncio.to_thread(check_weights, body, st.weight_shapes)
-            if version <= st.weights_version:
-                raise Reject(409, "old_version", f"version {version} is not newer than {st.weights_version}")
-            st.weights, st.weights_version = body, version
-        finally:
-            st.weights_busy = False
-        st.expire_stale()
-        log.info("policy version %d published (%d tensors, %.1f MB)", version, count, len(body) / 1e6)
-        return JSONResponse({"version": version, "tensors": count})
-
-    async def weights(request: Request) -> Response:
-        have = int(_int_param(request, "have", -1, -1, 1e15))
-        if st.weights is None or st.weights_version <= have:
-            return Response(status_code=204, headers={"X-Policy-Version": str(st.weights_version)})
-        return Response(st.weights, media_type=OCTET, headers={"X-Policy-Version": str(st.weights_version)})
-
-    async def weights_version(request: Request) -> Response:
-        return JSONResponse({"version": st.weights_version})
-
-    routes = [
-        Route("/health", guarded(health, auth=False), methods=["GET"]),
-        Route("/stats", guarded(stats), methods=["GET"]),
-        Route("/upload", guarded(upload), methods=["POST"]),
-        Route("/get", guarded(get), methods=["GET", "POST"]),
-        Route("/weights", guarded(publish), methods=["POST"]),
-        Route("/weights", guarded(weights), methods=["GET"]),
-        Route("/weights/version", guarded(weights_version), methods=["GET"]),
-    ]
-    app = Starlette(routes=routes)
-    app.state.nanogrpo = st
-    return app
 
 
 # ---------------------------------------------------------------------- reference model
@@ -477,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=256.0, help="cap on an uploaded batch")
     p.add_argument("--max-weights-mb", type=float, default=65536.0, help="cap on published weights")
     p.add_argument("--state-file", type=Path, help="where the queue depth is recorded for restart reports")
-    p.add_argument("--access-log", action="store_true")
+    p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p
 
@@ -496,6 +261,7 @@ def _vocab_from_config(path: str, trust_remote_code: bool) -> int | None:
 def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
     from nanogrpo.cli import _base_config
     from nanogrpo.serve.auth import is_loopback, load_token
+    from nanogrpo.serve.weights import layout_from_config
 
     overrides = list(a.overrides)
     if a.ref_model:
@@ -513,10 +279,11 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         max_seqs=cfg.rollout.prompts_per_step * cfg.grpo.group_size * 4,
         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         max_body=int(a.max_body_mb * (1 << 20)), max_weights_body=int(a.max_weights_mb * (1 << 20)),
-        queue_size=cfg.server.queue_size, max_staleness=cfg.server.max_staleness,
+        queue_size=cfg.server.queue_size, max_staleness=cfg.server.max_staleness, lease_s=cfg.server.lease_s,
+        max_version_step=cfg.server.max_version_step,
         state_file=a.state_file or default_state_file(a.host, a.port))
     ref_fn = None
-    shapes = None
+    layout = None
     vocab = a.vocab_size
     if cfg.grpo.beta > 0:
         device = resolve_device(cfg.model.device)
@@ -524,18 +291,46 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         model = load_model(path, resolve_dtype(cfg.model.dtype, device), device,
                            cfg.model.attn_implementation, cfg.model.trust_remote_code, cfg.model.cpu_linear)
         model.eval().requires_grad_(False)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        layout = WeightLayout.of_model(model)
         vocab = vocab or model.get_input_embeddings().num_embeddings
         ref_fn = make_ref_fn(model, device, cfg.train.micro_batch_size, cfg.train.logprob_chunk)
         log.warning("reference model %s loaded on %s (beta=%g)", cfg.model.path, device, cfg.grpo.beta)
     else:
+        path = resolve_model_path(cfg.model.path)
         if vocab is None:
-            vocab = _vocab_from_config(resolve_model_path(cfg.model.path), cfg.model.trust_remote_code)
-        log.warning("beta=0: no reference model; brokering batches only")
+            vocab = _vocab_from_config(path, cfg.model.trust_remote_code)
+        layout = layout_from_config(path, cfg.model.trust_remote_code)
+        log.warning("beta=0: no reference model; brokering batches only (published weights are checked "
+                    "against %s)", "the model's config" if layout else "the first accepted publish")
     if vocab is None:
         raise ConfigError("cannot tell the vocabulary size: pass --vocab-size")
     settings.vocab_size = vocab
-    return ServerState(settings, token, ref_fn, shapes), token
+    return ServerState(settings, token, ref_fn, layout), token
+
+
+def uvicorn_config(st: ServerState, host: str, port: int, access_log: bool = False):
+    """The uvicorn config of a server: its app under the request caps, h11 under the connection guard."""
+    import uvicorn
+
+    from nanogrpo.serve.limits import Admission, ConnectionGuard
+
+    s = st.s
+    max_conns = s.max_connections
+    try:  # leave file descriptors for the listening socket, the state file, the model's files
+        import resource
+
+        max_conns = min(max_conns, max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64))
+    except (ImportError, OSError, ValueError):
+        pass
+    st.guard = ConnectionGuard(s.idle_timeout_s, max_conns, s.max_connections_per_client)
+    st.admission = Admission(create_app(st), s.max_requests, s.max_requests_per_client, retry_after_s=1)
+    config = uvicorn.Config(st.admission, host=host, port=port, http=st.guard.protocol(),
+                            ws="none", log_level="warning", access_log=access_log, timeout_keep_alive=5,
+                            limit_concurrency=None, backlog=1024, h11_max_incomplete_event_size=64 * 1024,
+                            timeout_graceful_shutdown=5)
+    if access_log:  # uvicorn sets its access logger to log_level (warning), which hides every request
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -546,12 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     st, token = build_state(a)
     st.report_previous()
     st.record_state()
-    app = create_app(st)
+    config = uvicorn_config(st, a.host, a.port, a.access_log)
     log.warning("serving on http://%s:%d (token %s, queue %d, vocab %d, body cap %.0f MB)", a.host, a.port,
                 "required" if token else "off", st.s.queue_size, st.s.vocab_size, st.s.max_body / 2**20)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=a.access_log,
-                            timeout_keep_alive=5, limit_concurrency=256, backlog=256,
-                            h11_max_incomplete_event_size=64 * 1024, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run()
     finally:

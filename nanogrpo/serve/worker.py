@@ -5,9 +5,12 @@ place into the engine), sample prompts, generate G completions each, score
 them, build the batch with :func:`nanogrpo.rollout.collect.rollout` (the very
 function the single-process trainer uses) and upload it. Each batch carries the
 policy version that generated it and, in ``meta``, the worker's id and its
-rollout statistics. Any number of workers may feed one server; each samples
+rollout statistics, and travels under an id of its own (``WORKER-SESSION-N``,
+logged with each upload). Any number of workers may feed one server; each samples
 prompts with its own seed. The server being away stalls the worker (retries
-with backoff) rather than killing it.
+with backoff) rather than killing it; published weights it cannot load (they do not
+fit its model, or are damaged) leave it generating with the weights it has while it
+retries with backoff (:class:`WeightFollower`).
 """
 
 from __future__ import annotations
@@ -17,14 +20,60 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
 import socket
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 log = logging.getLogger("nanogrpo.rollout.worker")
+
+
+class WeightFollower:
+    """Keeps an engine on the newest published weights. Weights that fail to fetch, validate or load
+    are logged; the engine keeps the weights it has and the fetch is retried after a backoff that
+    doubles from ``backoff_s[0]`` to ``backoff_s[1]`` (a fault on the server's side is never fatal here;
+    a server away longer than the client's retry budget still is)."""
+
+    def __init__(self, client, engine, layout, name: str = "worker",
+                 backoff_s: tuple[float, float] = (5.0, 300.0), clock: Callable[[], float] = time.monotonic):
+        self.client, self.engine, self.layout, self.name = client, engine, layout, name
+        self.backoff_s = backoff_s
+        self.clock = clock
+        self.version = 0
+        self.failures = 0
+        self._next = 0.0
+
+    def poll(self) -> bool:
+        """Load newer weights if there are any and it is time to look; True when the engine changed."""
+        from nanogrpo.serve.client import ServerError
+
+        if self.clock() < self._next:
+            return False
+        try:
+            got = self.client.fetch_weights(self.version, self.layout)
+            if got is None:
+                return False
+            version, state_dict = got
+            self.engine.update_weights(state_dict)
+        except ServerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything the published bytes can cause
+            self.failures += 1
+            wait = min(self.backoff_s[0] * 2 ** (self.failures - 1), self.backoff_s[1])
+            self._next = self.clock() + wait
+            log.warning("%s: cannot load the published weights (%s: %s); still generating with policy "
+                        "version %d, trying again in %.0f s", self.name, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "", self.version, wait)
+            return False
+        self.failures = 0
+        self.version = version
+        log.info("%s: now generating with policy version %d", self.name, version)
+        return True
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
@@ -53,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.rewards import RewardRunner
     from nanogrpo.rollout.collect import rollout
-    from nanogrpo.rollout.factory import make_engine
+    from nanogrpo.rollout.factory import engine_for
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.weights import WeightLayout
 
     a = build_parser().parse_args(argv)
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
@@ -73,19 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
-        engine = make_engine(cfg.rollout.engine, model, tok)
+        engine = engine_for(cfg, model, tok)
+        follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
+        if getattr(engine, "owns_weights", False):
+            del model  # vllm holds its own copy of the weights; new ones come from the relay
         sampler = PromptSampler(rows, cfg.rollout.prompts_per_step, seed=seed, shuffle=cfg.data.shuffle)
-        version = 0
+        # batch ids: unique across workers and restarts of one, the same over an upload's retries
+        id_prefix = f"{re.sub(r'[^A-Za-z0-9._:-]', '_', worker_id)[:40]}-{secrets.token_hex(3)}"
         uploaded = attempts = 0
         log.warning("worker %s: feeding %s (engine %s, %d prompts x %d samples per batch)", worker_id,
                     a.server, engine.name, cfg.rollout.prompts_per_step, cfg.grpo.group_size)
         with torch.no_grad():
             while a.batches <= 0 or uploaded < a.batches:
-                got = client.fetch_weights(version)
-                if got is not None:
-                    version, state_dict = got
-                    engine.update_weights(state_dict)
-                    log.info("worker %s: now generating with policy version %d", worker_id, version)
+                follower.poll()
+                version = follower.version
                 t0 = time.perf_counter()
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
@@ -94,13 +145,16 @@ def main(argv: list[str] | None = None) -> int:
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
                     continue
+                # behaviour_logprobs: the trainer takes the clipped ratio against our log-probs (vllm)
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
+                                  behaviour_logprobs=bool(getattr(engine, "behaviour_logprobs", False)),
                                   rollout_time_s=time.perf_counter() - t0,
                                   examples=[_clean(ex) for ex in stats.examples])
-                answer = client.upload(batch)
+                batch_id = f"{id_prefix}-{uploaded}"
+                answer = client.upload(batch, batch_id)
                 uploaded += 1
-                log.info("worker %s: batch %d (v%d, %d seqs, reward %.3f) -> queue %s", worker_id, uploaded,
-                         version, batch.num_seqs, stats.reward_mean, answer.get("depth"))
+                log.info("worker %s: uploaded batch %s (v%d, %d seqs, reward %.3f) -> queue %s", worker_id,
+                         batch_id, version, batch.num_seqs, stats.reward_mean, answer.get("depth"))
     finally:
         rewards.close()
         client.close()

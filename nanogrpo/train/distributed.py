@@ -438,8 +438,10 @@ def deepspeed_config(stage: int, lr: float, betas, weight_decay: float, offload:
     return cfg
 
 
-def make_backend(cfg: Config, model: torch.nn.Module) -> Backend:
-    """The configured backend around ``model`` (already on this rank's device, full weights loaded)."""
+def make_backend(cfg: Config, model: torch.nn.Module, rollout_copy: bool = True) -> Backend:
+    """The configured backend around ``model`` (already on this rank's device, full weights loaded).
+    ``rollout_copy=False``: sharded backends keep no full copy for generation (split mode's trainer
+    generates nothing, unless it evaluates)."""
     t = cfg.train
     kw = dict(lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, offload=t.optimizer_offload)
     if t.backend == "single":
@@ -449,7 +451,8 @@ def make_backend(cfg: Config, model: torch.nn.Module) -> Backend:
     if t.backend == "fsdp2":
         if cfg.model.lora_r:
             raise RuntimeError("LoRA with train.backend=fsdp2 is not supported: use ddp or deepspeed")
-        return FSDP2Backend(model, cpu_offload=t.fsdp_cpu_offload, **kw)
+        return FSDP2Backend(model, cpu_offload=t.fsdp_cpu_offload, keep_rollout_copy=rollout_copy, **kw)
     if t.backend == "deepspeed":
-        return DeepSpeedBackend(model, stage=t.zero_stage, max_grad_norm=t.max_grad_norm, **kw)
+        return DeepSpeedBackend(model, stage=t.zero_stage, max_grad_norm=t.max_grad_norm,
+                                keep_rollout_copy=rollout_copy, **kw)
     raise ValueError(f"unknown train.backend {t.backend!r}")

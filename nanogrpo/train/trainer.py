@@ -22,7 +22,7 @@ from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
-from nanogrpo.rollout.factory import make_engine
+from nanogrpo.rollout.factory import engine_for
 from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
 from nanogrpo.train.metrics import merge_rank_metrics
@@ -50,6 +50,10 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
         rows = load_rows(cfg.data, cfg.data.split)
         eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
         check_model_source(cfg.model)
+        if cfg.rollout.engine == "vllm":
+            from nanogrpo.rollout.vllm_engine import import_vllm
+
+            import_vllm()  # installed? (a one-line error before any weights are read)
     except Exception:
         rewards.close()
         raise
@@ -127,7 +131,7 @@ def train(run: Run) -> Path:
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
     backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
     optimizer = backend.optimizer
-    engine = make_engine(cfg.rollout.engine, backend.rollout_model(), tok)
+    engine = engine_for(cfg, backend.rollout_model(), tok)  # vllm: built from the (resumed) weights
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
@@ -240,13 +244,18 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                                       cfg.train.micro_batch_size, cfg.train.logprob_chunk,
                                                       cfg.train.share_prefix and share_ok)
         optimizer.set_lr(lr_at(step, cfg))
+        # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
+        # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
+        exact = not getattr(engine, "behaviour_logprobs", False)
         for it in range(cfg.grpo.updates_per_batch):
-            res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
+            res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0 and exact),
                                 max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
             if it == 0:
                 loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
+        if updates and getattr(engine, "owns_weights", False):
+            engine.load_from(model)  # vllm keeps its own copy of the weights: push this step's update
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_end = time.perf_counter()

