@@ -124,7 +124,7 @@ class GrpoConfig(_Strict):
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``) or ``module:function``."""
+    """Built-in names (``correctness``, ``format``, ``format_strict``) or ``module:function``."""
     weights: list[float] | None = None
     """One weight per function; None means all 1.0."""
     timeout_s: float = Field(5.0, gt=0)
@@ -132,6 +132,10 @@ class RewardsConfig(_Strict):
     penalty: float = -1.0
     workers: int = Field(1, ge=0)
     """Reward worker processes (isolate hangs and crashes); 0 runs rewards in-process."""
+    truncated_correct: bool = True
+    """Whether the built-in ``correctness`` credits a completion the token limit cut off
+    (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
+    -1 whatever it says (DAPO's overlong filtering), so answers that never finish earn nothing."""
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardsConfig:

@@ -48,3 +48,8 @@ def die(completion: str, sample: dict) -> float:
     if completion == "die":
         os._exit(13)
     return 3.0
+
+
+def cut_off(completion: str, sample: dict) -> float:
+    """1 for a completion the token limit cut off (``finish_reason == "length"``), 0 if the model ended it."""
+    return {"length": 1.0, "stop": 0.0}[sample["finish_reason"]]

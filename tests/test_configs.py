@@ -83,8 +83,9 @@ def test_gsm8k_config_trains_end_to_end(path, tiny_gsm8k, tmp_path):
                "eval.every=2", "eval.n=3", "rewards.workers=0"])
     assert rc == 0
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["num_completions"] == 2 * 8 and rows[0]["prompts_skipped"] == 0
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the held-out baseline
+    assert rows[0]["eval/n"] == 3
+    assert rows[1]["num_completions"] == 2 * 8 and rows[1]["prompts_skipped"] == 0
     assert rows[-1]["eval/n"] == 3
     assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
     assert list((out / "tb").glob("events.out.tfevents.*"))

@@ -243,8 +243,8 @@ def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request)
         return comparable_metrics(tmp_path / run, drop_eval=True)
 
     straight = rows("straight")
-    assert [r["step"] for r in straight] == [1, 2, 3, 4]
-    assert sum(r["loss"] is not None for r in straight) >= 2, "the test needs steps that update the model"
+    assert [r["step"] for r in straight] == [0, 1, 2, 3, 4]  # step 0: the held-out baseline
+    assert sum(r.get("loss") is not None for r in straight) >= 2, "the test needs steps that update the model"
     assert rows("halves") == straight
 
 
@@ -265,8 +265,9 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stdout[-6000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]                   # one writer, not one per rank
-    assert all(r["num_completions"] == 8 and r["completion_tokens"] == 64 for r in rows)  # both ranks' rows
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]                # one writer, not one per rank
+    assert rows[0]["eval/n"] == 2                                   # the held-out baseline at step 0
+    assert all(r["num_completions"] == 8 and r["completion_tokens"] == 64 for r in rows[1:])  # both ranks
     assert rows[-1]["eval/n"] == 2
     assert out.stdout.count("run directory:") == 1 and out.stdout.count("nanogrpo: 3 steps") == 1
 

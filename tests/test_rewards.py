@@ -33,8 +33,8 @@ from nanogrpo.rewards.registry import resolve_all
         ("So 3/4 of the pie", "3/4"),
         ("The temperature fell to -4.5 degrees", "-4.5"),
         ("x = -3", "-3"),
-        ("5-3", "3"),
-        (r"the answer is \frac{1}{2}", "1/2"),
+        ("5-3", "5-3"),  # an expression, evaluated (2), not its last number
+        (r"the answer is \frac{1}{2}", r"\frac{1}{2}"),
         (r"so \boxed{18}", "18"),
         ("Total: 18.", "18"),
         ("we need .5 cups", ".5"),
@@ -42,7 +42,7 @@ from nanogrpo.rewards.registry import resolve_all
         ("", None),
     ],
 )
-def test_last_number_on_messy_text(text: str, expected: str | None) -> None:
+def test_answer_as_written_in_messy_text(text: str, expected: str | None) -> None:
     assert extract_answer(text) == expected
 
 
@@ -51,10 +51,10 @@ def test_last_number_on_messy_text(text: str, expected: str | None) -> None:
     [
         ("<think>7 and 8</think><answer> 15 </answer>", "15"),
         ("<answer>1</answer> then <answer>2</answer>", "2"),  # the last block wins
-        ("<think>3 then 4</think><answer>72 apples</answer> 99", "72 apples"),  # tag beats last number
+        ("<think>3 then 4</think><answer>72 apples</answer> 99", "72"),  # tag beats last number
         (r"<answer>\frac{144}{2}</answer>", r"\frac{144}{2}"),
-        ("<think>it is 5</think><answer>7", "7"),  # unclosed: last number in the text
-        ("<think>5</think><answer>", "5"),
+        ("<think>it is 5</think><answer>7", "7"),  # unclosed: what follows the tag
+        ("<think>5</think><answer>", None),  # an answer tag with nothing after it: no answer
         ("<answer><answer>9</answer>", "9"),
         ("<answer>  </answer> 9", None),  # empty block: nothing extracted
         ("<answer>\n-12\n</answer>", "-12"),
@@ -64,9 +64,11 @@ def test_extract_answer_tags(text: str, expected: str | None) -> None:
     assert extract_answer(text) == expected
 
 
-def test_last_number_negative_fraction_latex() -> None:
-    assert last_number(r"-\frac{3}{4}") == "-3/4"
+def test_last_number_is_the_seeds_rule_read_as_written() -> None:
+    assert last_number(r"-\frac{3}{4}") == r"-\frac{3}{4}"
     assert last_number("1,2345") == "2345"
+    assert last_number("so 6 × 7 = 42 apples (7 boxes)") == "7"
+    assert last_number("no digits") is None
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -116,8 +118,8 @@ def test_correctness_false(completion: str, reference: str) -> None:
     [
         ("<think>a</think><answer>1</answer>", 1.25),
         ("<think>multi\nline</think><answer>1\n2</answer>", 1.25),
-        ("  <think>a</think><answer>1</answer>\n", 1.25),  # surrounding whitespace is stripped
-        ("<think>a</think> <answer>1</answer>", -1.0),  # the seed's regex allows nothing between
+        ("  <think>a</think><answer>1</answer>\n", 1.25),  # whitespace around the blocks
+        ("<think>a</think> <answer>1</answer>", 1.25),  # and between them (the seed: [\n ]*)
         ("<think>a</think><answer>1</answer> trailing", -1.0),
         ("preamble <think>a</think><answer>1</answer>", -1.0),
         ("<answer>1</answer>", -1.0),
@@ -239,7 +241,9 @@ def test_hanging_function_is_cut_and_the_rest_still_scored() -> None:
     assert res.per_function["tests.reward_fixtures:hang"] == [2.0, -5.0, 2.0, 2.0]
     assert res.per_function["correctness"] == [1.0, 1.0, -1.0, 1.0]
     assert res.timeouts == 1 and res.failures == 0
-    assert elapsed < 8.0, f"hang not bounded: {elapsed:.1f} s"
+    # 1 s to the cut, then the replacement worker starts (it imports math_verify first: seconds on a busy
+    # machine) before the rest of the chunk runs; an unbounded hang would be 100 s
+    assert elapsed < 30.0, f"hang not bounded: {elapsed:.1f} s"
     assert again.total == [3.0]
 
 

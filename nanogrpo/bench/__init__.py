@@ -1,7 +1,9 @@
 """Benchmarks (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``.
 
-``nanogrpo bench rollout ...`` (generation speed of the engines) and
-``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's).
+``nanogrpo bench rollout ...`` (generation speed of the engines),
+``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's) and
+``nanogrpo bench rewards ...`` (the built-in rewards against hand labels, beside the seed's rules;
+their speed).
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step"}
+SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step",
+               "rewards": "nanogrpo.bench.rewards"}
 
 
 def main(argv: list[str] | None = None) -> int:

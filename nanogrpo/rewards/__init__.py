@@ -1,12 +1,17 @@
 """Rewards: answer extraction, the built-in rewards, user rewards by spec, and the runner.
 
-A reward is a plain function ``fn(completion: str, sample: dict) -> float``.
+A reward is a plain function ``fn(completion: str, sample: dict) -> float``. ``sample`` is the
+completion's own dict: a copy of its dataset row (every column) plus the reserved key
+``finish_reason`` (``"stop"``: the model ended the completion; ``"length"``: the token limit cut it
+off), which replaces a dataset column of that name.
+
 Importing this package has no side effects; math_verify loads on first use.
 """
 
-from nanogrpo.rewards.builtin import correctness, format_reward
-from nanogrpo.rewards.extract import extract_answer
+from nanogrpo.rewards.builtin import correctness, format_reward, format_strict
+from nanogrpo.rewards.extract import Answer, extract_answer, read_answer
 from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardResult, RewardRunner
 
-__all__ = ["extract_answer", "correctness", "format_reward", "resolve", "RewardRunner", "RewardResult"]
+__all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
+           "resolve", "RewardRunner", "RewardResult"]

@@ -34,21 +34,21 @@ Call = tuple[int, int, str, dict]
 """``(call id, function index, completion, sample)``."""
 
 
-def _worker_main(conn: Connection, specs: list[str]) -> None:
+def _worker_main(conn: Connection, specs: list[str], truncated_correct: bool = True) -> None:
     """Worker process body: resolve the rewards, say ready, then score chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from nanogrpo.rewards.registry import resolve_all
 
     try:
-        fns = [fn for _, fn in resolve_all(specs)]
+        fns = [fn for _, fn in resolve_all(specs, truncated_correct)]
     except RewardError as e:
         conn.send(("init_error", str(e)))
         return
     if "correctness" in specs:
         # Import sympy/math_verify before saying ready, so the first call's deadline is not spent on it.
-        from nanogrpo.rewards.builtin import correctness
+        from nanogrpo.rewards.builtin import warm_up
 
-        correctness(r"<answer>\frac{1}{2}</answer>", {"answer": "0.5"})
+        warm_up()
     conn.send(("ready", None))
     while True:
         try:
@@ -74,10 +74,12 @@ class _Worker:
 class WorkerPool:
     """``n`` reward worker processes; :meth:`run` scores calls with a per-call deadline."""
 
-    def __init__(self, specs: Sequence[str], n: int, timeout_s: float, startup_timeout_s: float = 120.0):
+    def __init__(self, specs: Sequence[str], n: int, timeout_s: float, startup_timeout_s: float = 120.0,
+                 truncated_correct: bool = True):
         if n < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {n}")
         self.specs = list(specs)
+        self.truncated_correct = truncated_correct
         self.n = n
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -93,7 +95,7 @@ class WorkerPool:
         while len(self._workers) < self.n:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
-                target=_worker_main, args=(child_conn, self.specs), daemon=True,
+                target=_worker_main, args=(child_conn, self.specs, self.truncated_correct), daemon=True,
                 name=f"nanogrpo-reward-{self._serial}",
             )
             self._serial += 1

@@ -6,6 +6,7 @@ the spec and the reason, so a typo in a config fails at start, not mid-run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -15,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from nanogrpo.errors import RewardError
-from nanogrpo.rewards.builtin import BUILTIN
+from nanogrpo.rewards.builtin import BUILTIN, correctness
 
 __all__ = ["RewardFn", "resolve", "resolve_all"]
 
@@ -61,12 +62,20 @@ def _load_module(spec: str, module: str) -> ModuleType:
         raise RewardError(f"reward {spec!r}: cannot import module {module!r} ({_one_line(e)})") from None
 
 
-def resolve(name: str) -> RewardFn:
-    """The reward function named by ``name``: a built-in, ``module:function`` or ``file.py:function``."""
+def resolve(name: str, truncated_correct: bool = True) -> RewardFn:
+    """The reward function named by ``name``: a built-in, ``module:function`` or ``file.py:function``.
+
+    ``truncated_correct=False`` (config ``rewards.truncated_correct``) gives the built-in
+    ``correctness`` with that setting bound (``functools.partial``): still a plain function of
+    ``(completion, sample)``, and the same in every worker process, which resolves by name too.
+    """
     name = name.strip()
     if ":" not in name:
         if name in BUILTIN:
-            return BUILTIN[name]
+            fn = BUILTIN[name]
+            if fn is correctness and not truncated_correct:
+                return functools.partial(correctness, truncated_correct=False)
+            return fn
         raise RewardError(
             f"reward {name!r}: unknown built-in reward (built-ins: {', '.join(sorted(BUILTIN))}; "
             "or name your own as 'module:function' or 'path/to/file.py:function')"
@@ -88,6 +97,6 @@ def resolve(name: str) -> RewardFn:
     return fn
 
 
-def resolve_all(names: Sequence[str]) -> list[tuple[str, RewardFn]]:
+def resolve_all(names: Sequence[str], truncated_correct: bool = True) -> list[tuple[str, RewardFn]]:
     """``[(spec, function), ...]`` for each spec, in order; the first bad spec raises RewardError."""
-    return [(n, resolve(n)) for n in names]
+    return [(n, resolve(n, truncated_correct)) for n in names]

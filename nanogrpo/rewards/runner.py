@@ -65,7 +65,7 @@ class RewardRunner:
     """Runs reward functions over batches; see the module docstring for the failure policy."""
 
     def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout_s: float = 5.0,
-                 penalty: float = -1.0, workers: int = 1):
+                 penalty: float = -1.0, workers: int = 1, truncated_correct: bool = True):
         specs = [s.strip() for s in specs]
         if not specs:
             raise RewardError("no reward functions given: name at least one")
@@ -81,18 +81,20 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.penalty = float(penalty)
         self.workers = workers
-        self._fns = [fn for _, fn in resolve_all(specs)]  # fail at start on a bad spec
+        self.truncated_correct = truncated_correct
+        self._fns = [fn for _, fn in resolve_all(specs, truncated_correct)]  # fail at start on a bad spec
         self._problems = _Problems()
         self._closed = False
         self._pool: WorkerPool | None = None
         if workers:
-            self._pool = WorkerPool(specs, workers, self.timeout_s)
+            self._pool = WorkerPool(specs, workers, self.timeout_s, truncated_correct=truncated_correct)
             self._finalizer = weakref.finalize(self, self._pool.close)
 
     @classmethod
     def from_config(cls, cfg: Any) -> RewardRunner:
         """Build from a :class:`nanogrpo.config.RewardsConfig`."""
-        return cls(cfg.functions, cfg.resolved_weights(), cfg.timeout_s, cfg.penalty, cfg.workers)
+        return cls(cfg.functions, cfg.resolved_weights(), cfg.timeout_s, cfg.penalty, cfg.workers,
+                   cfg.truncated_correct)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,7 +126,8 @@ class RewardRunner:
     # ------------------------------------------------------------------ scoring
 
     def score(self, completions: Sequence[str], samples: Sequence[dict]) -> RewardResult:
-        """Score ``completions[i]`` against ``samples[i]`` (the dataset row) with every function."""
+        """Score ``completions[i]`` against ``samples[i]`` (its sample dict: the dataset row, plus
+        ``finish_reason`` when the rollout sets it) with every function."""
         if self._closed:
             raise RuntimeError("RewardRunner.score called after close()")
         if len(completions) != len(samples):

@@ -53,6 +53,15 @@ def _metric_column(name: str, fn, per_function: dict[str, list[float]], texts: l
     return [fn(t, s) for t, s in zip(texts, samples)]
 
 
+def completion_samples(rows: list[dict], g: int, finish_reasons: list[str]) -> list[dict[str, Any]]:
+    """One sample dict per completion, what its reward functions see: a copy of the dataset row
+    plus ``finish_reason`` (``"stop"``: the model ended it; ``"length"``: the token limit cut it off),
+    a reserved key that replaces a dataset column of that name. Rows are copied, so a reward that
+    writes into its sample cannot reach its group's other completions."""
+    return [dict(row, finish_reason=finish_reasons[i * g + j])
+            for i, row in enumerate(rows) for j in range(g)]
+
+
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Left-pad prompts, right-pad completions: ids, attention mask, completion mask, logprobs, P."""
@@ -88,7 +97,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                             top_k=cfg.top_k, n=g, seed=seed)
     gen = engine.generate(prompt_ids, params)
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-    samples = [r for r in kept_rows for _ in range(g)]
+    samples = completion_samples(kept_rows, g, gen.finish_reasons)
     scored = rewards.score(texts, samples)
     r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
     acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)

@@ -137,7 +137,8 @@ def run_summary(root: Path) -> str:
     rows = read_metrics(path) if path.is_file() else []
     if not rows:
         return f"nanogrpo: {root}: no steps logged"
-    first, last = rows[0], rows[-1]
+    first = next((r for r in rows if "reward_mean" in r), rows[0])  # step 0 holds the baseline eval only
+    last = rows[-1]
     secs = sum(r.get("step_time_s") or 0.0 for r in rows)
     toks = sum(r.get("completion_tokens") or 0 for r in rows)
     parts = [f"nanogrpo: {last['step']} steps in {secs / 60:.1f} min",

@@ -151,6 +151,11 @@ def train(run: Run) -> Path:
 
     if run.resume_from is None:
         save(0)
+        if run.eval_rows:  # the held-out curve starts at the baseline (not again on resume)
+            if backend.world_size > 1:
+                backend.before_rollout()
+            if backend.is_main:
+                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0)})
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:

@@ -1,0 +1,425 @@
+"""Numbers as people and models write them, read exactly (as :class:`fractions.Fraction`).
+
+:func:`find_numbers` finds every number written in digits and reads what is
+around it: ``1,234`` / ``1 234`` / ``1{,}234`` (thousands), ``-5`` / ``−5`` /
+``–5`` / ``negative 5`` / ``5 below zero``, ``3/4``, ``1 1/2`` / ``1½`` /
+``1\\frac{1}{2}`` / ``1 and 1/2``, ``¾``, ``\\frac34`` / ``\\dfrac{3}{4}``,
+``$70k`` / ``70 thousand`` / ``1.5 million`` / ``$2.4M`` / ``2 dozen``,
+``18 dollars and 50 cents``, ``1.2e3`` / ``1.2 \\times 10^3``, ``25%``.
+:func:`find_number_words` reads numbers written in words ("forty-two",
+"one hundred and five", "a dozen", "half a dozen", "none").
+
+A number can mean more than one value: ``25%`` is 25 (the reference is often the
+bare number) and 1/4; ``2100 cents`` is 2100 and 21 (dollars). Those land in
+:attr:`Num.values`, the written value first.
+
+Every pattern is linear in the text (no nested unbounded repetition), numbers
+longer than :data:`MAX_DIGITS` digits are skipped and exponents are bounded, so
+adversarial input costs time proportional to its length.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+__all__ = ["Num", "MAX_DIGITS", "normalize", "find_numbers", "find_number_words", "read_number", "evaluate"]
+
+MAX_DIGITS = 30
+"""Longer digit runs are not read as numbers (no answer has them; huge ints cost time)."""
+
+_VULGAR = {"½": Fraction(1, 2), "⅓": Fraction(1, 3), "⅔": Fraction(2, 3), "¼": Fraction(1, 4),
+           "¾": Fraction(3, 4), "⅕": Fraction(1, 5), "⅖": Fraction(2, 5), "⅗": Fraction(3, 5),
+           "⅘": Fraction(4, 5), "⅙": Fraction(1, 6), "⅚": Fraction(5, 6), "⅐": Fraction(1, 7),
+           "⅛": Fraction(1, 8), "⅜": Fraction(3, 8), "⅝": Fraction(5, 8), "⅞": Fraction(7, 8),
+           "⅑": Fraction(1, 9), "⅒": Fraction(1, 10)}
+_SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+
+# One character for another, so indices stay valid: minus signs and dashes, the spaces used to
+# group thousands, fraction slashes, full-width digits.
+_TRANSLATE = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u00a0": " ", "\u2009": " ",
+                            "\u202f": " ", "\u2007": " ", "\u200a": " ", "\u2044": "/", "\u2215": "/",
+                            **{chr(0xFF10 + d): str(d) for d in range(10)}})
+
+
+def normalize(text: str) -> str:
+    """``text`` with Unicode minus/en dash, thin/no-break spaces, fraction slashes and full-width
+    digits replaced by their ASCII forms (same length, so positions carry over)."""
+    return text if text.isascii() else text.translate(_TRANSLATE)
+
+
+_INT = r"[0-9]{1,3}(?:(?:,|\{,\}|\\,|\\ | )[0-9]{3})+(?![0-9])|[0-9]+"
+_FRAC_ARG = r"(?:\{[ \t]{0,2}(-?[0-9]+(?:\.[0-9]+)?)[ \t]{0,2}\}|([0-9]))"
+_FRAC = r"\\[dt]?frac[ \t]{0,2}" + _FRAC_ARG + r"[ \t]{0,2}" + _FRAC_ARG
+_NUMBER_RE = re.compile(
+    r"(?P<frac>" + _FRAC + r")"
+    r"|(?P<vulgar>[" + "".join(_VULGAR) + r"])"
+    r"|(?<![0-9.])(?P<num>(?:" + _INT + r")(?:\.[0-9]+)?|\.[0-9]+)"
+)
+_GROUP_SEP_RE = re.compile(r"\{,\}|\\,|\\ |[, ]")
+
+# Extensions read at the end of a number: anchored (.match at the number's end) with bounded gaps,
+# so each costs a constant, however the text goes on.
+_GAP, _GAP1 = r"[ \t]{0,2}", r"[ \t]{1,2}"
+_SLASH_RE = re.compile(r"/([0-9]{1,30})(?![0-9./])")  # MAX_DIGITS
+_MIXED_RE = re.compile(
+    r"(?:(?:" + _GAP1 + r"(?:and" + _GAP1 + r")?|-)([0-9]{1,6})/([0-9]{1,6})(?![0-9./]|\s{0,3}=)"
+    r"|" + _GAP + r"([" + "".join(_VULGAR) + r"])"
+    r"|" + _GAP + r"(?:and" + _GAP1 + r")?" + _FRAC +
+    r"|" + _GAP1 + r"and" + _GAP1 + r"(?:a|one)" + _GAP1 + r"(half|third|quarter)\b)"
+)
+_SCI_RE = re.compile(
+    r"[eE]([+-]?[0-9]{1,2})(?![0-9])"
+    r"|" + _GAP + r"(?:\\times|\\cdot|×|·|\*|x)" + _GAP + r"10" + _GAP +
+    r"(?:\^" + _GAP + r"(?:\{" + _GAP + r"([+-]?[0-9]{1,2})" + _GAP + r"\}|([+-]?[0-9]{1,2}))"
+    r"|([⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]{1,2}))"
+)
+_SCALE_WORD = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12,
+               "k": 10**3, "m": 10**6, "mn": 10**6, "b": 10**9, "bn": 10**9, "hundred": 100,
+               "dozen": 12, "dozens": 12}
+_SCALE_RE = re.compile(r"(?:" + _GAP + r"(thousand|million|billion|trillion|hundred|dozens?)\b|([kK])\b"
+                       r"|(M|B|bn|mn)\b)")
+_PERCENT_RE = re.compile(_GAP + r"(?:%|\\%|percent\b|per ?cent\b)")
+_DOLLARS = r"(?:dollars?|bucks|USD|\\text\{" + _GAP + r"dollars?" + _GAP + r"\})"
+_CENTS_RE = re.compile(r"(?:" + _GAP1 + _DOLLARS + r")?"
+                       r"(?:" + _GAP1 + r"and)?" + _GAP + r"([0-9]{1,2})" + _GAP + r"(?:cents?\b|¢)")
+_CENTS_UNIT_RE = re.compile(_GAP + r"(?:cents?\b|¢)")
+_BELOW_ZERO_RE = re.compile(r"(?:" + _GAP1 + r"degrees?)?(?:" + _GAP + r"°(?:" + _GAP + r"[CF])?)?" + _GAP1 +
+                            r"below" + _GAP1 + r"(?:zero|0)\b", re.IGNORECASE)
+_NEG_WORD_RE = re.compile(r"(?:negative|minus)\s+$", re.IGNORECASE)
+_PLAIN_AFTER = frozenset(",.;:!?)]}\n\r\"'=+<>|&")
+_CURRENCY = "$€£¥₹"
+
+
+@dataclass(frozen=True)
+class Num:
+    """A number found in a text: ``text[start:end]`` reads as ``values[0]`` (others: other readings)."""
+
+    start: int
+    end: int
+    values: tuple[Fraction, ...]
+    words: bool = False
+    """Written in words ("forty-two")."""
+
+    @property
+    def value(self) -> Fraction:
+        return self.values[0]
+
+
+def _int(s: str) -> int | None:
+    digits = _GROUP_SEP_RE.sub("", s)
+    return int(digits) if 0 < len(digits) <= MAX_DIGITS else None
+
+
+def _decimal(s: str) -> Fraction | None:
+    if s.isdigit():  # the common case
+        return Fraction(int(s)) if len(s) <= MAX_DIGITS else None
+    whole, _, frac = s.partition(".")
+    if len(whole) + len(frac) > MAX_DIGITS * 2:
+        return None
+    whole_v = _int(whole) if whole else 0
+    if whole_v is None:
+        return None
+    return Fraction(whole_v) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
+
+
+def _frac_value(m: re.Match, base: int) -> Fraction | None:
+    """Value of a ``\\frac`` whose numerator/denominator groups start at ``base``."""
+    num = m.group(base) or m.group(base + 1)
+    den = m.group(base + 2) or m.group(base + 3)
+    n, d = _decimal(num.lstrip("-")), _decimal(den)
+    if n is None or d is None or d == 0:
+        return None
+    return -n / d if num.startswith("-") else n / d
+
+
+def _sign_before(text: str, start: int) -> int:
+    """Where the minus sign of the number at ``start`` begins (``-5``, ``$-5``, ``-$5``, ``negative 5``),
+    or -1 when it has none."""
+    i = start
+    if i > 0 and text[i - 1] in _CURRENCY:
+        i -= 1
+        if i > 0 and text[i - 1] == "\\":
+            i -= 1
+    if i > 0 and text[i - 1] == "-":
+        # "-5" after a space, bracket, "=" or the start, not "5-3" / "x-3" / "40-45" (a range or subtraction)
+        negative = i < 2 or not (text[i - 2].isalnum() or text[i - 2] in ")]}.")
+        return i - 1 if negative else -1
+    m = _NEG_WORD_RE.search(text, max(0, i - 12), i)
+    if m is None:
+        return -1
+    if m.group(0)[0] in "mM":
+        before = text[max(0, m.start() - 8):m.start()].rstrip()
+        if before and (before[-1].isdigit() or before[-1] in ")]}"):
+            return -1  # "10 minus 5" subtracts
+    return m.start()
+
+
+def _currency_before(text: str, start: int) -> bool:
+    return start > 0 and (text[start - 1] in _CURRENCY or (start > 1 and text[start - 2] in _CURRENCY
+                                                          and text[start - 1] == " "))
+
+
+def find_numbers(text: str) -> list[Num]:
+    """Every number written with digits (or ``\\frac``, ``½``) in ``text``, in order. ``text`` should
+    have been through :func:`normalize`."""
+    out: list[Num] = []
+    pos = 0
+    n = len(text)
+    while pos < n:
+        m = _NUMBER_RE.search(text, pos)
+        if m is None:
+            break
+        start, end = m.start(), m.end()
+        pos = end
+        kind = m.lastgroup
+        value: Fraction | None
+        is_int = False
+        if kind == "frac":
+            value = _frac_value(m, 2)
+        elif kind == "vulgar":
+            value = _VULGAR[m.group("vulgar")]
+        else:
+            raw = m.group("num")
+            value = _decimal(raw)
+            is_int = "." not in raw
+        if value is None:
+            continue
+        if end == n or text[end] in _PLAIN_AFTER:  # nothing can extend it: the common case, fast
+            sign = _sign_before(text, start)
+            out.append(Num(start, end, (value,)) if sign < 0 else Num(sign, end, (-value,)))
+            pos = end
+            continue
+        if is_int:
+            s = _SLASH_RE.match(text, end)
+            if s is not None:
+                den = int(s.group(1))
+                if den == 0:
+                    continue
+                value, end, is_int = value / den, s.end(), False
+            else:
+                mixed = _MIXED_RE.match(text, end)
+                if mixed is not None:
+                    part = _mixed_part(mixed)
+                    if part is not None and 0 < part < 1:
+                        value, end, is_int = value + part, mixed.end(), False
+        sci = _SCI_RE.match(text, end)
+        if sci is not None and kind == "num":
+            exp_text = (sci.group(1) or sci.group(2) or sci.group(3)
+                        or (sci.group(4) or "").translate(_SUPERSCRIPT))
+            value, end = value * Fraction(10) ** int(exp_text), sci.end()
+        currency = _currency_before(text, start)
+        scale = _SCALE_RE.match(text, end)
+        if scale is not None and (scale.group(3) in (None, "M") or currency):
+            word = next(g for g in scale.groups() if g is not None).lower()
+            value, end = value * _SCALE_WORD[word], scale.end()
+        values = [value]
+        pct = _PERCENT_RE.match(text, end)
+        if pct is not None:
+            values.append(value / 100)
+            end = pct.end()
+        else:
+            cents = _CENTS_RE.match(text, end) if is_int else None
+            if cents is not None:
+                values = [value + Fraction(int(cents.group(1)), 100)]
+                end = cents.end()
+            else:
+                unit = _CENTS_UNIT_RE.match(text, end)
+                if unit is not None:
+                    values.append(value / 100)
+        sign = _sign_before(text, start)
+        below = _BELOW_ZERO_RE.match(text, end)
+        if below is not None:
+            end = below.end()
+        if (below is not None) != (sign >= 0):
+            values = [-v for v in values]
+        out.append(Num(sign if sign >= 0 else start, end, tuple(values)))
+        pos = end
+    return out
+
+
+def _mixed_part(m: re.Match) -> Fraction | None:
+    if m.group(1) is not None:
+        d = int(m.group(2))
+        return Fraction(int(m.group(1)), d) if d else None
+    if m.group(3) is not None:
+        return _VULGAR[m.group(3)]
+    if m.group(8) is not None:
+        return {"half": Fraction(1, 2), "third": Fraction(1, 3), "quarter": Fraction(1, 4)}[m.group(8)]
+    return _frac_value(m, 4)
+
+
+# ----------------------------------------------------------------------------- numbers in words
+
+_UNITS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * (i + 2)
+         for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split())}
+_BIG = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+_WORDS = {**_UNITS, **_TENS, **_BIG, "hundred": 100, "dozen": 12, "none": 0, "half": 0, "a": 0, "an": 0,
+          "and": 0}
+_WORD_RE = re.compile(r"[A-Za-z]+")
+_MAX_PHRASE = 12
+
+
+def _phrase_value(words: list[str]) -> Fraction | None:
+    """Value of a run of number words, or None when it is not a number ("a", "and", "half" alone...)."""
+    while words and words[-1] in ("a", "an", "and"):
+        words = words[:-1]
+    while words and words[0] == "and":
+        words = words[1:]
+    if not words or all(w in ("a", "an", "and") for w in words):
+        return None
+    if len(words) > _MAX_PHRASE:
+        return None
+    total, current = Fraction(0), Fraction(0)
+    seen = False
+    i = 0
+    while i < len(words):
+        w = words[i]
+        nxt = words[i + 1] if i + 1 < len(words) else None
+        if w in ("a", "an"):
+            if nxt in ("dozen", "hundred", "thousand", "million", "billion", "trillion"):
+                current += 1
+            elif nxt == "half":
+                current += Fraction(1, 2)
+                i += 1
+            seen = seen or nxt is not None
+        elif w == "half":
+            if nxt in ("a", "an") and i + 2 < len(words) and words[i + 2] == "dozen":
+                current, i = current + 6, i + 2
+            else:
+                current += Fraction(1, 2)
+        elif w == "and":
+            pass
+        elif w == "none" or w in _UNITS or w in _TENS:
+            current += 0 if w == "none" else _WORDS[w]
+        elif w == "hundred":
+            current = (current or 1) * 100
+        elif w == "dozen":
+            current = (current or 1) * 12
+        else:  # thousand, million...
+            total += (current or 1) * _BIG[w]
+            current = Fraction(0)
+        seen = True
+        i += 1
+    return total + current if seen else None
+
+
+def find_number_words(text: str) -> list[Num]:
+    """Numbers written in words, in order: "forty-two", "one hundred and five", "a dozen", "none"."""
+    out: list[Num] = []
+    run: list[tuple[str, int, int]] = []
+
+    def flush() -> None:
+        if run:
+            words = [w for w, _, _ in run]
+            # a leading "a"/"and" belongs to the phrase only before a scale word ("a dozen")
+            while words and words[0] in ("a", "an", "and") and not (
+                    len(words) > 1 and words[1] in ("dozen", "hundred", "thousand", "million", "half")):
+                words, run[:] = words[1:], run[1:]
+            value = _phrase_value(words) if words else None
+            if value is not None:
+                out.append(Num(run[0][1], run[-1][2], (value,), words=True))
+            run.clear()
+
+    prev_end = -1
+    for m in _WORD_RE.finditer(text):
+        w = m.group(0).lower()
+        if w in _WORDS and (not run or _only_separators(text, prev_end, m.start())):
+            run.append((w, m.start(), m.end()))
+        else:
+            flush()
+            if w in _WORDS:
+                run.append((w, m.start(), m.end()))
+        prev_end = m.end()
+    flush()
+    return out
+
+
+def _only_separators(text: str, a: int, b: int) -> bool:
+    gap = text[a:b]
+    return len(gap) <= 3 and all(c in " -\n\t" for c in gap)
+
+
+_FULL_RE = re.compile(r"\s*(?:(?:\\?\$|[€£¥₹])\s*)?")
+
+
+def read_number(text: str) -> Num | None:
+    """``text`` as one number when the whole of it is one (currency, ``%`` and unit words aside):
+    ``"$1,234.50"``, ``"-3/4"``, ``"\\frac{1}{2}"``, ``"forty-two"``. Used for reference answers."""
+    t = normalize(text).strip().rstrip(".")
+    nums = find_numbers(t)
+    if len(nums) == 1:
+        if _FULL_RE.fullmatch(t[:nums[0].start]) and not _has_digits(t[nums[0].end:]):
+            return nums[0]
+        return None
+    if not nums:
+        words = find_number_words(t)
+        if len(words) == 1 and not t[:words[0].start].strip():
+            return words[0]
+    return None
+
+
+def _has_digits(s: str) -> bool:
+    return any(c.isdigit() for c in s)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+_OPERATORS = {"×": "*", "·": "*", "÷": "/", "^": "**", "{": "(", "}": ")", "[": "(", "]": ")", "$": " ",
+              ".": " "}
+_OPERATOR_RE = re.compile(r"\\times|\\cdot|\\div|[×·÷^{}\[\]$.]")
+_LATEX_OP = {"\\times": "*", "\\cdot": "*", "\\div": "/"}
+_MAX_EXPRESSION = 4000
+_MAX_EXPONENT = 20
+
+
+def evaluate(text: str, nums: list[Num]) -> Fraction | None:
+    """Exact value of an arithmetic expression over the numbers ``nums`` found in ``text`` (``6 × 7``,
+    ``(1 + 2) ^ 2``, ``1,200 \\div 3``), or None when it is not one. Python's own parser reads it
+    (``ast``); only + - * / ** and brackets on the given numbers are evaluated, powers bounded."""
+    parts, prev = [], 0
+    for i, n in enumerate(nums):
+        parts += [text[prev:n.start], f" _{i} "]
+        prev = n.end
+    parts.append(text[prev:])
+    expr = "".join(p if i % 2 else _OPERATOR_RE.sub(_operator, p) for i, p in enumerate(parts))
+    if len(expr) > _MAX_EXPRESSION:
+        return None
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+        return _eval(tree.body, [n.value for n in nums])
+    except (SyntaxError, ValueError, RecursionError, ZeroDivisionError, OverflowError):
+        return None
+
+
+def _operator(m: re.Match) -> str:
+    return _OPERATORS.get(m.group(0)) or _LATEX_OP[m.group(0)]
+
+
+def _eval(node: ast.AST, values: list[Fraction]) -> Fraction | None:
+    if isinstance(node, ast.Name) and node.id.startswith("_") and node.id[1:].isdigit():
+        return values[int(node.id[1:])]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _eval(node.operand, values)
+        return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
+    if not isinstance(node, ast.BinOp):
+        return None
+    a, b = _eval(node.left, values), _eval(node.right, values)
+    if a is None or b is None:
+        return None
+    if isinstance(node.op, ast.Add):
+        return a + b
+    if isinstance(node.op, ast.Sub):
+        return a - b
+    if isinstance(node.op, ast.Mult):
+        return a * b
+    if isinstance(node.op, ast.Div):
+        return a / b
+    if isinstance(node.op, ast.Pow) and b.denominator == 1 and abs(b) <= _MAX_EXPONENT and abs(a) < 10**9:
+        return a ** int(b)
+    return None
