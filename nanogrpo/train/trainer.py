@@ -127,7 +127,8 @@ def train(run: Run) -> Path:
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
     backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
     optimizer = backend.optimizer
-    engine = make_engine(cfg.rollout.engine, backend.rollout_model(), tok)
+    engine = make_engine(cfg.rollout.engine, backend.rollout_model(), tok,
+                         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
@@ -233,11 +234,13 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
             batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
                                                       batch.prompt_len, batch.completion_mask,
                                                       cfg.train.micro_batch_size, cfg.train.logprob_chunk,
-                                                      cfg.train.share_prefix and share_ok)
+                                                      cfg.train.share_prefix and share_ok,
+                                                      temperature=cfg.rollout.logprob_temperature())
         optimizer.set_lr(lr_at(step, cfg))
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
-                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
+                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
+                                logprob_temperature=cfg.rollout.logprob_temperature())
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
             if it == 0:
