@@ -19,6 +19,7 @@ On a shared CPU pass ``--threads 1`` (both systems use it): with two threads per
 two busy cores both ran 5-20x slower, step to step, and the figures meant nothing.
 
     nanogrpo bench step --shape small --prompts 4 --gens 8 --max-new 64 --trl --threads 1
+    nanogrpo bench step --shape qwen3-small --prompts 4 --gens 8 --max-new 64 --trl --threads 1
     nanogrpo bench step --shape qwen2.5-0.5b --prompts 8 --gens 8 --max-new 256   # on a GPU
 """
 
@@ -210,7 +211,7 @@ def run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
 def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     import trl
     from datasets import Dataset
-    from transformers import Qwen2ForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from nanogrpo.models.tiny import make_model, make_tokenizer
@@ -225,7 +226,9 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
                             for r in rows])
     gen_times: list[float] = []
     step_times: list[float] = []
-    orig_generate = Qwen2ForCausalLM.generate
+    model = make_model(a.shape, tok, seed=a.seed, dtype=dtype)
+    model_class = type(model)  # Qwen2ForCausalLM or Qwen3ForCausalLM: TRL's generate calls are timed on it
+    orig_generate, own = model_class.generate, "generate" in vars(model_class)
 
     def timed_generate(self, *args, **kw):
         _sync(device)
@@ -252,8 +255,9 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     with tempfile.TemporaryDirectory(prefix="nanogrpo_bench_trl_") as tmp:
         model_dir = f"{tmp}/model"
         # TRL builds its reference copy from a path, as in the anchor
-        make_model(a.shape, tok, seed=a.seed, dtype=dtype).save_pretrained(model_dir)
+        model.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
+        del model
         cfg = GRPOConfig(
             output_dir=f"{tmp}/out", max_steps=a.steps, per_device_train_batch_size=n,
             num_generations=a.gens, max_completion_length=a.max_new, beta=a.beta, learning_rate=1e-6,
@@ -265,11 +269,14 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_reward, args=cfg, train_dataset=ds,
                               processing_class=tok, callbacks=[StepTimer()])
         _reset_peak(device)
-        Qwen2ForCausalLM.generate = timed_generate
+        model_class.generate = timed_generate
         try:
             trainer.train()
         finally:
-            Qwen2ForCausalLM.generate = orig_generate
+            if own:
+                model_class.generate = orig_generate
+            else:
+                del model_class.generate  # back to the inherited one
         del trainer
     return {"system": f"trl-{trl.__version__}", "engine": "generate", "grad_ckpt": a.trl_grad_ckpt,
             "micro_batch": n, **_summary(step_times, gen_times, n * a.max_new), **_peak(device),
