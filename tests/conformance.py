@@ -47,7 +47,7 @@ TOK = make_tokenizer()
 V, EOS, PAD = len(TOK), TOK.eos_token_id, TOK.pad_token_id
 PROMPTS = [list(range(5, 17)), [20, 21, 22], list(range(30, 38)), [40, 41, 42, 43, 44, 45]]
 """Four prompts of 12, 3, 8 and 6 tokens: left padding of 0 to 9 tokens."""
-N_NEW = 16
+N_NEW = 12
 TOL = 1e-4
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=V, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
