@@ -106,3 +106,28 @@ def test_moe_takes_hf_with_the_reason(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "rollout engine: hf (qwen3_moe is a mixture of experts: the fast engine has no grouped expert "
         "matmul; the hf engine computes it exactly)"]
+
+
+COMPILED = [c for c in CASES if c.name.split(" ")[0] in ("Qwen3", "OLMo2", "SmolLM3", "Phi3")
+            and "longrope" not in c.name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILED, ids=[c.name for c in COMPILED])
+def test_compiled_decode_step_of_each_family(case):
+    """The GPU path compiles the per-layer functions with fullgraph=True; on the CPU the same
+    compile runs (inductor), so a family whose forward does not trace fails here, not on a GPU."""
+    import warnings
+
+    model = build(case)
+    want = FastEngine(model, tokenizer=TOK, compile=False).generate(PROMPTS_SHORT, GREEDY).completion_ids
+    engine = FastEngine(model, tokenizer=TOK, compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = engine.generate(PROMPTS_SHORT, GREEDY).completion_ids
+    assert not [w for w in caught if "FastEngine" in str(w.message)], "compile fell back to eager"
+    assert engine.use_compile and got == want
+
+
+PROMPTS_SHORT = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
