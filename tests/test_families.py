@@ -81,6 +81,28 @@ def test_auto_decides_on_the_configuration():
     assert choose_engine(model)[0] == "hf"
 
 
+def test_sliding_layers_per_family():
+    from transformers import MistralConfig, Qwen2Config, SmolLM3Config
+
+    from nanogrpo.rollout.fast.families import FAMILIES, layer_windows
+
+    def wins(kind, cfg):
+        return layer_windows(FAMILIES[kind], cfg)
+
+    q = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert wins("qwen2", q) == [None, None, 8, 8]
+    q.layer_types = None  # a config written before transformers had layer_types: max_window_layers says
+    assert wins("qwen2", q) == [None, None, 8, 8]
+    assert wins("qwen2", Qwen2Config(num_hidden_layers=2, sliding_window=8)) == [None, None]
+    assert wins("mistral", MistralConfig(num_hidden_layers=2, sliding_window=5)) == [5, 5]
+    assert wins("mistral", MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    s = SmolLM3Config(num_hidden_layers=2, sliding_window=4,
+                      layer_types=["sliding_attention", "full_attention"])
+    assert wins("smollm3", s) == [None, None]  # use_sliding_window is off
+    s.use_sliding_window = True
+    assert wins("smollm3", s) == [4, None]
+
+
 def test_wrapped_or_non_plain_projections_take_hf():
     peft = pytest.importorskip("peft")
     model = _qwen2()

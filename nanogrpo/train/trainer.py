@@ -127,8 +127,9 @@ def train(run: Run) -> Path:
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
     backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
     optimizer = backend.optimizer
+    longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     engine = make_engine(cfg.rollout.engine, backend.rollout_model(), tok,
-                         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+                         max_len=cfg.data.max_prompt_tokens + longest_new)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0

@@ -113,7 +113,10 @@ def layer_windows(fam: Family, cfg) -> list[int | None]:
         return [None] * n
     if fam.window_every_layer:
         return [int(w)] * n
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
+    types = getattr(cfg, "layer_types", None)
+    if types is None and getattr(cfg, "max_window_layers", None) is not None:  # configs without layer_types
+        types = ["sliding_attention" if i >= cfg.max_window_layers else "full_attention" for i in range(n)]
+    types = types or ["full_attention"] * n
     on = getattr(cfg, "use_sliding_window", True) is not False
     return [int(w) if on and t == "sliding_attention" else None for t in types]
 
