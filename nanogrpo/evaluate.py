@@ -16,8 +16,8 @@ Summary fields:
   one seen first) is correct;
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``.
 
-Generation goes through the rollout engine (``make_engine``: the fast engine for
-Llama/Qwen2 models), ``eval.batch_size`` prompts per call.
+Generation goes through the rollout engine (``make_engine``: the fast engine for the
+families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
 """
 
 from __future__ import annotations
