@@ -55,6 +55,13 @@ def pre_attn(x, ln, qkv_w, qkv_b, q_norm, k_norm, cos, sin, arch: Arch, lin=F.li
     ``qkv_w``: one fused matrix (rows q, k, v) or three; ``cos`` None: a layer without RoPE."""
     h = x if arch.post_norm else rms_norm(x, ln, arch.eps, arch.scale_then_round)
     nq, nk = arch.nh * arch.hd, arch.nkv * arch.hd
+    if len(qkv_w) == 1 and arch.qk_norm is None:  # fused, no q/k norms: one GEMM, RoPE on q and k at once
+        out = lin(h, qkv_w[0], qkv_b[0])  # [..., nq + 2 nk]
+        qk = out[..., :nq + nk].unflatten(-1, (arch.nh + arch.nkv, arch.hd))
+        if cos is not None:
+            qk = rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        v = out[..., nq + nk:].unflatten(-1, (arch.nkv, arch.hd))
+        return qk[..., :arch.nh, :], qk[..., arch.nh:, :], v
     if len(qkv_w) == 1:  # fused: one GEMM
         q, k, v = lin(h, qkv_w[0], qkv_b[0]).split([nq, nk, nk], -1)  # [..., nq], [..., nk] x 2
     else:
