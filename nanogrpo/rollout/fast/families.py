@@ -137,6 +137,8 @@ def rope_params(cfg) -> dict:
 
 def rope_type(cfg) -> str:
     p = rope_params(cfg)
+    if p and all(isinstance(v, dict) for v in p.values()):  # one RoPE per layer type (Gemma3, OLMo3)
+        return "per-layer-type"
     return str(p.get("rope_type") or p.get("type") or "default")
 
 
