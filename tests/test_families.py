@@ -130,6 +130,23 @@ def test_moe_takes_hf_with_the_reason(caplog):
         "matmul; the hf engine computes it exactly)"]
 
 
+LAYOUT = [c for c in CASES if c.name.startswith(("Mistral, window 6", "Qwen3 (", "Phi3, long", "SmolLM3"))]
+
+
+@pytest.mark.parametrize("case", LAYOUT, ids=[c.name for c in LAYOUT])
+def test_graph_layout_of_windowed_and_length_bound_families_on_cpu(case):
+    """The CUDA path's bookkeeping run eagerly on the CPU (row buckets, 64-slot cache lengths,
+    warm-ups on the scratch slot, full-cache masked attention): same greedy tokens as generate."""
+    from tests.conformance import PROMPTS, hf_greedy
+
+    model = build(case)
+    engine = FastEngine(model, tokenizer=TOK, check_every=2)
+    engine.use_graphs = True
+    got = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0))
+    assert got.completion_ids == hf_greedy(model, PROMPTS, 10)
+    assert sorted(k[0] for k in engine._states) == [8]
+
+
 COMPILED = [c for c in CASES if c.name.split(" ")[0] in ("Qwen3", "OLMo2", "SmolLM3", "Phi3")
             and "longrope" not in c.name]
 
