@@ -109,14 +109,16 @@ def _peak(device: torch.device) -> dict:
     return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
-def _summary(step_times: list[float], gen_times: list[float], n_tok: int) -> dict:
+def _summary(step_times: list[float], gen_times: list[float], n_tok: int, cpu_times: list[float]) -> dict:
     steady = step_times[1:] or step_times
+    cpu = statistics.median(cpu_times[1:] or cpu_times)
     gsteady = gen_times[1:] or gen_times
     step = statistics.median(steady)
     gen = statistics.median(gsteady) if gsteady else float("nan")
     return {"step_s_median": round(step, 4), "gen_s_median": round(gen, 4),
             "gen_share": round(gen / step, 3), "completion_tok_per_s": round(n_tok / step, 1),
-            "gen_tok_per_s": round(n_tok / gen, 1) if gen == gen and gen > 0 else None}
+            "gen_tok_per_s": round(n_tok / gen, 1) if gen == gen and gen > 0 else None,
+            "step_cpu_s_median": round(cpu, 4)}
 
 
 class _TimedEngine:
@@ -175,14 +177,15 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
                             seed=a.seed, shuffle=True)
     rewards = RewardRunner.from_config(cfg.rewards)
     _reset_peak(device)
-    times, kept, version = [], [], 0
+    times, cpu, kept, version = [], [], [], 0
     try:
         for step in range(1, a.steps + 1):
             _sync(device)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, rewards, version, device)
             _sync(device)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
             version += row.pop("_updates")
             kept.append(row["groups_kept"])
             if row["completion_tokens"] != n * a.max_new:
@@ -194,7 +197,7 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
             "cpu_linear": a.cpu_linear if device.type == "cpu" else None,
             "grad_ckpt": int(cfg.train.gradient_checkpointing),
             "micro_batch": cfg.train.micro_batch_size, "updates": version, "groups_kept": kept,
-            **_summary(times, engine.times, n * a.max_new), **_peak(device),
+            **_summary(times, engine.times, n * a.max_new, cpu), **_peak(device),
             "step_times": [round(x, 4) for x in times],
             "gen_times": [round(x, 4) for x in engine.times]}
 
@@ -226,6 +229,7 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
                             for r in rows])
     gen_times: list[float] = []
     step_times: list[float] = []
+    step_cpu: list[float] = []
     model = make_model(a.shape, tok, seed=a.seed, dtype=dtype)
     model_class = type(model)  # Qwen2ForCausalLM or Qwen3ForCausalLM: TRL's generate calls are timed on it
     orig_generate, own = model_class.generate, "generate" in vars(model_class)
@@ -239,15 +243,16 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         return out
 
     class StepTimer(TrainerCallback):
-        t = 0.0
+        t = c = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             _sync(device)
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             _sync(device)
             step_times.append(time.perf_counter() - self.t)
+            step_cpu.append(time.process_time() - self.c)
 
     def trl_reward(completions, **kw):
         return [_rng.random() for _ in completions]
@@ -279,7 +284,7 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
                 del model_class.generate  # back to the inherited one
         del trainer
     return {"system": f"trl-{trl.__version__}", "engine": "generate", "grad_ckpt": a.trl_grad_ckpt,
-            "micro_batch": n, **_summary(step_times, gen_times, n * a.max_new), **_peak(device),
+            "micro_batch": n, **_summary(step_times, gen_times, n * a.max_new, step_cpu), **_peak(device),
             "step_times": [round(x, 4) for x in step_times], "gen_times": [round(x, 4) for x in gen_times]}
 
 
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = results["nanogrpo"], results["trl"]
         ratio = round(theirs["step_s_median"] / ours["step_s_median"], 2)
         emit({"ratio": "trl_step / nanogrpo_step", "value": ratio,
+              "cpu_time_value": round(theirs["step_cpu_s_median"] / ours["step_cpu_s_median"], 2),
               "gen_ratio": round(theirs["gen_s_median"] / ours["gen_s_median"], 2),
               "nanogrpo_step_s": ours["step_s_median"], "trl_step_s": theirs["step_s_median"], **common})
     return status
