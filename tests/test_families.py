@@ -68,6 +68,10 @@ def _qwen2():
 def test_auto_decides_on_the_configuration():
     model = _qwen2()
     assert choose_engine(model)[0] == "fast"
+    from nanogrpo.models.cpu_linear import use_onednn_linears
+
+    use_onednn_linears(model)  # what load_model does on the CPU: still plain weights
+    assert choose_engine(model)[0] == "fast"
     model.config.rope_parameters = {"rope_type": "mrope", "rope_theta": 1e6}
     name, why = choose_engine(model)
     assert name == "hf" and "rope_type 'mrope'" in why
