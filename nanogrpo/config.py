@@ -91,12 +91,22 @@ class DataConfig(_Strict):
 
 class RolloutConfig(_Strict):
     engine: Literal["auto", "hf", "fast", "vllm"] = "auto"
-    """``auto``: ``fast`` for Llama/Qwen2-family models, else ``hf``."""
+    """``auto``: ``fast`` when it computes the model's configuration exactly (Llama, Qwen2/2.5, Qwen3,
+    Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.rollout.fast.families``), else
+    ``hf``; the choice and its reason are logged."""
     prompts_per_step: int = Field(8, gt=0)
     max_new_tokens: int = Field(512, gt=0)
     temperature: float = Field(0.9, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    tempered_logprobs: bool = False
+    """False: log-probs of the untempered model distribution (the seed's convention); True: of
+    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's). Applies to
+    the engine's behaviour log-probs and the policy and reference forwards alike."""
+
+    def logprob_temperature(self) -> float:
+        """The temperature every log-prob of a run is computed at (see ``tempered_logprobs``)."""
+        return self.temperature if self.tempered_logprobs else 1.0
 
 
 LossName = Literal["grpo", "dapo", "dr_grpo"]

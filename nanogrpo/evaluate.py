@@ -16,8 +16,8 @@ Summary fields:
   one seen first) is correct;
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``.
 
-Generation goes through the rollout engine (``make_engine``: the fast engine for
-Llama/Qwen2 models), ``eval.batch_size`` prompts per call.
+Generation goes through the rollout engine (``make_engine``: the fast engine for the
+families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
              engine=None) -> dict[str, Any]:
     """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
     rows = load_rows(cfg.data, split)[:n]
-    engine = engine or engine_for(cfg, model, tokenizer)
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    engine = engine or engine_for(cfg, model, tokenizer, max_len=cfg.data.max_prompt_tokens + max_new)
     model.eval()
     with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
         summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new, cfg.eval.batch_size,

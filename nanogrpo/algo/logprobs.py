@@ -31,6 +31,9 @@ checkpointing is on (HF turns the cache off then) and on the ``full`` path.
 Models whose head is not a plain linear projection of the last hidden state
 (logit soft-capping, scaled heads) take the ``full`` path: the model's own
 logits, row by row.
+
+``temperature``: the log-probs of ``logits / temperature`` on every path (1.0, the
+default, is the model's own distribution; see ``rollout.tempered_logprobs``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2"}
+PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
+                    "olmo2", "smollm3", "gpt2"}
+"""Model types whose logits are exactly ``lm_head(last hidden state)``: the lean path applies.
+(Gemma2/3 soft-cap their logits: not here.) Checked by ``tests/test_conformance.py``."""
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -56,14 +62,14 @@ def _mm_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class LinearLogprob(torch.autograd.Function):
-    """logp[t] = log_softmax(h[t] @ W.T + b)[targets[t]], chunk by chunk, in float32.
+    """logp[t] = log_softmax((h[t] @ W.T + b) / temperature)[targets[t]], chunk by chunk, in float32.
 
     h: (T, H); weight: (V, H); bias: (V,) or None; targets: (T,) int64 -> (T,) float32.
     Saved for backward: h, weight, targets and lse (T,) float32; never (T, V).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk):
+    def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0):
         dt = _mm_dtype(h)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dt)                                                 # (V, H)
@@ -72,18 +78,20 @@ class LinearLogprob(torch.autograd.Function):
             lse = torch.empty_like(out)                                       # (T,)
             for i in range(0, h.shape[0], chunk):
                 logits = F.linear(h[i:i + chunk].to(dt), w, b).float()        # (c, V)
+                if temperature != 1.0:
+                    logits = logits / temperature                             # (c, V)
                 lse[i:i + chunk] = torch.logsumexp(logits, -1)                # (c,)
                 picked = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1)  # (c,)
                 out[i:i + chunk] = picked - lse[i:i + chunk]
                 del logits
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.chunk, ctx.dt = chunk, dt
+        ctx.chunk, ctx.dt, ctx.temperature = chunk, dt, temperature
         return out
 
     @staticmethod
     def backward(ctx, g):                                                      # g: (T,)
         h, weight, bias, targets, lse = ctx.saved_tensors
-        dt, chunk = ctx.dt, ctx.chunk
+        dt, chunk, temp = ctx.dt, ctx.chunk, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.float()
         w = weight.to(dt)                                                     # (V, H)
@@ -96,9 +104,13 @@ class LinearLogprob(torch.autograd.Function):
             for i in range(0, h.shape[0], chunk):
                 hc = h[i:i + chunk].to(dt)                                    # (c, H)
                 gl = F.linear(hc, w, b).float()                               # (c, V) logits
+                if temp != 1.0:
+                    gl.div_(temp)                                             # (c, V) logits / T
                 gl.sub_(lse[i:i + chunk, None]).exp_()                        # (c, V) softmax
                 gl.mul_(-g[i:i + chunk, None])                                # (c, V) -g * p
                 gl.scatter_add_(-1, targets[i:i + chunk, None], g[i:i + chunk, None])  # + g * onehot
+                if temp != 1.0:
+                    gl.div_(temp)                                             # (c, V) d/d(logits)
                 glc = gl.to(dt)                                               # (c, V)
                 if need_h:
                     gh[i:i + chunk] = (glc @ w).to(h.dtype)                   # (c, H)
@@ -109,13 +121,14 @@ class LinearLogprob(torch.autograd.Function):
                 del gl, glc
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None
+        return gh, gw, gb, None, None, None
 
 
 def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    chunk: int = 1024) -> torch.Tensor:
-    """Log-probs (T,) float32 of ``targets`` under ``h @ weight.T + bias``, never holding (T, V)."""
-    return LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)))
+                    chunk: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs (T,) float32 of ``targets`` under ``(h @ weight.T + bias) / temperature``, never
+    holding (T, V)."""
+    return LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)), float(temperature))
 
 
 class LeanHead(torch.nn.Linear):
@@ -134,17 +147,18 @@ class LeanHead(torch.nn.Linear):
         spec = self.__dict__.get("_lean")
         if spec is None:
             return super().forward(x)
-        start, sel, targets, chunk = spec
+        start, sel, targets, chunk, temperature = spec
         if sel is None:                                                       # a prefix pass: no output
             return x.new_zeros(0)
         h = x[:, start:]                                                      # (N, C, H) predicts targets
         if h.shape[1] != sel.shape[1]:
             raise ValueError(f"LeanHead: {h.shape[1]} positions after {start} for {sel.shape[1]} targets")
-        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk)  # (T,)
+        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature)  # (T,)
 
     @contextmanager
-    def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int):
-        self.__dict__["_lean"] = (start, sel, targets, chunk)
+    def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int,
+              temperature: float = 1.0):
+        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature)
         try:
             yield
         finally:
@@ -180,19 +194,20 @@ def lean_head(model) -> LeanHead | None:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
-                   share_prefix: bool = True) -> torch.Tensor:
+                   share_prefix: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
 
     input_ids/attention_mask: (N, P + C), prompts left-padded to P, completions
     right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
     (DDP, DeepSpeed engine, FSDP2 module, PEFT model): it is called as a whole.
     ``share_prefix``: run each distinct prompt once (see the module docstring).
+    ``temperature``: log-probs of ``logits / temperature`` (gradients included).
     """
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
     head = lean_head(model)
     if head is None:
-        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len)
+        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature)
     sel = completion_mask.bool()                                              # (N, C)
     if sel.shape[1] == 0:
         return torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
@@ -200,9 +215,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
     flat = None
     if share_prefix and prompt_len > 1 and not _checkpointing(model):
-        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk)
+        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature)
     if flat is None:
-        with head.armed(prompt_len - 1, sel, targets, chunk):
+        with head.armed(prompt_len - 1, sel, targets, chunk, temperature):
             flat = model(input_ids=ids, attention_mask=am, position_ids=pos,
                          use_cache=False).logits                              # (T,) float32
     res = torch.zeros(sel.shape, dtype=torch.float32, device=flat.device)     # (N, C)
@@ -215,7 +230,7 @@ def _checkpointing(model) -> bool:
 
 
 def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt_len: int, sel, targets,
-                   chunk: int) -> torch.Tensor | None:
+                   chunk: int, temperature: float) -> torch.Tensor | None:
     """The selected log-probs (T,) with each distinct prompt run once; None if no prompt repeats.
     input_ids, attention_mask, pos: (N, P + C - 1), the sequences without their last token."""
     p = prompt_len - 1                                                        # the prefix: all but the last
@@ -231,7 +246,7 @@ def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(inv)                                           # (N, p), differentiable gather
-    with head.armed(0, sel, targets, chunk):                                  # suffix position 0 predicts c_0
+    with head.armed(0, sel, targets, chunk, temperature):                     # suffix position 0 predicts c_0
         return model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:],
                      use_cache=True, **{_cache_kwarg(model): cache}).logits   # (T,) float32
 
@@ -243,23 +258,25 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
-def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len):
+def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature: float = 1.0):
     rows = []
     for i in range(input_ids.shape[0]):  # one row at a time bounds the (L, V) logits
         logits = model(input_ids=input_ids[i:i + 1], attention_mask=attention_mask[i:i + 1],
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
-        rows.append(logits.float().log_softmax(-1).gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))
+        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+        rows.append(logits.log_softmax(-1).gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))
     return torch.stack(rows)                                                  # (N, C)
 
 
 @torch.no_grad()
 def batch_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          prompt_len: int, completion_mask: torch.Tensor, micro_batch_size: int = 16,
-                         chunk: int = 1024, share_prefix: bool = True) -> torch.Tensor:
+                         chunk: int = 1024, share_prefix: bool = True,
+                         temperature: float = 1.0) -> torch.Tensor:
     """``token_logprobs`` without gradients, ``micro_batch_size`` rows at a time (reference model)."""
     out = []
     for i in range(0, input_ids.shape[0], micro_batch_size):
         sl = slice(i, i + micro_batch_size)
         out.append(token_logprobs(model, input_ids[sl], attention_mask[sl], prompt_len,
-                                  completion_mask[sl], chunk, share_prefix))
+                                  completion_mask[sl], chunk, share_prefix, temperature))
     return torch.cat(out)                                                     # (N, C)

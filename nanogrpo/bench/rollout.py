@@ -3,7 +3,9 @@
 Builds a random-init model of a named shape offline, samples ``batch`` sequences of
 ``new-tokens`` tokens (forced to full length) from random ``prompt-len``-token prompts
 with each engine, and prints one JSON line per engine: first call, median of the
-timed repeats (warm-up excluded), tokens/s, ms per decode step, peak GPU memory.
+timed repeats (warm-up excluded), tokens/s, ms per decode step, peak GPU memory, and
+on the CPU the median process CPU time of a call (``cpu_median_s``: on a shared
+machine the wall time also counts the other processes' turns).
 
 Engines: ``fast``, ``hf`` (our reference engine, ``generate`` + log-probs), ``vllm`` (vLLM in this
 process, ``pip install -e ".[vllm]"``), ``trl``
@@ -120,15 +122,16 @@ def measure(name: str, model, tok, prompts, params, repeats: int, device: torch.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     engine = _engine(name, model, tok, len(prompts[0]) + params.max_new_tokens, len(prompts) * params.n)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats + 1):
         if cuda:
             torch.cuda.synchronize(device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         engine.generate(prompts, params)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     med = statistics.median(times[1:]) if repeats else times[0]
     n_tok = len(prompts) * params.n * params.max_new_tokens
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -136,6 +139,7 @@ def measure(name: str, model, tok, prompts, params, repeats: int, device: torch.
     return {"first_s": round(times[0], 3), "median_s": round(med, 4), "tok_per_s": round(n_tok / med, 1),
             "ms_per_decode_step": round(1000 * med / params.max_new_tokens, 3),
             "peak_mem_gib": None if peak is None else round(peak, 2),
+            "cpu_median_s": None if cuda else round(statistics.median(cpu[1:] or cpu), 4),
             "times_s": [round(t, 4) for t in times[1:]]}
 
 

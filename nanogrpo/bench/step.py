@@ -19,6 +19,7 @@ On a shared CPU pass ``--threads 1`` (both systems use it): with two threads per
 two busy cores both ran 5-20x slower, step to step, and the figures meant nothing.
 
     nanogrpo bench step --shape small --prompts 4 --gens 8 --max-new 64 --trl --threads 1
+    nanogrpo bench step --shape qwen3-small --prompts 4 --gens 8 --max-new 64 --trl --threads 1
     nanogrpo bench step --shape qwen2.5-0.5b --prompts 8 --gens 8 --max-new 256   # on a GPU
 """
 
@@ -108,14 +109,16 @@ def _peak(device: torch.device) -> dict:
     return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
-def _summary(step_times: list[float], gen_times: list[float], n_tok: int) -> dict:
+def _summary(step_times: list[float], gen_times: list[float], n_tok: int, cpu_times: list[float]) -> dict:
     steady = step_times[1:] or step_times
+    cpu = statistics.median(cpu_times[1:] or cpu_times)
     gsteady = gen_times[1:] or gen_times
     step = statistics.median(steady)
     gen = statistics.median(gsteady) if gsteady else float("nan")
     return {"step_s_median": round(step, 4), "gen_s_median": round(gen, 4),
             "gen_share": round(gen / step, 3), "completion_tok_per_s": round(n_tok / step, 1),
-            "gen_tok_per_s": round(n_tok / gen, 1) if gen == gen and gen > 0 else None}
+            "gen_tok_per_s": round(n_tok / gen, 1) if gen == gen and gen > 0 else None,
+            "step_cpu_s_median": round(cpu, 4)}
 
 
 class _TimedEngine:
@@ -174,14 +177,15 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
                             seed=a.seed, shuffle=True)
     rewards = RewardRunner.from_config(cfg.rewards)
     _reset_peak(device)
-    times, kept, version = [], [], 0
+    times, cpu, kept, version = [], [], [], 0
     try:
         for step in range(1, a.steps + 1):
             _sync(device)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, rewards, version, device)
             _sync(device)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
             version += row.pop("_updates")
             kept.append(row["groups_kept"])
             if row["completion_tokens"] != n * a.max_new:
@@ -193,7 +197,7 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
             "cpu_linear": a.cpu_linear if device.type == "cpu" else None,
             "grad_ckpt": int(cfg.train.gradient_checkpointing),
             "micro_batch": cfg.train.micro_batch_size, "updates": version, "groups_kept": kept,
-            **_summary(times, engine.times, n * a.max_new), **_peak(device),
+            **_summary(times, engine.times, n * a.max_new, cpu), **_peak(device),
             "step_times": [round(x, 4) for x in times],
             "gen_times": [round(x, 4) for x in engine.times]}
 
@@ -210,7 +214,7 @@ def run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
 def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     import trl
     from datasets import Dataset
-    from transformers import Qwen2ForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from nanogrpo.models.tiny import make_model, make_tokenizer
@@ -225,7 +229,10 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
                             for r in rows])
     gen_times: list[float] = []
     step_times: list[float] = []
-    orig_generate = Qwen2ForCausalLM.generate
+    step_cpu: list[float] = []
+    model = make_model(a.shape, tok, seed=a.seed, dtype=dtype)
+    model_class = type(model)  # Qwen2ForCausalLM or Qwen3ForCausalLM: TRL's generate calls are timed on it
+    orig_generate, own = model_class.generate, "generate" in vars(model_class)
 
     def timed_generate(self, *args, **kw):
         _sync(device)
@@ -236,15 +243,16 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         return out
 
     class StepTimer(TrainerCallback):
-        t = 0.0
+        t = c = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             _sync(device)
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             _sync(device)
             step_times.append(time.perf_counter() - self.t)
+            step_cpu.append(time.process_time() - self.c)
 
     def trl_reward(completions, **kw):
         return [_rng.random() for _ in completions]
@@ -252,8 +260,9 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     with tempfile.TemporaryDirectory(prefix="nanogrpo_bench_trl_") as tmp:
         model_dir = f"{tmp}/model"
         # TRL builds its reference copy from a path, as in the anchor
-        make_model(a.shape, tok, seed=a.seed, dtype=dtype).save_pretrained(model_dir)
+        model.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
+        del model
         cfg = GRPOConfig(
             output_dir=f"{tmp}/out", max_steps=a.steps, per_device_train_batch_size=n,
             num_generations=a.gens, max_completion_length=a.max_new, beta=a.beta, learning_rate=1e-6,
@@ -265,14 +274,17 @@ def _run_trl(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_reward, args=cfg, train_dataset=ds,
                               processing_class=tok, callbacks=[StepTimer()])
         _reset_peak(device)
-        Qwen2ForCausalLM.generate = timed_generate
+        model_class.generate = timed_generate
         try:
             trainer.train()
         finally:
-            Qwen2ForCausalLM.generate = orig_generate
+            if own:
+                model_class.generate = orig_generate
+            else:
+                del model_class.generate  # back to the inherited one
         del trainer
     return {"system": f"trl-{trl.__version__}", "engine": "generate", "grad_ckpt": a.trl_grad_ckpt,
-            "micro_batch": n, **_summary(step_times, gen_times, n * a.max_new), **_peak(device),
+            "micro_batch": n, **_summary(step_times, gen_times, n * a.max_new, step_cpu), **_peak(device),
             "step_times": [round(x, 4) for x in step_times], "gen_times": [round(x, 4) for x in gen_times]}
 
 
@@ -316,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = results["nanogrpo"], results["trl"]
         ratio = round(theirs["step_s_median"] / ours["step_s_median"], 2)
         emit({"ratio": "trl_step / nanogrpo_step", "value": ratio,
+              "cpu_time_value": round(theirs["step_cpu_s_median"] / ours["step_cpu_s_median"], 2),
               "gen_ratio": round(theirs["gen_s_median"] / ours["gen_s_median"], 2),
               "nanogrpo_step_s": ours["step_s_median"], "trl_step_s": theirs["step_s_median"], **common})
     return status

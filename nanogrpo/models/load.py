@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from nanogrpo.errors import ModelError
 from nanogrpo.models.cpu_linear import use_onednn_linears
 
 EMBEDDED = "embedded"
+log = logging.getLogger("nanogrpo.models")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,23 +114,85 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tok
 
 
+def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool):
+    kw = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, **kw)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
                trust_remote_code: bool = False, cpu_linear: str = "onednn") -> PreTrainedModel:
-    """An HF causal LM on ``device``; on the CPU its float32 linears go through oneDNN unless
-    ``cpu_linear == "torch"`` (see :mod:`nanogrpo.models.cpu_linear`)."""
+    """An HF causal LM on ``device``, with dropout off (:func:`disable_dropout`); on the CPU its
+    float32 linears go through oneDNN unless ``cpu_linear == "torch"`` (see
+    :mod:`nanogrpo.models.cpu_linear`).
+
+    A model that has no ``sdpa`` attention (Gemma2 in transformers 5) is loaded with ``eager``,
+    saying so in one line; any other attention implementation the model refuses is an error
+    that names ``model.attn_implementation``."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
-    except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=dtype, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load model from {path!r}: {str(e).splitlines()[0][:300]}") from None
+        model = _from_pretrained(path, dtype, attn_implementation, trust_remote_code)
+    except (ValueError, ImportError) as e:  # ImportError: e.g. flash_attention_2 without its package
+        msg = _first_line(e)
+        if attn_implementation == "sdpa" and re.search(r"sdpa|scaled_dot_product_attention", msg, re.I):
+            log.warning("%s has no sdpa attention in this transformers; loading it with "
+                        "model.attn_implementation=eager", path)
+            try:
+                model = _from_pretrained(path, dtype, "eager", trust_remote_code)
+            except (OSError, ValueError) as e2:
+                raise ModelError(f"cannot load model from {path!r}: {_first_line(e2)}") from None
+        elif re.search(r"attn|attention", msg, re.I):
+            raise ModelError(f"cannot load model from {path!r} with model.attn_implementation="
+                             f"{attn_implementation}: {msg}; set model.attn_implementation=sdpa or eager "
+                             "(one it supports)") from None
+        else:
+            raise ModelError(f"cannot load model from {path!r}: {msg}") from None
+    except OSError as e:
+        raise ModelError(f"cannot load model from {path!r}: {_first_line(e)}") from None
     model = model.to(device)
+    off = disable_dropout(model)
+    if off:
+        log.warning("%s: dropout is off in every forward (%d modules had it; the saved config keeps "
+                    "its values)", path, off)
     if device.type == "cpu" and cpu_linear == "onednn":
         use_onednn_linears(model)
     return model
+
+
+_DROPOUT_ATTRS = re.compile(r"dropout|layerdrop", re.I)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Dropout off in every forward of ``model``, its config left as it is; returns how many
+    modules had some.
+
+    RL forwards run without dropout: a perturbed log-prob is not the policy's (the KL to an
+    identical reference at step 1 would not be 0, nor the ratio to the sampler's log-probs 1).
+    ``eval()`` is not the way: the trainer keeps the policy in train mode because HF's
+    gradient checkpointing acts only then (``self.gradient_checkpointing and self.training``).
+    So every ``nn.Dropout`` gets ``p = 0`` and every numeric module attribute named like
+    ``*dropout*`` / ``*layerdrop*`` becomes 0 (the ``attention_dropout`` that attention
+    functions read off their module in train mode). These are module attributes, not
+    ``model.config``: checkpoints keep the model's own settings, and wrappers that keep the
+    modules (DDP, FSDP2, DeepSpeed, PEFT) keep them off. Call it before adding LoRA adapters:
+    ``model.lora_dropout`` is the user's own choice."""
+    changed = 0
+    for m in model.modules():
+        hit = False
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p:
+            m.p, hit = 0.0, True
+        for k, v in list(vars(m).items()):
+            if (_DROPOUT_ATTRS.search(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and v != 0):
+                setattr(m, k, 0.0)
+                hit = True
+        changed += hit
+    return changed
 
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:

@@ -94,7 +94,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     if not kept_rows:
         return None, stats
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, n=g, seed=seed)
+                            top_k=cfg.top_k, n=g, seed=seed, logprob_temperature=cfg.logprob_temperature())
     gen = engine.generate(prompt_ids, params)
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
     samples = completion_samples(kept_rows, g, gen.finish_reasons)

@@ -3,10 +3,12 @@
 Generation knows nothing of training: token ids in; completion ids, the
 log-probabilities of the sampled tokens and a finish reason per sequence out.
 
-Log-probabilities are those of the *untempered* model distribution,
-``log_softmax(logits)`` in float32, i.e. exactly what the trainer's forward pass
-computes for the same weights (the ``old_t`` of DESIGN §2). Temperature, top-p
-and top-k shape what is *sampled*, not what is reported.
+Log-probabilities are ``log_softmax(logits / logprob_temperature)`` of the sampled
+tokens in float32: by default (1.0) the *untempered* model distribution, the seed's
+convention, i.e. exactly what the trainer's forward pass computes for the same weights
+(the ``old_t`` of DESIGN §2). Temperature, top-p and top-k shape what is *sampled*, not
+what is reported; ``rollout.tempered_logprobs`` sets ``logprob_temperature`` to the
+sampling temperature (TRL's and verl's convention) in the engine and the trainer alike.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ class SamplingParams:
     """Samples per prompt; results are prompt-major (prompt 0's n samples first)."""
     seed: int | None = None
     logprob_temperature: float = 1.0
-    """Engines report log_softmax(logits / logprob_temperature) of the sampled tokens; 1.0 is the
-    untempered model distribution (the seed's convention)."""
+    """Engines report ``log_softmax(logits / logprob_temperature)`` of the sampled tokens; 1.0 is
+    the untempered model distribution (the seed's convention)."""
 
     @property
     def greedy(self) -> bool:

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import logging
+
 from nanogrpo.rollout.engine import Engine
 
-FAST_FAMILIES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
-"""Model classes the fast engine implements; ``auto`` falls back to ``hf`` for any other."""
-
 ENGINES = ("auto", "fast", "hf", "vllm")
+log = logging.getLogger("nanogrpo.rollout")
 
 
-def make_engine(name: str, model, tokenizer=None, **kwargs) -> Engine:
+def choose_engine(model, max_len: int | None = None) -> tuple[str, str]:
+    """What ``auto`` picks for ``model`` and why: ``fast`` when it computes this configuration
+    exactly (:func:`nanogrpo.rollout.fast.families.fast_support`), else ``hf``."""
+    from nanogrpo.rollout.fast.families import fast_support
+
+    fam, why = fast_support(model, max_len)
+    return ("fast" if fam is not None else "hf"), why
+
+
+def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None, **kwargs) -> Engine:
     """Build the named engine over a live HF model (weights shared with the caller).
 
-    ``kwargs`` go to the engine's constructor (e.g. ``eos_token_id``, ``pad_token_id``,
-    ``ignore_eos``). ``vllm`` builds vLLM over a copy of the model's weights (see
+    ``auto`` decides on the model's configuration and logs its choice and the reason in one
+    line. ``max_len``: the longest prompt + completion the engine will be asked for, when the
+    caller knows it (a length-bound RoPE type is exact only up to some length). ``kwargs`` go
+    to the engine's constructor (e.g. ``eos_token_id``, ``pad_token_id``, ``ignore_eos``).
+    ``vllm`` builds vLLM over a copy of the model's weights (see
     :mod:`nanogrpo.rollout.vllm_engine`); :func:`engine_for` passes it the ``[vllm]`` config.
     """
     if name == "auto":
-        name = "fast" if type(model).__name__ in FAST_FAMILIES else "hf"
+        name, why = choose_engine(model, max_len)
+        log.warning("rollout engine: %s (%s)", name, why)
     if name == "hf":
         from nanogrpo.rollout.hf import HFEngine
 
@@ -26,7 +39,7 @@ def make_engine(name: str, model, tokenizer=None, **kwargs) -> Engine:
     if name == "fast":
         from nanogrpo.rollout.fast import FastEngine
 
-        return FastEngine(model, tokenizer=tokenizer, **kwargs)
+        return FastEngine(model, tokenizer=tokenizer, max_len=max_len, **kwargs)
     if name == "vllm":
         from nanogrpo.rollout.vllm_engine import VLLMEngine
 

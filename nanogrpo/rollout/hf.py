@@ -4,7 +4,8 @@ Simple and slow: it is the yardstick the fast engine is tested against and the
 fallback for model families :mod:`nanogrpo.rollout.fast` does not know. It wraps
 the live model (same weights as the trainer; ``update_weights`` is a
 ``load_state_dict``). Log-probabilities come from the raw logits ``generate``
-returns (``output_logits``), as untempered float32 ``log_softmax``.
+returns (``output_logits``), as float32 ``log_softmax(logits / logprob_temperature)``
+(untempered by default).
 
 The helpers at the top (special-id resolution, left padding, cutting at EOS) are
 shared with the fast engine.
@@ -43,9 +44,11 @@ def check_request(prompts: list[list[int]], params: SamplingParams) -> None:
         raise ValueError("generate() needs at least one prompt and every prompt at least one token")
     if params.max_new_tokens < 1 or params.n < 1:
         raise ValueError(f"max_new_tokens and n must be >= 1, got {params.max_new_tokens} and {params.n}")
-    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+    if (params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0
+            or not params.logprob_temperature > 0):
         raise ValueError(f"bad sampling params: temperature={params.temperature} (>= 0), "
-                         f"top_p={params.top_p} (in (0, 1]), top_k={params.top_k} (>= 0)")
+                         f"top_p={params.top_p} (in (0, 1]), top_k={params.top_k} (>= 0), "
+                         f"logprob_temperature={params.logprob_temperature} (> 0)")
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +126,8 @@ class HFEngine:
                     torch.cuda.synchronize(ids.device)
                 gen_s = time.perf_counter() - t0
                 new = out.sequences[:, ids.shape[1]:]  # [R, T], T <= n_new
-                lps = torch.stack([torch.log_softmax(step.float(), -1).gather(1, new[:, t:t + 1])[:, 0]
+                lp_t = params.logprob_temperature
+                lps = torch.stack([torch.log_softmax(step.float() / lp_t, -1).gather(1, new[:, t:t + 1])[:, 0]
                                    for t, step in enumerate(out.logits)], 1)  # [R, T]
         finally:
             self.model.train(was_training)

@@ -187,7 +187,9 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         if main:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
             evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
-                          engine_for(cfg, backend.rollout_model(), tok))
+                          engine_for(cfg, backend.rollout_model(), tok,
+                                     max_len=cfg.data.max_prompt_tokens
+                                     + (cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]
     published = -1  # the version the server holds, as far as all ranks know (the same on every rank)
     live = False    # past the replayed steps: taking batches from the server
@@ -224,6 +226,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                                                        "dropped_invalid": int(totals[1])} if main else {}})
         feed.inbox.prune(step)  # the checkpoint (written by rank 0 before the save's barrier) covers them
 
+    temperature = cfg.rollout.logprob_temperature()  # the workers' batches say theirs in meta
     if resume_from is None:
         save(0)
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
@@ -255,6 +258,12 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                     noted = time.perf_counter()
             wait_s = time.perf_counter() - t0
             lag = int(entry["lag"])
+            theirs = float(batch.meta.get("logprob_temperature", 1.0))
+            if backend.all_reduce([float(theirs != temperature)], ["max"])[0]:  # all ranks stop together
+                raise ServerError(
+                    f"a rollout worker took log-probs at temperature {theirs:g} where this trainer takes "
+                    f"them at {temperature:g}: give workers and trainer the same rollout.tempered_logprobs "
+                    "and rollout.temperature (the batch stays queued)")
             batch = batch.to(device)
             t1 = time.perf_counter()
             backend.set_lr(lr_at(step, cfg))
@@ -266,7 +275,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 exact = not batch.meta.get("behaviour_logprobs", False)
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
                                     on_policy=(it == 0 and lag == 0 and exact),
-                                    max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
+                                    max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
+                                    logprob_temperature=temperature)
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
                 if it == 0:

@@ -152,6 +152,9 @@ def decode_batch(st: ServerState, body: bytes) -> RolloutBatch:
     worker = batch.meta.get("worker", "?")
     if not isinstance(worker, str) or len(worker) > MAX_WORKER_LEN:
         raise Reject(400, "bad_batch", f"meta.worker must be a string of at most {MAX_WORKER_LEN} characters")
+    t = batch.meta.get("logprob_temperature", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 100:
+        raise Reject(400, "bad_batch", "meta.logprob_temperature must be a number in (0, 100]")
     return batch
 
 

@@ -216,9 +216,12 @@ def make_ref_fn(model: torch.nn.Module, device: torch.device, micro_batch: int, 
     from nanogrpo.algo.logprobs import batch_token_logprobs
 
     def ref(batch: RolloutBatch) -> torch.Tensor:
+        # at the temperature the worker's run takes log-probs at (rollout.tempered_logprobs), which
+        # the upload checked; the trainer refuses a batch whose temperature is not its own
         b = batch.to(device)
         return batch_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, b.completion_mask,
-                                    micro_batch, chunk)
+                                    micro_batch, chunk,
+                                    temperature=float(batch.meta.get("logprob_temperature", 1.0)))
     return ref
 
 

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
-        engine = engine_for(cfg, model, tok)
+        engine = engine_for(cfg, model, tok, max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
         follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
         if getattr(engine, "owns_weights", False):
             del model  # vllm holds its own copy of the weights; new ones come from the relay
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 # behaviour_logprobs: the trainer takes the clipped ratio against our log-probs (vllm)
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
                                   behaviour_logprobs=bool(getattr(engine, "behaviour_logprobs", False)),
+                                  logprob_temperature=cfg.rollout.logprob_temperature(),
                                   rollout_time_s=time.perf_counter() - t0,
                                   examples=[_clean(ex) for ex in stats.examples])
                 batch_id = f"{id_prefix}-{uploaded}"

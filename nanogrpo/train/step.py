@@ -15,6 +15,10 @@ largest with zero-weight micro-batches so that every collective is matched.
 
 A non-finite loss or gradient norm skips the whole update (gradients dropped,
 weights untouched) and is reported, so one bad batch never corrupts the model.
+
+The model runs in train mode (HF's gradient checkpointing acts only then) with its
+dropout off: :func:`nanogrpo.models.load.disable_dropout`, applied when it is loaded,
+zeroes every dropout probability on the modules (the saved config keeps its values).
 """
 
 from __future__ import annotations
@@ -116,12 +120,16 @@ def _autocast(model, enabled: bool):
 
 
 def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None, grpo: GrpoConfig,
-                  train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None) -> UpdateResult:
+                  train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None,
+                  logprob_temperature: float = 1.0) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
     ``backend`` (a :class:`nanogrpo.train.distributed.Backend`) owns the wrapped model, the
     backward pass and the optimizer step; None means one process with ``model`` and ``optimizer``.
     Under several ranks ``batch`` is this rank's share (None if it has no rows).
+    ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
+    (``RolloutConfig.logprob_temperature()``: the convention the behaviour and reference
+    log-probs were computed with).
     """
     from nanogrpo.train.distributed import SingleBackend
 
@@ -143,8 +151,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
                 ids, am, p, cm, old, ref, adv = _trim(batch, mbs[k])
-                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk,
-                                      share_prefix=share)                        # (n, c)
+                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk, share_prefix=share,
+                                      temperature=logprob_temperature)           # (n, c)
                 loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
                                           ref if use_ref else None, adv, cm, totals, beta=grpo.beta,
                                           eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)

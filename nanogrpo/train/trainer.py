@@ -131,7 +131,9 @@ def train(run: Run) -> Path:
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
     backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
     optimizer = backend.optimizer
-    engine = engine_for(cfg, backend.rollout_model(), tok)  # vllm: built from the (resumed) weights
+    longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
+    engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
+                        max_len=cfg.data.max_prompt_tokens + longest_new)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
@@ -242,14 +244,16 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
             batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
                                                       batch.prompt_len, batch.completion_mask,
                                                       cfg.train.micro_batch_size, cfg.train.logprob_chunk,
-                                                      cfg.train.share_prefix and share_ok)
+                                                      cfg.train.share_prefix and share_ok,
+                                                      temperature=cfg.rollout.logprob_temperature())
         optimizer.set_lr(lr_at(step, cfg))
         # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
         exact = not getattr(engine, "behaviour_logprobs", False)
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0 and exact),
-                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend)
+                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
+                                logprob_temperature=cfg.rollout.logprob_temperature())
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
             if it == 0:
