@@ -93,7 +93,9 @@ def _forward_tokens(mbs: list[list[int]], gid: list[int], plen: list[int], clen:
 
 
 def _trim(batch: RolloutBatch, rows: torch.Tensor):
-    """Slice rows and drop columns that are padding for every selected row."""
+    """Slice rows and drop columns that are padding for every selected row. The mask returned is
+    the trained one (``loss_mask`` when the batch has one): tool output stays in the attention
+    mask as context but gets no log-prob, loss, KL or share of the length normalisation."""
     am = batch.attention_mask[rows]                                          # (n, P + C)
     cm = batch.completion_mask[rows]                                         # (n, C)
     p = batch.prompt_len
@@ -104,7 +106,7 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor):
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[rows][:, :c]
 
-    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cm[:, :c],
+    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cut(batch.trained_mask),
             cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
 
 
@@ -129,7 +131,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     fwd = be.model
     fwd.train()
     n_local = 0 if batch is None else batch.num_seqs
-    t_local = 0 if batch is None else int(batch.completion_mask.sum())
+    t_local = 0 if batch is None else int(batch.trained_mask.sum())
     share = train.share_prefix and be.prefix_sharing
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share)
@@ -142,11 +144,11 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
         last = k == int(n_mb) - 1
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
-                ids, am, p, cm, old, ref, adv = _trim(batch, mbs[k])
-                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk,
-                                      share_prefix=share)                        # (n, c)
+                ids, am, p, lm, old, ref, adv = _trim(batch, mbs[k])
+                logp = token_logprobs(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
+                                      share_prefix=share)                        # (n, c), 0 off lm
                 loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
-                                          ref if use_ref else None, adv, cm, totals, beta=grpo.beta,
+                                          ref if use_ref else None, adv, lm, totals, beta=grpo.beta,
                                           eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
                 loss, stats = _zero_loss(fwd, be.device, train.logprob_chunk), {"clipped_sum": 0.0}

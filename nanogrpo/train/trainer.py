@@ -231,7 +231,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
             batch = batch.to(device)
         if ref is not None and batch is not None:
             batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
-                                                      batch.prompt_len, batch.completion_mask,
+                                                      batch.prompt_len, batch.trained_mask,
                                                       cfg.train.micro_batch_size, cfg.train.logprob_chunk,
                                                       cfg.train.share_prefix and share_ok)
         optimizer.set_lr(lr_at(step, cfg))
