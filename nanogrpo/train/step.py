@@ -110,6 +110,22 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor):
             cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
 
 
+@torch.no_grad()
+def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
+                       share_prefix: bool) -> torch.Tensor:
+    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere), over the micro-batches
+    the update packs (length-sorted rows, all-padding columns dropped), so long-tailed completion
+    lengths (multi-turn trajectories) cost little padding and tool output no log-prob."""
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32,
+                      device=batch.input_ids.device)                                   # (N, C)
+    for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
+        ids, am, p, lm, _, _, _ = _trim(batch, rows)
+        lp = token_logprobs(ref, ids, am, p, lm, chunk=train.logprob_chunk,
+                            share_prefix=share_prefix)                                 # (n, c)
+        out[rows, :lp.shape[1]] = lp.float()
+    return out
+
+
 def _autocast(model, enabled: bool):
     if not enabled:
         return nullcontext()

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanogrpo.algo.logprobs import batch_token_logprobs
 from nanogrpo.config import Config, load_config, save_config
 from nanogrpo.data import PromptSampler, load_rows
 from nanogrpo.errors import ConfigError
@@ -27,7 +26,7 @@ from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
 from nanogrpo.train.metrics import merge_rank_metrics
-from nanogrpo.train.step import policy_update
+from nanogrpo.train.step import policy_update, reference_logprobs
 
 log = logging.getLogger("nanogrpo.train")
 CONFIG_FILE = "config.yaml"
@@ -241,10 +240,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         if batch is not None:
             batch = batch.to(device)
         if ref is not None and batch is not None:
-            batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
-                                                      batch.prompt_len, batch.trained_mask,
-                                                      cfg.train.micro_batch_size, cfg.train.logprob_chunk,
-                                                      cfg.train.share_prefix and share_ok)
+            batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train,
+                                                    cfg.train.share_prefix and share_ok)
         optimizer.set_lr(lr_at(step, cfg))
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0),
