@@ -10,7 +10,8 @@ For ``len(prompts) * n`` trajectories at once (prompt-major, as ``Engine.generat
    the step go to the sandbox together (``tools.workers`` at a time);
 3. each output, cut to ``tools.max_output_tokens``, is tokenised on its own, between the
    protocol's text before and after it (each piece tokenised separately, the ids appended: the
-   context is never re-tokenised, so the tokens trained on are exactly those the model saw), and
+   context is never re-tokenised, so the tokens trained on are exactly those the model saw; the
+   output's special-token text stays plain text, so a tool cannot forge ``<|im_end|>``), and
    fed to the trajectory, which samples its next turn;
 4. a trajectory ends at EOS (``stop``), when its sampled tokens reach ``max_new_tokens``
    (``length``; a call closed on the last token is not run), or when it closes a call beyond
@@ -73,11 +74,15 @@ class _Wrapper:
         self.cut_mark = self.encode(TRUNCATED)
         self.limit = max_output_tokens
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"]) if text else []
+    def encode(self, text: str, plain: bool = False) -> list[int]:
+        """``plain``: special-token text (``<|im_end|>``) in it stays text: a tool's output cannot
+        forge the chat template's control tokens."""
+        if not text:
+            return []
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
 
     def feed(self, output: str) -> tuple[list[int], str]:
-        body = self.encode(output)
+        body = self.encode(output, plain=True)
         if len(body) > self.limit:
             body = body[:self.limit] + self.cut_mark
         return self.before + body + self.after, self.tok.decode(body, skip_special_tokens=False)
@@ -96,6 +101,13 @@ def generate_with_tools(engine: Engine, tokenizer, tools, prompts: list[list[int
     max_len = max(len(p) for p in prompts) + budget + max_turns * wrap.longest()
     session = open_session(engine, tokenizer, prompts, replace(params, stop=tuple(tools.stop)), max_len)
     t_gen = t_tool = 0.0
+    texts: dict[int, str] = {}
+
+    def prompt_text(i: int) -> str:
+        if i not in texts:
+            texts[i] = tokenizer.decode(prompts[i], skip_special_tokens=False)
+        return texts[i]
+
     rows, feeds, budgets = list(range(len(trajs))), [[] for _ in trajs], [budget] * len(trajs)
     try:
         while rows:
@@ -119,7 +131,8 @@ def generate_with_tools(engine: Engine, tokenizer, tools, prompts: list[list[int
                 elif t.calls >= max_turns:
                     t.finish = "max_turns"
                 else:
-                    pending.append((r, tools.protocol.parse(text)))
+                    before = prompt_text(r // n) if len(t.turns) == 1 else ""
+                    pending.append((r, tools.protocol.parse(text, before)))
             t0 = time.perf_counter()
             results = tools.run([c for _, c in pending], [samples[r // n] for r, _ in pending])
             t_tool += time.perf_counter() - t0

@@ -16,6 +16,9 @@ never re-tokenised, so the trainer sees exactly the tokens the model saw.
   ``tools.name``; the tool receives ``arguments[tools.argument]`` (a string). Arguments given as a
   JSON string (some models do) are decoded first.
 
+``parse(turn, before)`` reads the turn's text; ``before`` is the prompt's text for a first turn
+(a prompt may end inside a call: ``…<think><code>``), empty after a tool output.
+
 A malformed call (no opening tag, invalid JSON, an unknown tool, a missing argument) is not run:
 the model is shown why (status ``invalid``, counted with the tool errors).
 """
@@ -35,14 +38,20 @@ class Call:
     error: str | None = None
 
 
-def _block(turn: str, open_tag: str, close_tag: str) -> tuple[str | None, str | None]:
+def _block(turn: str, open_tag: str, close_tag: str, before: str = "") -> tuple[str | None, str | None]:
+    """The text between the opening tag and the turn's first closing tag. The opening tag may sit
+    in ``before`` (the prompt, when it ends inside a call) after its last closing tag."""
     end = turn.find(close_tag)
     if end < 0:
         return None, f"no {close_tag} in the turn"
     start = turn.rfind(open_tag, 0, end)
-    if start < 0:
-        return None, f"{close_tag} without an opening {open_tag}"
-    return turn[start + len(open_tag):end], None
+    if start >= 0:
+        return turn[start + len(open_tag):end], None
+    tail = before[before.rfind(close_tag) + len(close_tag):] if close_tag in before else before
+    start = tail.rfind(open_tag)
+    if start >= 0:
+        return tail[start + len(open_tag):] + turn[:end], None
+    return None, f"{close_tag} without an opening {open_tag}"
 
 
 class CodeProtocol:
@@ -51,8 +60,8 @@ class CodeProtocol:
     before_output = "<output>\n"
     after_output = "\n</output>\n"
 
-    def parse(self, turn: str) -> Call:
-        body, err = _block(turn, "<code>", "</code>")
+    def parse(self, turn: str, before: str = "") -> Call:
+        body, err = _block(turn, "<code>", "</code>", before)
         if body is None:
             return Call(None, err)
         code = textwrap.dedent(body.strip("\n"))
@@ -72,8 +81,8 @@ class HermesProtocol:
     def __init__(self, tool_name: str = "python", argument: str = "code"):
         self.tool_name, self.argument = tool_name, argument
 
-    def parse(self, turn: str) -> Call:
-        body, err = _block(turn, "<tool_call>", "</tool_call>")
+    def parse(self, turn: str, before: str = "") -> Call:
+        body, err = _block(turn, "<tool_call>", "</tool_call>", before)
         if body is None:
             return Call(None, err)
         try:
