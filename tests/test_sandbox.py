@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -86,7 +87,8 @@ def test_attacks_in_one_batch_and_the_run_goes_on(sandbox, tmp_path):
     _alive(sandbox)
 
 
-@pytest.mark.parametrize("layers", ["all", "netns", "landlock", "audit"])
+@pytest.mark.parametrize("layers", ["all", *[pytest.param(x, marks=pytest.mark.slow)
+                                             for x in ("netns", "landlock", "audit")]])
 def test_no_network(layers, tmp_path):
     """A TCP connect and a UDP datagram to listeners of this (the trainer's) process never arrive."""
     disable = () if layers == "all" else only(layers)
@@ -118,6 +120,7 @@ def test_no_network(layers, tmp_path):
     udp.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", ["landlock", "audit", "drop"])
 def test_each_layer_keeps_trainer_files_and_processes_out(layers, tmp_path):
     secret = tmp_path / "secret.txt"
@@ -149,9 +152,14 @@ def test_user_tool_by_name_runs_sandboxed():
 
 def test_a_dead_server_is_restarted(sandbox):
     sandbox._proc.kill()
-    res = sandbox.run([("print(1)", {})])
-    assert res[0].status == "crash"                    # that call was lost, the run was not
-    assert sandbox.restarts >= 1
+    sandbox._proc.wait()
+    _alive(sandbox)                                    # found dead before the call: started again
+    proc = sandbox._proc
+    killer = threading.Timer(0.3, proc.kill)           # killed during a call
+    killer.start()
+    res = sandbox.run([("import time\ntime.sleep(2)\nprint('done')", {})])
+    killer.join()
+    assert res[0].status == "crash" and sandbox.restarts >= 1   # that call is lost, the run is not
     _alive(sandbox)
 
 

@@ -20,6 +20,7 @@ DEMO = REPO / "configs" / "demo-tools.toml"
 SMALL = ["rollout.prompts_per_step=4", "grpo.group_size=4", "train.save_every=0", "rewards.workers=0"]
 
 
+@pytest.mark.slow
 def test_demo_tools_config_trains(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--config", str(DEMO), "--out", str(out), "--steps", "2", "eval.every=2",
