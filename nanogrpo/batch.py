@@ -13,6 +13,9 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
     group_ids        int64   (N,)        consecutive runs of G equal ids
     old_logprobs     float32 (N, C)      behaviour log-probs (0 where masked)
     ref_logprobs     float32 (N, C)      reference log-probs, optional (absent when beta == 0)
+    loss_mask        bool    (N, C)      tokens the loss trains on, optional (absent: = completion_mask);
+                                         a subset of completion_mask: multi-turn rollouts leave tool
+                                         output out (context the model reads, never trained on)
 
 Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
 breakdown, question ids, ...), JSON-serialisable.
@@ -42,8 +45,9 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "group_ids": (torch.int64, "N"),
     "old_logprobs": (torch.float32, "NC"),
     "ref_logprobs": (torch.float32, "NC"),
+    "loss_mask": (torch.bool, "NC"),
 }
-_OPTIONAL = {"ref_logprobs"}
+_OPTIONAL = {"ref_logprobs", "loss_mask"}
 
 
 class BatchError(ValueError):
@@ -63,6 +67,7 @@ class RolloutBatch:
     group_size: int
     policy_version: int = 0
     ref_logprobs: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape helpers
@@ -73,6 +78,11 @@ class RolloutBatch:
     @property
     def completion_len(self) -> int:
         return int(self.input_ids.shape[1]) - self.prompt_len
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """(N, C) bool: the tokens the loss, the KL and the length normalisation count."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {k: getattr(self, k) for k in _SPEC if getattr(self, k) is not None}
@@ -198,6 +208,12 @@ def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: in
         raise BatchError("attention_mask over the completion must equal completion_mask")
     if not bool(am[:, prompt_len - 1].bool().all()):
         raise BatchError("prompts must be left-padded: last prompt column must be a real token")
+    lm = t.get("loss_mask")
+    if lm is not None:
+        if bool((lm & ~cm).any()):
+            raise BatchError("loss_mask must be a subset of completion_mask")
+        if not bool(lm.any(dim=1).all()):
+            raise BatchError("every sequence needs at least one token in loss_mask")
     for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs"):
         if name in t and not bool(torch.isfinite(t[name]).all()):
             raise BatchError(f"{name} holds NaN or inf")

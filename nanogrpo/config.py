@@ -72,7 +72,8 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     source: str = "gsm8k"
-    """A preset (``gsm8k``, ``arithmetic``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
+    """A preset (``gsm8k``, ``arithmetic``, ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or
+    ``hf:NAME``."""
     split: str = "train"
     eval_split: str = "test"
     question_field: str = "question"
@@ -87,6 +88,7 @@ class DataConfig(_Strict):
     shuffle: bool = True
     arithmetic_train_size: int = Field(20000, gt=0)
     arithmetic_eval_size: int = Field(500, gt=0)
+    """Rows of the synthetic tasks (``arithmetic``, ``multidigit``): the train split and the held-out one."""
 
 
 class RolloutConfig(_Strict):
@@ -160,6 +162,51 @@ class RewardsConfig(_Strict):
 
     def resolved_weights(self) -> list[float]:
         return list(self.weights) if self.weights is not None else [1.0] * len(self.functions)
+
+
+DEFAULT_PRELOAD = ["math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools",
+                   "collections", "random", "re", "string", "json", "datetime", "heapq", "bisect", "operator"]
+
+
+class ToolsConfig(_Strict):
+    """Multi-turn rollouts with a tool (``nanogrpo.tools``, ``nanogrpo.rollout.turns``): the model's
+    turn ends when it closes a tool call, the sandbox runs it, the output is appended as context
+    (never trained on) and the model continues."""
+
+    enabled: bool = False
+    protocol: Literal["code", "hermes"] = "code"
+    """``code``: ``<code>…</code>`` answered by ``<output>…</output>``; ``hermes``: Qwen/Hermes
+    ``<tool_call>{json}</tool_call>`` answered by a ``<tool_response>`` turn
+    (``nanogrpo.tools.protocols``)."""
+    function: str = "python"
+    """The tool, ``fn(call: str, sample: dict) -> str``: ``python`` (the built-in interpreter) or
+    ``module:function`` / ``path/to/file.py:function``. It runs in the sandbox either way."""
+    name: str = "python"
+    """``hermes``: the tool's name in the call's JSON."""
+    argument: str = "code"
+    """``hermes``: the argument whose (string) value the tool receives."""
+    max_turns: int = Field(4, ge=1)
+    """Tool calls a trajectory may make; a call past it ends the trajectory, not run
+    (finish reason ``max_turns``). ``rollout.max_new_tokens`` bounds the tokens the model samples
+    over all its turns."""
+    max_output_tokens: int = Field(256, gt=0)
+    """Tokens of tool output shown to the model per call (the rest is cut and marked)."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit per call (the CPU-time limit is about the same)."""
+    memory_mb: int = Field(512, ge=64)
+    """Address-space limit of a call's process."""
+    file_mb: int = Field(8, ge=0)
+    """Largest file a call may write (in its throwaway working directory)."""
+    max_output_bytes: int = Field(16384, gt=0)
+    """Bytes a call may print before it is stopped (its output cut, the status ``overflow``)."""
+    workers: int = Field(2, ge=1)
+    """Calls run at once."""
+    preload: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
+    """Modules the sandbox imports once, before forking the calls (a call imports others itself,
+    which fails where the sandbox cannot read them: add e.g. ``numpy``, ``sympy``)."""
+    require_isolation: bool = False
+    """Refuse to start unless the kernel isolates the network (namespace) and the filesystem
+    (Landlock); otherwise those rest on the audit hook (see ``nanogrpo.tools.sandbox``)."""
 
 
 class TrainConfig(_Strict):
@@ -285,6 +332,7 @@ class Config(_Strict):
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)

@@ -23,3 +23,7 @@ class ModelError(NanoGRPOError):
 
 class RewardError(NanoGRPOError):
     """A reward function cannot be resolved or imported."""
+
+
+class ToolError(NanoGRPOError):
+    """A tool cannot be resolved or its sandbox cannot start."""

@@ -14,7 +14,9 @@ Summary fields:
 - ``pass@k``: share of problems with at least one correct completion among k;
 - ``maj@k``: share of problems whose most frequent extracted answer (ties: the
   one seen first) is correct;
-- ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``.
+- ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
+- with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
+  once) and ``tool_calls_mean`` (calls per completion).
 
 Generation goes through the rollout engine (``make_engine``: the fast engine for the
 families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
@@ -35,8 +37,10 @@ from nanogrpo.config import Config
 from nanogrpo.data import encode_prompts, load_rows
 from nanogrpo.rewards import RewardRunner, correctness, format_reward
 from nanogrpo.rewards.extract import extract_answer
+from nanogrpo.rollout.collect import generate
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
+from nanogrpo.tools.registry import ToolRunner
 
 
 def vote_key(answer: str | None) -> str | None:
@@ -63,8 +67,9 @@ def majority_index(answers: list[str | None]) -> int | None:
 
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                   max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
-                  seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem."""
+                  seed: int = 0, tools=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
+    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None."""
     records: list[dict[str, Any]] = []
     skipped = 0
     t0 = time.perf_counter()
@@ -80,9 +85,12 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                 top_p=cfg.rollout.top_p if k > 1 else 1.0,
                                 top_k=cfg.rollout.top_k if k > 1 else 0,
                                 seed=None if k == 1 else seed * 1_000_003 + b)
-        gen = engine.generate(ids, params)
+        gen = generate(engine, tokenizer, ids, kept, params, tools)
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
         samples = [r for r in kept for _ in range(k)]
+        calls = [info["tool_calls"] for info in gen.infos] if tools is not None else [0] * len(texts)
+        if tools is not None:
+            samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
         scored = rewards.score(texts, samples)
         for p, r in enumerate(kept):
             sl = slice(p * k, (p + 1) * k)
@@ -98,6 +106,7 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                 "formatted": [format_reward(t, r) > 0 for t in comps],
                 "majority": answers[maj] if maj is not None else None,
                 "majority_correct": bool(maj is not None and correct[maj]),
+                "tool_calls": calls[sl],
             })
     n = len(records)
     flat = [c for x in records for c in x["correct"]]
@@ -115,6 +124,10 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                                 for x in records for c in x["completions"]) if n else nan,
         "skipped_long_prompts": skipped, "time_s": round(time.perf_counter() - t0, 3),
     }
+    if tools is not None:
+        used = [c for x in records for c in x["tool_calls"]]
+        summary["tool_use_rate"] = sum(c > 0 for c in used) / len(used) if used else nan
+        summary["tool_calls_mean"] = statistics.fmean(used) if used else nan
     return summary, records
 
 
@@ -134,10 +147,16 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     engine = engine or engine_for(cfg, model, tokenizer, max_len=cfg.data.max_prompt_tokens + max_new)
     model.eval()
-    with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
-        summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new, cfg.eval.batch_size,
-                                         k=k or cfg.eval.k, temperature=cfg.eval.temperature,
-                                         seed=cfg.eval.seed)
+    tools = ToolRunner.from_config(cfg.tools)
+    try:
+        with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
+            summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new,
+                                             cfg.eval.batch_size, k=k or cfg.eval.k,
+                                             temperature=cfg.eval.temperature, seed=cfg.eval.seed,
+                                             tools=tools)
+    finally:
+        if tools is not None:
+            tools.close()
     summary["split"] = split
     if out is not None:
         write_results(summary, records, out)

@@ -21,6 +21,12 @@ Variants differ in the reduction (and Dr. GRPO also in the advantage):
 Reductions take *whole-batch* totals so that summing the losses of the
 micro-batches of one step gives exactly the loss of the full batch.
 
+The mask is the one the caller gives: the completion mask, or, for multi-turn
+rollouts with tools, the loss mask, which leaves out the tool-output tokens (the
+model reads them as context but did not sample them). Masked tokens count in no
+sum: not the surrogate, not the KL, not a completion's length (``grpo``), not the
+token total (``dapo``).
+
 Departures from the seed: the mask keeps the first EOS (the seed's
 ``token != pad`` drops it where pad == EOS, so the model never learns to stop);
 the clipped ratio is used for stale samples (the seed's vLLM variant).
@@ -106,6 +112,9 @@ def policy_loss(variant: str, logp: torch.Tensor, old: torch.Tensor | None, ref:
                 eps_low: float = 0.2, eps_high: float | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Reduced loss for one micro-batch (a share of the whole batch's loss) and its stats.
+
+    ``mask`` (N, T) marks the tokens trained on (completion tokens, less any tool output);
+    ``tot`` holds the same mask's whole-batch counts.
 
     Stats are sums over this micro-batch's masked tokens (``kl_sum``, ``clipped_sum``)
     so the caller can total them across micro-batches.

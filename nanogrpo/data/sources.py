@@ -8,6 +8,8 @@
 - ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.data.arithmetic`);
   split ``train`` has ``arithmetic_train_size`` rows, any other split
   (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
+- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.data.multidigit`),
+  sized by the same two settings.
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nanogrpo.config import DataConfig
-from nanogrpo.data import arithmetic
+from nanogrpo.data import arithmetic, multidigit
 from nanogrpo.data.samples import normalize_rows
 from nanogrpo.errors import DataError
 
@@ -136,12 +138,12 @@ def read_hf(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _arithmetic_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+def _arithmetic_rows(cfg: DataConfig, split: str, task=arithmetic) -> list[dict[str, Any]]:
     if split == "train":
-        return arithmetic.make_split("train", cfg.arithmetic_train_size)
+        return task.make_split("train", cfg.arithmetic_train_size)
     if split in ("test", "eval", "validation"):
-        return arithmetic.make_split("test", cfg.arithmetic_eval_size)
-    raise DataError(f"data source arithmetic has no split {split!r} (use train or test)")
+        return task.make_split("test", cfg.arithmetic_eval_size)
+    raise DataError(f"data source {cfg.source} has no split {split!r} (use train or test)")
 
 
 def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
@@ -150,6 +152,8 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     fields = {"question_field": cfg.question_field, "answer_field": cfg.answer_field}
     if source == "arithmetic":
         return _arithmetic_rows(cfg, split)
+    if source == "multidigit":
+        return _arithmetic_rows(cfg, split, multidigit)
     if source == "gsm8k":
         name, config, delim = GSM8K
         rows = read_hf(name, cfg.hf_config or config, split)
@@ -164,7 +168,7 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
                               answer_delimiter=cfg.answer_delimiter)
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() not in READERS:
-        raise DataError(f"unknown data source {source!r}: use a preset (gsm8k, arithmetic), a "
+        raise DataError(f"unknown data source {source!r}: use a preset (gsm8k, arithmetic, multidigit), a "
                         f"{'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
     return normalize_rows(read_file(path), origin=f"data file {path}", **fields,
                           answer_delimiter=cfg.answer_delimiter)

@@ -29,6 +29,8 @@ from nanogrpo.models.cpu_linear import use_onednn_linears
 
 EMBEDDED = "embedded"
 log = logging.getLogger("nanogrpo.models")
+EMBEDDED_TOOLS = "embedded-tools"
+"""The tool demo's warm start (:mod:`nanogrpo.models.warmstart_tools`), same shape and tokenizer."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,6 +65,10 @@ def resolve_model_path(path: str) -> str:
         from nanogrpo.models.warmstart import embedded_path
 
         return str(embedded_path())
+    if path == EMBEDDED_TOOLS:
+        from nanogrpo.models.warmstart_tools import embedded_path as tools_path
+
+        return str(tools_path())
     p = Path(path).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
@@ -75,7 +81,7 @@ def resolve_model_path(path: str) -> str:
 
 def check_model_source(cfg: ModelConfig) -> None:
     """Cheap early check (no weights read) so a typo fails before any expensive work."""
-    if cfg.path != EMBEDDED:
+    if cfg.path not in (EMBEDDED, EMBEDDED_TOOLS):
         resolve_model_path(cfg.path)
 
 

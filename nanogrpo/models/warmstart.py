@@ -106,6 +106,16 @@ def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) ->
     model = make_model(SHAPE, tok, seed=SFT_SEED)
     rows = make_split("train", steps * batch_size, seed=SFT_SEED)
     seqs, starts = _encode(tok, rows, data_cfg)
+    trained = [[False] * st + [True] * (len(s) - st) for s, st in zip(seqs, starts)]
+    sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
+    return save(model, tok, out)
+
+
+def sft(model, pad_id: int, seqs: list[list[int]], trained: list[list[bool]], steps: int, batch_size: int,
+        lr: float, log_every: int) -> None:
+    """Supervised steps over ``seqs`` in order, ``batch_size`` at a time: next-token loss on the
+    positions ``trained`` marks (completions; not prompts, not tool output), AdamW with warmup and
+    a cosine decay."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warm = max(1, steps // 10)
     model.train()
@@ -116,12 +126,12 @@ def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) ->
             g["lr"] = lr * scale
         idx = range(step * batch_size, (step + 1) * batch_size)
         L = max(len(seqs[i]) for i in idx)
-        ids = torch.full((batch_size, L), tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((batch_size, L), pad_id, dtype=torch.long)
         labels = torch.full((batch_size, L), -100, dtype=torch.long)
         for j, i in enumerate(idx):
             s = torch.tensor(seqs[i])
             ids[j, :len(s)] = s
-            labels[j, starts[i]:len(s)] = s[starts[i]:]
+            labels[j, :len(s)] = torch.where(torch.tensor(trained[i]), s, -100)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -130,6 +140,10 @@ def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) ->
         if log_every and (step + 1) % log_every == 0:
             print(f"warm start step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     model.eval()
+
+
+def save(model, tok, out: Path) -> Path:
+    """Save model and tokenizer (HF format) to ``out`` atomically: a temporary directory renamed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)

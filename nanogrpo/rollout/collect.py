@@ -1,7 +1,10 @@
 """One rollout: prompts -> G completions each -> rewards -> advantages -> a RolloutBatch.
 
 The same function runs inside the single-process trainer and inside each
-``nanogrpo rollout`` worker; only where the batch goes differs.
+``nanogrpo rollout`` worker; only where the batch goes differs. With a tool
+(``tools``), each completion is a multi-turn trajectory (:mod:`nanogrpo.rollout.turns`):
+the rewards see its whole text and, in the sample dict, its ``turns`` and
+``tool_calls``; the batch carries a ``loss_mask`` that leaves the tool output out.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
 from nanogrpo.rewards import RewardRunner, correctness, format_reward
-from nanogrpo.rollout.engine import Engine, SamplingParams
+from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
 
 
 @dataclass
@@ -38,11 +41,15 @@ class RolloutStats:
     reward_timeouts: int = 0
     reward_non_finite: int = 0
     reward_by_function: dict[str, float] = field(default_factory=dict)
+    tool_metrics: dict[str, float] = field(default_factory=dict)
+    """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("examples", "reward_by_function")}
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("examples", "reward_by_function", "tool_metrics")}
         out.update({f"reward/{k}": v for k, v in self.reward_by_function.items()})
+        out.update(self.tool_metrics)
         return out
 
 
@@ -81,10 +88,24 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: 
     return ids, am, cm, lp, p
 
 
+def generate(engine: Engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], params: SamplingParams,
+             tools=None) -> Generation:
+    """``params.n`` completions per prompt: one ``generate`` call, or multi-turn trajectories (``tools``)."""
+    if tools is None:
+        return engine.generate(prompt_ids, params)
+    from nanogrpo.rollout.turns import generate_with_tools
+
+    return generate_with_tools(engine, tokenizer, tools, prompt_ids, rows, params, tools.cfg.max_turns,
+                               tools.cfg.max_output_tokens)
+
+
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
-            policy_version: int = 0, keep_examples: int = 2) -> tuple[RolloutBatch | None, RolloutStats]:
-    """Sample, score and package one step's groups; ``None`` when no group carries signal."""
+            policy_version: int = 0, keep_examples: int = 2, tools=None
+            ) -> tuple[RolloutBatch | None, RolloutStats]:
+    """Sample, score and package one step's groups; ``None`` when no group carries signal.
+
+    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None."""
     g = grpo.group_size
     stats = RolloutStats()
     prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
@@ -95,9 +116,12 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
         return None, stats
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=g, seed=seed, logprob_temperature=cfg.logprob_temperature())
-    gen = engine.generate(prompt_ids, params)
+    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools)
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
     samples = completion_samples(kept_rows, g, gen.finish_reasons)
+    if tools is not None:
+        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+        stats.tool_metrics = dict(gen.tool_metrics)
     scored = rewards.score(texts, samples)
     r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
     acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)
@@ -130,8 +154,13 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [gen.completion_ids[i] for i in idx],
                                    [gen.logprobs[i] for i in idx], tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in idx], dtype=torch.int64)
-    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, rewards=r[rows_kept],
-                         advantages=adv[rows_kept], group_ids=group_ids, old_logprobs=lp, prompt_len=p,
-                         group_size=g, policy_version=policy_version,
+    lm = None
+    if tools is not None:
+        lm = torch.zeros_like(cm)                                                  # (n, C)
+        for j, i in enumerate(idx):
+            lm[j, :len(gen.loss_masks[i])] = torch.tensor(gen.loss_masks[i], dtype=torch.bool)
+    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
+                         rewards=r[rows_kept], advantages=adv[rows_kept], group_ids=group_ids,
+                         old_logprobs=lp, prompt_len=p, group_size=g, policy_version=policy_version,
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats

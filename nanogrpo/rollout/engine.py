@@ -3,6 +3,12 @@
 Generation knows nothing of training: token ids in; completion ids, the
 log-probabilities of the sampled tokens and a finish reason per sequence out.
 
+Multi-turn rollouts (tool calls) go through a :class:`TurnSession`: trajectories
+that alternate sampled turns with fed tokens (tool output). Any engine gets one
+from :func:`nanogrpo.rollout.session.open_session`, which re-prefills each
+trajectory's whole context every turn through ``generate``; an engine that can keep
+its KV cache across turns implements ``open_session`` itself (the hook below).
+
 Log-probabilities are ``log_softmax(logits / logprob_temperature)`` of the sampled
 tokens in float32: by default (1.0) the *untempered* model distribution, the seed's
 convention, i.e. exactly what the trainer's forward pass computes for the same weights
@@ -13,6 +19,7 @@ sampling temperature (TRL's and verl's convention) in the engine and the trainer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -32,6 +39,11 @@ class SamplingParams:
     logprob_temperature: float = 1.0
     """Engines report ``log_softmax(logits / logprob_temperature)`` of the sampled tokens; 1.0 is
     the untempered model distribution (the seed's convention)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a sequence ends at the first token whose decoded text completes one (the rule of
+    :mod:`nanogrpo.rollout.stops`; that token is kept), finish reason ``"stop_string"``. Needs an
+    engine built with a tokenizer. An engine that does not stop early ignores it; a
+    :class:`TurnSession` always cuts there, so results agree, only compute differs."""
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +59,8 @@ class Generation:
     logprobs: list[list[float]]
     """Same lengths as ``completion_ids``."""
     finish_reasons: list[str]
-    """``"stop"`` (emitted EOS) or ``"length"`` (hit ``max_new_tokens``)."""
+    """``"stop"`` (emitted EOS), ``"length"`` (hit ``max_new_tokens``) or ``"stop_string"`` (completed
+    one of ``SamplingParams.stop``)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Engine-specific timings (e.g. ``prefill_s``, ``decode_s``)."""
 
@@ -62,4 +75,44 @@ class Engine(Protocol):
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new policy weights in place (no re-compilation, no re-capture)."""
+        ...
+
+
+@runtime_checkable
+class TurnSession(Protocol):
+    """Trajectories that alternate sampled turns with fed tokens, for multi-turn rollouts.
+
+    Opened on ``len(prompts) * params.n`` trajectories; trajectory ``r = i * n + j`` is prompt
+    ``i``'s sample ``j`` (prompt-major, as :meth:`Engine.generate`). The caller then calls
+    :meth:`step` once per turn:
+
+    - ``rows``: distinct trajectory indices, each listed at most once per step, a subset of the
+      previous step's rows (the first step lists every trajectory). A trajectory left out of a step
+      is finished for good: the session may free its state.
+    - ``feeds[k]``: tokens appended to ``rows[k]``'s context before sampling: context the model reads
+      but did not sample (tool output, the template around it); empty in the first step.
+    - ``budgets[k]`` >= 1: the most tokens ``rows[k]`` may sample in this step.
+
+    Each listed trajectory then samples from its whole context (prompt, everything sampled and fed
+    so far, in order) until it emits EOS (kept; ``"stop"``), completes a stop string of
+    ``params.stop`` (by :mod:`nanogrpo.rollout.stops`' rule; that token kept; ``"stop_string"``), or
+    samples ``budgets[k]`` tokens (``"length"``). The result lists the sampled tokens, their
+    untempered log-probs and the finish reason of each listed row, in ``rows`` order.
+    ``params.max_new_tokens`` is unused (budgets come per step); randomness follows ``params.seed``.
+    """
+
+    def step(self, rows: Sequence[int], feeds: Sequence[Sequence[int]], budgets: Sequence[int]) -> Generation:
+        ...
+
+    def close(self) -> None:
+        """Free whatever the session holds (idempotent)."""
+        ...
+
+
+class MultiTurnEngine(Engine, Protocol):
+    """The optional engine hook: an engine that keeps each trajectory's state (its KV cache) across
+    turns implements ``open_session``. ``max_len`` bounds every trajectory's context length (prompt +
+    sampled + fed tokens) for the whole session, so a static cache can be sized once."""
+
+    def open_session(self, prompts: list[list[int]], params: SamplingParams, max_len: int) -> TurnSession:
         ...

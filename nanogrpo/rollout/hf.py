@@ -5,7 +5,8 @@ fallback for model families :mod:`nanogrpo.rollout.fast` does not know. It wraps
 the live model (same weights as the trainer; ``update_weights`` is a
 ``load_state_dict``). Log-probabilities come from the raw logits ``generate``
 returns (``output_logits``), as float32 ``log_softmax(logits / logprob_temperature)``
-(untempered by default).
+(untempered by default). Stop strings (``SamplingParams.stop``) end a row through a
+stopping criterion that scans each sampled token (:mod:`nanogrpo.rollout.stops`).
 
 The helpers at the top (special-id resolution, left padding, cutting at EOS) are
 shared with the fast engine.
@@ -17,8 +18,10 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from nanogrpo.rollout.engine import Generation, SamplingParams
+from nanogrpo.rollout.stops import StopScanner, StopStrings
 
 
 def resolve_special_ids(model, tokenizer=None, eos_token_id: int | Sequence[int] | None = None,
@@ -80,6 +83,34 @@ def cut_at_eos(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int],
             ["stop" if s else "length" for s in stopped.tolist()])
 
 
+def cut_at_stop(stops: StopStrings, comp: list[list[int]], logprobs: list[list[float]], reasons: list[str]
+                ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Cut each sequence after the token that completes a stop string (finish reason ``stop_string``)."""
+    comp, logprobs, reasons = list(comp), list(logprobs), list(reasons)
+    for i, c in enumerate(comp):
+        k = stops.find(c)
+        if k is not None:
+            comp[i], logprobs[i], reasons[i] = c[:k], logprobs[i][:k], "stop_string"
+    return comp, logprobs, reasons
+
+
+class _StopCriterion(StoppingCriteria):
+    """``model.generate`` stopping criterion: a row is done on the token that completes a stop string."""
+
+    def __init__(self, stops: StopStrings, width: int):
+        self.width = width
+        self.scanners: list[StopScanner] | None = None
+        self.stops = stops
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        if self.scanners is None:
+            self.scanners = [self.stops.scanner() for _ in range(input_ids.shape[0])]
+        last = input_ids[:, -1].tolist()
+        if input_ids.shape[1] <= self.width:
+            return torch.zeros(len(last), dtype=torch.bool, device=input_ids.device)
+        return torch.tensor([s.push(t) for s, t in zip(self.scanners, last)], device=input_ids.device)
+
+
 class HFEngine:
     """``model.generate`` with left-padded prompts; each prompt repeated ``n`` times.
 
@@ -92,6 +123,7 @@ class HFEngine:
     def __init__(self, model, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False):
         self.model = model
+        self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = resolve_special_ids(model, tokenizer, eos_token_id, pad_token_id)
         self.ignore_eos = ignore_eos
 
@@ -111,6 +143,9 @@ class HFEngine:
             kw.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         if self.ignore_eos:
             kw["min_new_tokens"] = n_new
+        stops = StopStrings(self.tokenizer, params.stop)
+        if stops:
+            kw["stopping_criteria"] = StoppingCriteriaList([_StopCriterion(stops, ids.shape[1])])
         cuda = ids.device.type == "cuda"
         was_training = self.model.training
         self.model.eval()
@@ -132,6 +167,8 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         comp, logprobs, reasons = cut_at_eos(new, lps, self.eos_ids, self.ignore_eos)
+        if stops:
+            comp, logprobs, reasons = cut_at_stop(stops, comp, logprobs, reasons)
         n_tok = sum(len(c) for c in comp)
         return Generation(comp, logprobs, reasons,
                           stats={"generate_s": gen_s, "new_tokens": float(n_tok),

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
     from nanogrpo.serve.weights import WeightLayout
+    from nanogrpo.tools.registry import ToolRunner
 
     a = build_parser().parse_args(argv)
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     client = ServerClient(a.server, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
     client.health()
     rewards = RewardRunner.from_config(cfg.rewards)
+    tools = ToolRunner.from_config(cfg.tools)
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
-                                       seed=(seed + attempts) % 2**31, policy_version=version)
+                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools)
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                          batch_id, version, batch.num_seqs, stats.reward_mean, answer.get("depth"))
     finally:
         rewards.close()
+        if tools is not None:
+            tools.close()
         client.close()
     log.warning("worker %s: done, %d batch(es) uploaded", worker_id, uploaded)
     return 0

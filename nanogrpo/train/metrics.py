@@ -44,6 +44,11 @@ MAX_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "gpu_mem_gib")
 """The slowest (largest) rank's value."""
 MEAN_KEYS = ("reward_mean", "accuracy", "format_rate", "completion_len_mean", "stop_rate")
 """Per-completion means: weighted by each rank's completions (as are the ``reward/<function>`` means)."""
+TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum",
+             "tools/max_turns_hit": "sum", "tools/generated_tokens": "sum", "tools/tool_tokens": "sum",
+             "tools/calls_per_completion": "mean", "tools/use_rate": "mean", "tools/turns_mean": "mean",
+             "tools/time_s": "max"}
+"""Multi-turn rollouts' metrics (present on every rank or on none: the config decides)."""
 
 
 def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] = ()) -> dict[str, Any]:
@@ -54,7 +59,10 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     are already global. A rank without completions weighs nothing.
 
     ``all_reduce(values, ops)`` is :meth:`nanogrpo.train.distributed.Backend.all_reduce`."""
-    means = list(MEAN_KEYS) + sorted(reward_keys)
+    tools = {k: op for k, op in TOOL_KEYS.items() if k in row}
+    means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
+    counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]
+    maxes = list(MAX_KEYS) + [k for k, op in tools.items() if op == "max"]
 
     def num(k: str) -> float:
         v = row.get(k)
@@ -64,18 +72,18 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     m, s = num("reward_mean"), num("reward_std")
     sq = (n - 1) * s * s + n * m * m if n > 0 and math.isfinite(m) and math.isfinite(s) else 0.0
     vals = [n, sq] + [num(k) * n if n > 0 and math.isfinite(num(k)) else 0.0 for k in means]
-    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in COUNT_KEYS]
-    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in MAX_KEYS]
-    out = all_reduce(vals, ["sum"] * (2 + len(means) + len(COUNT_KEYS)) + ["max"] * len(MAX_KEYS))
+    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in counts]
+    vals += [num(k) if math.isfinite(num(k)) else 0.0 for k in maxes]
+    out = all_reduce(vals, ["sum"] * (2 + len(means) + len(counts)) + ["max"] * len(maxes))
     total, sq_total = out[0], out[1]
-    out_means, out_counts = out[2:2 + len(means)], out[2 + len(means):2 + len(means) + len(COUNT_KEYS)]
-    out_maxes = out[2 + len(means) + len(COUNT_KEYS):]
+    out_means, out_counts = out[2:2 + len(means)], out[2 + len(means):2 + len(means) + len(counts)]
+    out_maxes = out[2 + len(means) + len(counts):]
     merged = dict(row)
     for k, v in zip(means, out_means):
         merged[k] = v / total if total > 0 else math.nan
-    for k, v in zip(COUNT_KEYS, out_counts):
+    for k, v in zip(counts, out_counts):
         merged[k] = int(v)
-    for k, v in zip(MAX_KEYS, out_maxes):
+    for k, v in zip(maxes, out_maxes):
         if k in row:
             merged[k] = v
     mean = merged["reward_mean"]

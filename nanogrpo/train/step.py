@@ -97,7 +97,9 @@ def _forward_tokens(mbs: list[list[int]], gid: list[int], plen: list[int], clen:
 
 
 def _trim(batch: RolloutBatch, rows: torch.Tensor):
-    """Slice rows and drop columns that are padding for every selected row."""
+    """Slice rows and drop columns that are padding for every selected row. The mask returned is
+    the trained one (``loss_mask`` when the batch has one): tool output stays in the attention
+    mask as context but gets no log-prob, loss, KL or share of the length normalisation."""
     am = batch.attention_mask[rows]                                          # (n, P + C)
     cm = batch.completion_mask[rows]                                         # (n, C)
     p = batch.prompt_len
@@ -108,8 +110,25 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor):
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[rows][:, :c]
 
-    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cm[:, :c],
+    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cut(batch.trained_mask),
             cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
+
+
+@torch.no_grad()
+def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
+                       share_prefix: bool, temperature: float = 1.0) -> torch.Tensor:
+    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere), over the micro-batches
+    the update packs (length-sorted rows, all-padding columns dropped), so long-tailed completion
+    lengths (multi-turn trajectories) cost little padding and tool output no log-prob; of
+    ``logits / temperature`` (the run's log-prob convention)."""
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32,
+                      device=batch.input_ids.device)                                   # (N, C)
+    for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
+        ids, am, p, lm, _, _, _ = _trim(batch, rows)
+        lp = token_logprobs(ref, ids, am, p, lm, chunk=train.logprob_chunk,
+                            share_prefix=share_prefix, temperature=temperature)        # (n, c)
+        out[rows, :lp.shape[1]] = lp.float()
+    return out
 
 
 def _autocast(model, enabled: bool):
@@ -137,7 +156,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     fwd = be.model
     fwd.train()
     n_local = 0 if batch is None else batch.num_seqs
-    t_local = 0 if batch is None else int(batch.completion_mask.sum())
+    t_local = 0 if batch is None else int(batch.trained_mask.sum())
     share = train.share_prefix and be.prefix_sharing
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share)
@@ -150,11 +169,11 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
         last = k == int(n_mb) - 1
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
-                ids, am, p, cm, old, ref, adv = _trim(batch, mbs[k])
-                logp = token_logprobs(fwd, ids, am, p, cm, chunk=train.logprob_chunk, share_prefix=share,
-                                      temperature=logprob_temperature)           # (n, c)
+                ids, am, p, lm, old, ref, adv = _trim(batch, mbs[k])
+                logp = token_logprobs(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
+                                      temperature=logprob_temperature)           # (n, c), 0 off lm
                 loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
-                                          ref if use_ref else None, adv, cm, totals, beta=grpo.beta,
+                                          ref if use_ref else None, adv, lm, totals, beta=grpo.beta,
                                           eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
                 loss, stats = _zero_loss(fwd, be.device, train.logprob_chunk), {"clipped_sum": 0.0}

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanogrpo.algo.logprobs import batch_token_logprobs
 from nanogrpo.config import Config, load_config, save_config
 from nanogrpo.data import PromptSampler, load_rows
 from nanogrpo.errors import ConfigError
@@ -23,10 +22,11 @@ from nanogrpo.models.load import check_model_source, load_model, load_policy, re
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
+from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
 from nanogrpo.train.metrics import merge_rank_metrics
-from nanogrpo.train.step import policy_update
+from nanogrpo.train.step import policy_update, reference_logprobs
 
 log = logging.getLogger("nanogrpo.train")
 CONFIG_FILE = "config.yaml"
@@ -41,12 +41,20 @@ class Run:
     resume_from: Path | None
     eval_rows: list[dict] | None = None
     """Held-out problems for evaluation during training (``eval.every > 0``)."""
+    tools: ToolRunner | None = None
+    """The run's tool (``tools.enabled``); built from ``cfg.tools`` when not given (its sandbox
+    starts on first use and stops at :meth:`ToolRunner.close` or when the object goes)."""
+
+    def __post_init__(self) -> None:
+        if self.tools is None:
+            self.tools = ToolRunner.from_config(self.cfg.tools)
 
 
 def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     """Validate everything cheap first: rewards import, data fields, model path, run directory."""
     rewards = RewardRunner.from_config(cfg.rewards)
     try:
+        tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
         rows = load_rows(cfg.data, cfg.data.split)
         eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
         check_model_source(cfg.model)
@@ -62,7 +70,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     if resume_dir is not None and resume_from is None:
         # killed before its first checkpoint was complete: nothing to continue, so start over
         print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
-    return Run(cfg, root, rewards, rows, resume_from, eval_rows)
+    return Run(cfg, root, rewards, rows, resume_from, eval_rows, tools)
 
 
 def load_resume_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -163,7 +171,7 @@ def train(run: Run) -> Path:
     try:
         for step in bar:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend)
+                             device, backend=backend, tools=run.tools)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
@@ -182,6 +190,8 @@ def train(run: Run) -> Path:
         if logger is not None:
             logger.close()
         run.rewards.close()
+        if run.tools is not None:
+            run.tools.close()
     if backend.is_main:
         print(run_summary(root))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
@@ -214,14 +224,14 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict
         summary, records = evaluate_rows(engine, tok, run.eval_rows, cfg, run.rewards,
                                          cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                          cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                                         seed=cfg.eval.seed)
+                                         seed=cfg.eval.seed, tools=run.tools)
     summary["split"] = cfg.data.eval_split
     write_results(summary, records, run.root / "eval" / f"step_{step}.json")
     return {f"eval/{k}": v for k, v in summary.items() if not isinstance(v, str)}
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device, backend=None) -> dict[str, Any]:
+               device: torch.device, backend=None, tools=None) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = sampler.next_batch()
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
@@ -232,7 +242,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     model.eval()
     batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                             template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step) + rank,
-                            policy_version=version)
+                            policy_version=version, tools=tools)
     t_roll = time.perf_counter()
     loss = kl = clip = grad_norm = float("nan")
     skipped = 0
@@ -241,11 +251,9 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         if batch is not None:
             batch = batch.to(device)
         if ref is not None and batch is not None:
-            batch.ref_logprobs = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask,
-                                                      batch.prompt_len, batch.completion_mask,
-                                                      cfg.train.micro_batch_size, cfg.train.logprob_chunk,
-                                                      cfg.train.share_prefix and share_ok,
-                                                      temperature=cfg.rollout.logprob_temperature())
+            batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train,
+                                                    cfg.train.share_prefix and share_ok,
+                                                    temperature=cfg.rollout.logprob_temperature())
         optimizer.set_lr(lr_at(step, cfg))
         # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
