@@ -101,3 +101,47 @@ def test_trainer_uses_one_convention_for_engine_policy_and_reference(tmp_path, m
                  "train.save_every=0", "eval.every=0"]) == 0
     temp, old_diff, ref_diff = seen[0]
     assert temp == T and old_diff < 1e-5 and ref_diff < 1e-5
+
+
+# ------------------------------------------------------------------ split mode: the wire carries it
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 1e9, "0.7", True, None, [0.7]])
+def test_an_upload_with_a_bad_logprob_temperature_is_a_400_and_queues_nothing(bad):
+    from tests.test_serve_faults import AUTH, _state, run
+    from tests.test_serve_helpers import make_batch
+
+    b = make_batch()
+    b.meta["logprob_temperature"] = bad
+    st = _state()
+
+    async def fn(c):
+        r = await c.post("/upload", content=b.to_bytes(), headers=AUTH)
+        assert r.status_code == 400 and "logprob_temperature" in r.text, (r.status_code, r.text)
+    run(st, fn)
+    assert st.stats()["batches_in"] == 0
+
+
+def test_the_servers_reference_forward_takes_the_workers_temperature():
+    """A worker's batch says the temperature its run takes log-probs at; the server's reference
+    log-probs are those of ``logits / T`` (not untempered ones, which would bias the KL)."""
+    from nanogrpo.algo.logprobs import batch_token_logprobs
+    from nanogrpo.batch import RolloutBatch
+    from nanogrpo.serve.server import make_ref_fn
+
+    model = qwen()
+    ids, am, cm, old, p = _batch(model, "hf", RolloutConfig(temperature=T, tempered_logprobs=True))
+    n = ids.shape[0]
+    batch = RolloutBatch(input_ids=ids, attention_mask=am.to(torch.int8), completion_mask=cm,
+                         rewards=torch.zeros(n), advantages=torch.zeros(n), old_logprobs=old, prompt_len=p,
+                         group_ids=torch.arange(n) // 2, group_size=2, meta={"logprob_temperature": T})
+    ref = make_ref_fn(model, torch.device("cpu"), 4, 0)
+    with torch.no_grad():
+        want = batch_token_logprobs(model, ids, am, p, cm, 4, 0, temperature=T)
+        untempered = batch_token_logprobs(model, ids, am, p, cm, 4, 0)
+        got = ref(batch)
+    assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, untempered, atol=1e-3)
+    assert torch.allclose(got[cm], old[cm], atol=1e-4)  # the engine's own tempered log-probs
+    batch.meta.pop("logprob_temperature")                 # an older worker: the seed's convention
+    with torch.no_grad():
+        assert torch.allclose(ref(batch), untempered, atol=1e-6)
