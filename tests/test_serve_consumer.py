@@ -91,3 +91,31 @@ def test_split_trainer_trains_each_batch_once_acks_it_and_drops_what_it_cannot_u
     assert stats["batches_in"] == 4 and stats["batches_out"] == 4 and stats["duplicates"] == 1
     assert stats["queue_ready"] == stats["queue_leased"] == 0 and stats["weights_version"] == 3
     assert not list((out / "inbox" / "rank0").iterdir())                   # the last checkpoint covers all
+
+
+def test_split_trainer_refuses_a_batch_at_another_logprob_temperature_and_leaves_it_queued(
+        tmp_path, tiny_model, monkeypatch):
+    """Workers and trainer must take log-probs alike (``rollout.tempered_logprobs``): a batch whose
+    log-probs are tempered reaching an untempered trainer stops it with one line naming the keys,
+    before any update, and the batch is not acked (it goes back to the queue)."""
+    from nanogrpo.config import load_config
+    from nanogrpo.errors import ConfigError
+    from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.server import ServerState, Settings
+
+    model_dir, vocab = tiny_model
+    monkeypatch.setenv("NANOGRPO_TOKEN", TOKEN)
+    st = ServerState(Settings(vocab_size=vocab, max_weights_body=8 << 20, lease_s=30), TOKEN)
+    cfg = load_config(overrides=[f"model.path={model_dir}", "grpo.beta=0", "train.steps=1",
+                                 f"train.out={tmp_path / 'run'}", "train.save_every=0",
+                                 "log.tensorboard=false", "rewards.workers=0"])
+    b = make_batch(vocab=vocab)
+    b.meta["logprob_temperature"] = 0.9
+    with LiveServer(st) as srv:
+        with ServerClient(srv.url, TOKEN) as c:
+            c.upload(b, "hot")
+        with pytest.raises(ConfigError, match="rollout.tempered_logprobs"):
+            train_from_server(cfg, srv.url)
+        stats = httpx.get(srv.url + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert stats["queue_leased"] + stats["queue_ready"] == 1

@@ -100,6 +100,11 @@ class _Feed:
                 if action == TRAIN and cfg.grpo.beta > 0 and batch.ref_logprobs is None:
                     raise ConfigError("grpo.beta > 0 but the server sent no reference log-probs: start "
                                       "`nanogrpo serve` with the same grpo.beta (or train with grpo.beta=0)")
+                theirs, ours = batch.meta.get("logprob_temperature", 1.0), cfg.rollout.logprob_temperature()
+                if action == TRAIN and theirs != ours:  # refused before the hand-off: it stays queued
+                    raise ConfigError(f"a rollout worker took log-probs at temperature {theirs:g}, this "
+                                      f"trainer takes them at {ours:g}: give workers and trainer the same "
+                                      "rollout.tempered_logprobs and rollout.temperature")
             entry = {"id": got.batch_id, "step": step, "n": self.inbox.next_n(step), "action": action,
                      "lag": lag, "worker": batch.meta.get("worker", "?") if batch is not None else "?"}
             if not self.inbox.hand_off(self.client, entry, got.lease, got.body if action == TRAIN else None):
@@ -226,7 +231,6 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                                                        "dropped_invalid": int(totals[1])} if main else {}})
         feed.inbox.prune(step)  # the checkpoint (written by rank 0 before the save's barrier) covers them
 
-    temperature = cfg.rollout.logprob_temperature()  # the workers' batches say theirs in meta
     if resume_from is None:
         save(0)
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
@@ -258,12 +262,6 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                     noted = time.perf_counter()
             wait_s = time.perf_counter() - t0
             lag = int(entry["lag"])
-            theirs = float(batch.meta.get("logprob_temperature", 1.0))
-            if backend.all_reduce([float(theirs != temperature)], ["max"])[0]:  # all ranks stop together
-                raise ServerError(
-                    f"a rollout worker took log-probs at temperature {theirs:g} where this trainer takes "
-                    f"them at {temperature:g}: give workers and trainer the same rollout.tempered_logprobs "
-                    "and rollout.temperature (the batch stays queued)")
             batch = batch.to(device)
             t1 = time.perf_counter()
             backend.set_lr(lr_at(step, cfg))
@@ -276,7 +274,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
                                     on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                    logprob_temperature=temperature)
+                                    logprob_temperature=cfg.rollout.logprob_temperature())
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
                 if it == 0:
