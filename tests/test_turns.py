@@ -16,11 +16,20 @@ from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
+from nanogrpo.rollout.session import WithoutSession
 from nanogrpo.rollout.turns import TRUNCATED, _Wrapper, generate_with_tools
 from nanogrpo.tools.protocols import Call, HermesProtocol
 from nanogrpo.tools.registry import ToolRunner
 
-ENGINES = ["hf", "fast"]
+ENGINES = ["hf", "fast", "fast-reprefill"]
+"""``fast`` keeps its KV cache across turns (its own session), ``fast-reprefill`` is the generic
+session over its ``generate``."""
+
+
+def engine_named(name: str, model, tok):
+    if name == "fast-reprefill":
+        return WithoutSession(make_engine("fast", model, tok))
+    return make_engine(name, model, tok)
 
 
 class EveryLetter:
@@ -56,7 +65,7 @@ def letters_tools():
 def test_trajectory_bookkeeping(engine_name, letters_tools):
     tok = make_tokenizer()
     model = make_model("tiny", tok, seed=2)
-    engine = make_engine(engine_name, model, tok)
+    engine = engine_named(engine_name, model, tok)
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("Hi there", "What is 2+3?", "x")]
     budget, max_turns, max_out = 30, 2, 6
     params = SamplingParams(max_new_tokens=budget, temperature=1.0, n=4, seed=5)
@@ -156,7 +165,7 @@ def test_greedy_multiturn_equals_turn_by_turn_generate(engine_name, demo):
     # half stays single-turn), so trajectories of one batch take different numbers of turns
     opening = tok("<think><code>", add_special_tokens=False)["input_ids"]
     prompts = [p + opening if i % 2 == 0 else p for i, p in enumerate(prompts)]
-    engine = make_engine(engine_name, model, tok)
+    engine = engine_named(engine_name, model, tok)
     gen = generate_with_tools(engine, tok, tools, prompts, rows,
                               SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0),
                               cfg.tools.max_turns, cfg.tools.max_output_tokens)

@@ -156,7 +156,7 @@ class FastEngine:
             raise ModelError(f"the fast rollout engine cannot run this model: {why}; "
                              "use rollout.engine=hf (or auto)")
         cfg = model.config
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         self.eos_ids, self.pad_id = resolve_special_ids(model, tokenizer, eos_token_id, pad_token_id)
         self.ignore_eos, self.compact, self.check_every = ignore_eos, compact, max(1, check_every)
         p = next(model.parameters())
@@ -320,6 +320,13 @@ class FastEngine:
         st.slot.add_(1)
 
     # ------------------------------------------------------------ generate
+
+    def open_session(self, prompts: list[list[int]], params: SamplingParams, max_len: int):
+        """A multi-turn :class:`~nanogrpo.rollout.engine.TurnSession` that keeps each trajectory's KV
+        cache across turns (:class:`~nanogrpo.rollout.fast.session.FastSession`)."""
+        from nanogrpo.rollout.fast.session import FastSession  # (it imports this module)
+
+        return FastSession(self, prompts, params, max_len)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
