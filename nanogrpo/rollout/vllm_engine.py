@@ -160,16 +160,18 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * _head_dim(cfg) * torch.finfo(dtype).bits // 8
 
 
-def vllm_options(cfg) -> dict[str, Any]:
+def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
     """:class:`VLLMEngine` arguments from a :class:`~nanogrpo.config.Config` (its ``[vllm]`` section,
-    the prompt and generation lengths, the rollout batch and the log-prob convention)."""
+    the prompt and generation lengths, the rollout batch and the log-prob convention). ``max_len``:
+    the longest sequence the run asks for (:func:`nanogrpo.rollout.turns.longest_context`: tool
+    output included), the default of ``max_model_len``."""
     v = cfg.vllm
     longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     tempered = bool(getattr(cfg.rollout, "tempered_logprobs", False))  # the convention switch, if present
     if tempered and (cfg.rollout.top_k or cfg.rollout.top_p < 1):
         raise ConfigError("rollout.engine=vllm with rollout.tempered_logprobs=true needs rollout.top_k=0 and "
                           "rollout.top_p=1: vLLM takes tempered log-probs after its top-k/top-p mask")
-    return dict(max_model_len=v.max_model_len or cfg.data.max_prompt_tokens + longest,
+    return dict(max_model_len=v.max_model_len or max_len or cfg.data.max_prompt_tokens + longest,
                 max_batch=max(cfg.rollout.prompts_per_step * cfg.grpo.group_size,
                               cfg.eval.batch_size * cfg.eval.k),
                 tempered_logprobs=tempered,
