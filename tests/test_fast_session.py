@@ -27,13 +27,16 @@ STOP = ("y", "'", "h", "G", "u", "m", "ee", "rz", "*", ")c")
 """About one sampled token in ten on the random models completes one of these."""
 
 
-def script(session, n_rows: int, seed: int, turns: int = 4):
+def script(session, n_rows: int, seed: int, turns: int = 4, first_feeds: bool = False):
     """Step ``session`` like the driver: every row first; then each row that closed a call (and, once,
-    a row that hit its budget) continues after a feed of 0-7 tokens, with a budget of 1-9 tokens.
-    Returns per row the list of (feed, budget, tokens, log-probs, reason) of its turns."""
+    a row that hit its budget) continues after a feed of 0-7 tokens, with a budget of 1-9 tokens, the
+    rows in shuffled order. Returns per row the list of (feed, budget, tokens, log-probs, reason) of its
+    turns. ``first_feeds``: the first step feeds tokens too (after the prompt: no shared prefill)."""
     rng = random.Random(seed)
     log: list[list[tuple]] = [[] for _ in range(n_rows)]
     rows, feeds, budgets = list(range(n_rows)), [[] for _ in range(n_rows)], [9] * n_rows
+    if first_feeds:
+        feeds = [[rng.randrange(13, 60) for _ in range(r % 3)] for r in rows]
     continued_length = False
     for _ in range(turns):
         gen = session.step(rows, feeds, budgets)
@@ -46,6 +49,7 @@ def script(session, n_rows: int, seed: int, turns: int = 4):
                 nxt.append(r)
         if not nxt:
             break
+        rng.shuffle(nxt)
         rows = nxt
         feeds = [[rng.randrange(13, 60) for _ in range(rng.choice([0, 1, 2, 4, 7]))] for _ in rows]
         budgets = [rng.randrange(1, 10) for _ in rows]
@@ -86,12 +90,12 @@ def check_logprobs(model, prompt: list[int], turns: list[tuple], tol: float = 1e
     assert (ref - torch.tensor(lps)).abs().max().item() < tol
 
 
-def run_case(model, engine, n: int = 2, seed: int = 1, graphs: bool = False):
+def run_case(model, engine, n: int = 2, seed: int = 1, first_feeds: bool = False):
     prompts = PROMPTS
     params = SamplingParams(max_new_tokens=9, temperature=0.0, n=n, stop=STOP)
     session = open_session(engine, TOK, prompts, params, max_len=60)
     assert isinstance(session, FastSession)
-    log = script(session, len(prompts) * n, seed)
+    log = script(session, len(prompts) * n, seed, first_feeds=first_feeds)
     stops = StopStrings(TOK, STOP)
     for r, turns in enumerate(log):
         want = reference(model, prompts[r // n], turns, stops)
@@ -125,6 +129,13 @@ def test_graph_layout_on_cpu(case):
     engine.use_graphs = True
     run_case(model, engine, n=3, seed=4)
     assert {k[0] for k in engine._states} >= {8, 16}
+
+
+def test_first_step_with_feeds_prefills_each_row():
+    """A first step that feeds tokens after the prompts (allowed, not what the driver does) prefills
+    each row's whole context instead of sharing the prompts' prefill: same reference."""
+    model = build(FAST[0])
+    run_case(model, FastEngine(model, tokenizer=TOK), first_feeds=True)
 
 
 def test_sampling_is_seeded_and_logprobs_match_a_forward():

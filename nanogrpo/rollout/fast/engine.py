@@ -28,7 +28,9 @@ What makes it fast (on CUDA; on CPU the same code runs eagerly):
   Measured on CPU (float32, "small" shape) fusion is a wash; on the GPU it saves 3
   GEMM launches per layer: ``bench/gpu_rollout.sh`` times ``fast`` vs ``fast-nofuse``;
 - rows that finished are compacted away into a smaller bucket when that halves the
-  batch (finished rows otherwise keep decoding, their outputs masked).
+  batch (finished rows otherwise keep decoding, their outputs masked);
+- multi-turn (tool) rollouts keep each trajectory's KV cache across turns
+  (:meth:`FastEngine.open_session`, :mod:`.session`): a turn prefills only the new tokens.
 
 Sampling uses the engine's own ``torch.Generator``, seeded from ``params.seed``:
 same seed, same engine settings and prompts -> same completions.
