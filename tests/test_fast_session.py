@@ -188,9 +188,11 @@ def test_clear_errors():
     session = engine.open_session(PROMPTS, params, max_len=64)
     with pytest.raises(ValueError, match="one feed and one budget per row"):
         session.step([0, 1], [[]], [4, 4])
-    session.step([0, 1, 2, 3], [[]] * 4, [4] * 4)
+    first = session.step([0, 1, 2, 3], [[]] * 4, [4] * 4)
     with pytest.raises(ModelError, match="dynamic RoPE"):  # a turn past the limit, rather than wrong RoPE
         session.step([0], [[20] * 40], [30])
+    assert session.contexts[0] == PROMPTS[0] + first.completion_ids[0]  # refused: nothing changed
+    session.step([0], [[20] * 4], [3])
     with pytest.raises(ValueError, match="still live"):
         session.step([0, 0], [[], []], [1, 1])
     with pytest.raises(ValueError, match="stop strings need the tokenizer"):

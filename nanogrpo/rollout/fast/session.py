@@ -66,7 +66,7 @@ class FastSession:
             raise ModelError(f"the fast rollout engine cannot run this multi-turn request: "
                              f"{length_bound_reason(engine.model.config, limit, max_len)}; "
                              "use rollout.engine=hf (or auto)")
-        self.e, self.params, self.max_len = engine, params, max_len
+        self.e, self.params = engine, params
         self.stops = StopStrings(engine.tokenizer, params.stop)
         self.mode = ("greedy",) if params.greedy else ("sample", params.top_k, params.top_p < 1.0)
         self.prompts = [list(p) for p in prompts]
@@ -90,13 +90,13 @@ class FastSession:
         if min(budgets) < 1:
             raise ValueError(f"every budget must be >= 1, got {min(budgets)}")
         e = self.e
-        for r, f in zip(rows, feeds, strict=True):
-            self.contexts[r].extend(int(t) for t in f)
-        ctx = [len(self.contexts[r]) for r in rows]  # context length of each row before this turn
+        ctx = [len(self.contexts[r]) + len(f) for r, f in zip(rows, feeds, strict=True)]  # before sampling
         longest = max(c + b - 1 for c, b in zip(ctx, budgets, strict=True))
         if e.rope_limit is not None and longest > e.rope_limit:
             why = length_bound_reason(e.model.config, e.rope_limit, longest)
             raise ModelError(f"the fast rollout engine cannot run this turn: {why}; use rollout.engine=hf")
+        for r, f in zip(rows, feeds, strict=True):
+            self.contexts[r].extend(int(t) for t in f)
         for r in set(self.parked) - set(rows):  # left out: finished for good
             del self.parked[r]
         e._rebind()
