@@ -13,6 +13,7 @@ session over ``fast``'s ``generate``: each turn re-runs the whole context), ``hf
 session over ``model.generate``), ``vllm`` (generic session; prefix caching makes it cheap).
 
     nanogrpo bench turns --engines fast,fast-reprefill,hf --repeats 5 --threads 1
+    nanogrpo bench turns --open-call '<think><code>' data.system_prompt='"..."'   # longer contexts
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated: {', '.join(ENGINES)}")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is; 1 on a shared CPU)")
+    p.add_argument("--open-call", default="", help="text appended to every prompt, e.g. '<think><code>': "
+                   "every trajectory starts inside a tool call")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = p.parse_args(argv)
     a.engines = [e.strip() for e in a.engines.split(",") if e.strip()]
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     k = cfg.rollout.prompts_per_step
     batches = [rows[i * k:(i + 1) * k] for i in range(a.repeats + 1)]
     prompts = [encode_prompts(tok, b, cfg.data, cfg.model.chat_template)[0] for b in batches]
+    opening = tok(a.open_call, add_special_tokens=False)["input_ids"] if a.open_call else []
+    prompts = [[p + opening for p in ps] for ps in prompts]
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.grpo.group_size,
                             logprob_temperature=cfg.rollout.logprob_temperature())
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "generate_s": gen.stats["generate_s"], "tool_s": gen.stats["tool_s"],
                                    "sampled": m["tools/generated_tokens"], "calls": m["tools/calls"],
                                    "tool_tokens": m["tools/tool_tokens"]})
-    common = {"config": a.config or "preset demo-tools", "model": cfg.model.path,
+    common = {"config": a.config or "preset demo-tools", "overrides": a.overrides, "open_call": a.open_call,
+              "model": cfg.model.path, "prompt_tokens_mean": statistics.fmean(map(len, prompts[0])),
               "trajectories": k * cfg.grpo.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
               "max_turns": cfg.tools.max_turns, "repeats": a.repeats, "threads": torch.get_num_threads(),
               "device": str(next(model.parameters()).device), "torch": torch.__version__,
