@@ -126,7 +126,8 @@ class FastEngine:
 
     Args:
         model: the live HF model (its weights are shared, see the module docstring).
-        eos_token_id, pad_token_id, tokenizer: special ids, as for :class:`HFEngine`.
+        eos_token_id, pad_token_id, tokenizer: special ids, as for :class:`HFEngine`; the tokenizer
+            also finds stop strings in multi-turn sessions (:meth:`open_session`).
         ignore_eos: never stop at EOS (benchmarks): every row makes ``max_new_tokens``.
         fuse: fuse QKV and gate/up (re-points the model's parameters into fused storage).
         cuda_graphs: capture decode steps as CUDA graphs (default: on for CUDA).
