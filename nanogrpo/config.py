@@ -301,7 +301,8 @@ class VllmConfig(_Strict):
 
     max_model_len: int = Field(0, ge=0)
     """Longest prompt + completion vLLM holds; 0: ``data.max_prompt_tokens`` + the longest of
-    ``rollout.max_new_tokens`` and ``eval.max_new_tokens`` (at most the model's positions)."""
+    ``rollout.max_new_tokens`` and ``eval.max_new_tokens``, + with tools on ``tools.max_turns`` tool
+    outputs with their wrapping (at most the model's positions)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """GPU: share of the device's memory vLLM takes for weights and KV cache. Beside the trainer it
     must leave room for the update; a ``nanogrpo rollout`` worker alone on its GPU can take ~0.9.
@@ -320,7 +321,9 @@ class VllmConfig(_Strict):
     max_num_seqs: int = Field(0, ge=0)
     """Sequences decoded at once; 0: vLLM's default."""
     enable_prefix_caching: bool = True
-    """Reuse the keys and values of a prompt across its samples (reset at every weight load)."""
+    """Reuse the keys and values of a prompt across its samples (reset at every weight load); in
+    multi-turn (tool) rollouts each turn re-sends the trajectory's whole context, and the cache makes
+    that cost the new tokens only."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
 

@@ -40,6 +40,7 @@ from nanogrpo.rewards.extract import extract_answer
 from nanogrpo.rollout.collect import generate
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
+from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
 
 
@@ -145,7 +146,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
     rows = load_rows(cfg.data, split)[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    engine = engine or engine_for(cfg, model, tokenizer, max_len=cfg.data.max_prompt_tokens + max_new)
+    engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     try:

@@ -45,6 +45,20 @@ def test_step_bench_prints_one_json_line(capsys, tmp_path):
 def test_bench_dispatch(capsys):
     assert bench.main(["nope"]) == 2
     assert bench.main([]) == 2
-    assert set(bench.SUBCOMMANDS) == {"rollout", "step", "rewards"}
+    assert set(bench.SUBCOMMANDS) == {"rollout", "step", "rewards", "turns"}
     with pytest.raises(SystemExit):
         bench.main(["step", "--gens", "1"])
+
+
+@pytest.mark.slow
+def test_turns_bench_prints_one_json_line_per_engine(capsys):
+    rc = bench.main(["turns", "--engines", "fast,fast-reprefill", "--repeats", "1",
+                     "rollout.prompts_per_step=2", "grpo.group_size=2", "rollout.max_new_tokens=24"])
+    assert rc == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert [r["engine"] for r in rows] == ["fast", "fast-reprefill"]
+    for r in rows:
+        assert r["trajectories"] == 4 and r["max_turns"] == 2 and r["median_generate_s"] > 0
+        assert 0 < r["median_sampled"] <= 4 * 24 and len(r["generate_s"]) == 1
+    with pytest.raises(SystemExit):
+        bench.main(["turns", "--engines", "nope"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -234,3 +235,53 @@ def test_lora_policy_reaches_vllm_merged():
     engine.load_from(model)
     got = engine.generate(PROMPTS, GREEDY).completion_ids
     assert got != before and got == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+
+
+def test_multiturn_greedy_equals_turn_by_turn_generate():
+    """Tool trajectories through vLLM (the generic session; built as a tool run builds it: the
+    tokenizer in vLLM, which stops at ``</code>`` itself, prefix cache on, ``max_model_len`` with
+    room for the tool outputs) equal a turn-by-turn ``model.generate`` reference."""
+    from nanogrpo.config import load_config
+    from nanogrpo.data import encode_prompts, load_rows
+    from nanogrpo.models.load import load_policy
+    from nanogrpo.rollout.factory import engine_for
+    from nanogrpo.rollout.turns import generate_with_tools, longest_context
+    from nanogrpo.tools.registry import ToolRunner
+    from tests.test_turns import reference
+
+    cfg = load_config(preset="demo-tools", overrides=["model.cpu_linear=torch", "rollout.engine=vllm",
+                                                      "rollout.prompts_per_step=6", "eval.batch_size=6"])
+    model, tok, _ = load_policy(cfg.model)
+    model.eval()
+    max_new = cfg.rollout.max_new_tokens
+    engine = engine_for(cfg, model, tok, max_len=longest_context(cfg, tok, max_new))
+    assert engine.max_model_len == longest_context(cfg, tok, max_new) > cfg.data.max_prompt_tokens + max_new
+    rows = load_rows(cfg.data, "test")[:6]
+    prompts, _ = encode_prompts(tok, rows, cfg.data, "auto")
+    opening = tok("<think><code>", add_special_tokens=False)["input_ids"]
+    prompts = [p + opening if i % 2 == 0 else p for i, p in enumerate(prompts)]
+    # vLLM stops at the stop string itself: the turn ends on the token that completes it
+    first = engine.generate(prompts[:1], SamplingParams(max_new_tokens=max_new, temperature=0.0,
+                                                        stop=("</code>",)))
+    assert first.finish_reasons == ["stop_string"] and tok.decode(first.completion_ids[0]).endswith("</code>")
+    with ToolRunner(cfg.tools) as tools:
+        gen = generate_with_tools(engine, tok, tools, prompts, rows,
+                                  SamplingParams(max_new_tokens=max_new, temperature=0.0),
+                                  cfg.tools.max_turns, cfg.tools.max_output_tokens)
+        assert [i["tool_calls"] for i in gen.infos] == [1, 0, 1, 0, 1, 0]
+        for p, row, got in zip(prompts, rows, gen.completion_ids, strict=True):
+            want = reference(model, tok, p, tools, row, max_new, cfg.tools.max_turns,
+                             cfg.tools.max_output_tokens)
+            assert got == want, (tok.decode(got), tok.decode(want))
+    # a row vLLM stopped where nanogrpo's token rule sees no stop string is sampled on: greedy, the
+    # result is the row sampled without stop strings
+    from nanogrpo.rollout.stops import StopStrings
+
+    plain = SamplingParams(max_new_tokens=20, temperature=0.0)
+    full = engine.generate(prompts[1:2], plain)
+    assert "</code>" not in tok.decode(full.completion_ids[0])
+    comp, lps, why = [full.completion_ids[0][:3]], [full.logprobs[0][:3]], ["stop_string"]
+    engine._sample_on(prompts[1:2], replace(plain, stop=("</code>",)), StopStrings(tok, ("</code>",)), comp,
+                      lps, why)
+    assert comp == full.completion_ids and why == full.finish_reasons
+    assert lps[0] == pytest.approx(full.logprobs[0], abs=1e-5)

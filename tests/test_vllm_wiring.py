@@ -138,7 +138,17 @@ def test_vllm_options_from_config():
                                                 "vllm.llm_kwargs={max_num_batched_tokens: 8192}"])
     o = vllm_options(cfg)
     assert o["max_model_len"] == 300 and o["kv_cache_bytes"] == 2**29 and o["sleep_mode"] is True
-    assert o["llm_kwargs"] == {"max_num_batched_tokens": 8192}
+    assert o["llm_kwargs"] == {"max_num_batched_tokens": 8192} and o["stop_strings"] is False
+    # a tool run: room for the tool outputs (the engine_for caller's longest_context), stop strings in vLLM
+    from nanogrpo.models.tiny import make_tokenizer
+    from nanogrpo.rollout.turns import longest_context
+
+    cfg = load_config(preset="demo-tools")
+    longest = longest_context(cfg, make_tokenizer(), cfg.rollout.max_new_tokens)
+    o = vllm_options(cfg, longest)
+    assert o["max_model_len"] == longest > 200 + 80 and o["stop_strings"] is True
+    assert vllm_options(load_config(preset="demo-tools", overrides=["vllm.max_model_len=512"]),
+                        longest)["max_model_len"] == 512
     assert load_config(overrides=["vllm.max_model_len=4096"]).vllm.max_model_len == 4096
     with pytest.raises(ConfigError, match="vllm.gpu_memory_utlization"):
         load_config(overrides=["vllm.gpu_memory_utlization=0.5"])

@@ -3,7 +3,7 @@
 ``nanogrpo bench rollout ...`` (generation speed of the engines),
 ``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's) and
 ``nanogrpo bench rewards ...`` (the built-in rewards against hand labels, beside the seed's rules;
-their speed).
+their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engines).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step",
-               "rewards": "nanogrpo.bench.rewards"}
+               "rewards": "nanogrpo.bench.rewards", "turns": "nanogrpo.bench.turns"}
 
 
 def main(argv: list[str] | None = None) -> int:

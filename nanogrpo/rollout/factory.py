@@ -52,5 +52,5 @@ def engine_for(cfg, model, tokenizer=None, **kwargs) -> Engine:
     if cfg.rollout.engine == "vllm":
         from nanogrpo.rollout.vllm_engine import vllm_options
 
-        kwargs = {**vllm_options(cfg), **kwargs}
+        kwargs = {**vllm_options(cfg, kwargs.get("max_len")), **kwargs}
     return make_engine(cfg.rollout.engine, model, tokenizer, **kwargs)

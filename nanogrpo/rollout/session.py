@@ -90,3 +90,18 @@ class ReprefillSession:
     def close(self) -> None:
         self.contexts = []
         self.live = set()
+
+
+class WithoutSession:
+    """``engine`` seen without its native session: :func:`open_session` then gives a
+    :class:`ReprefillSession` over it (to compare the two paths: benchmarks, tests)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.name = f"{engine.name}-reprefill"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, state_dict) -> None:
+        self.engine.update_weights(state_dict)

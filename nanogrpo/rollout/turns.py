@@ -91,6 +91,20 @@ class _Wrapper:
         return len(self.before) + self.limit + len(self.cut_mark) + len(self.after)
 
 
+def longest_context(cfg, tokenizer, max_new: int) -> int:
+    """The longest sequence a run (a :class:`~nanogrpo.config.Config`) asks an engine for: the
+    longest prompt, ``max_new`` sampled tokens and, with tools on, ``tools.max_turns`` tool outputs
+    (each at most ``tools.max_output_tokens``, the cut mark and the protocol's text around it)."""
+    longest = cfg.data.max_prompt_tokens + max_new
+    if cfg.tools.enabled:
+        from nanogrpo.tools.protocols import make_protocol
+
+        t = cfg.tools
+        longest += t.max_turns * _Wrapper(tokenizer, make_protocol(t.protocol, t.name, t.argument),
+                                          t.max_output_tokens).longest()
+    return longest
+
+
 def generate_with_tools(engine: Engine, tokenizer, tools, prompts: list[list[int]], samples: list[dict],
                         params: SamplingParams, max_turns: int, max_output_tokens: int
                         ) -> MultiTurnGeneration:

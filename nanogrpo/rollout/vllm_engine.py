@@ -34,6 +34,18 @@ README). The engine lives in the trainer's (or rollout worker's) own process
   and its KV cache is freed (vLLM's sleep level 1), so the update has the GPU; the next
   ``generate`` or weight load wakes it. Refused on the CPU, where vLLM has no sleep mode.
 
+**Multi-turn (tool) rollouts** go through the generic
+:class:`~nanogrpo.rollout.session.ReprefillSession`: every turn re-sends each trajectory's whole
+context, and vLLM's prefix cache (``vllm.enable_prefix_caching``, on by default) finds its keys
+and values from the previous turn, so the prefill costs only the new tokens. Built with
+``stop_strings=True`` (:func:`vllm_options` sets it when ``tools.enabled``) vLLM gets the
+tokenizer and stops a row at ``SamplingParams.stop`` itself instead of sampling on to EOS. Its
+rule works on text (the first token after which the decoded output holds a stop string; the
+token ids are kept up to that token), the same rule as :mod:`nanogrpo.rollout.stops` when both
+decode alike (special tokens kept, no spaces added between them); a row that vLLM stopped where
+that module's rule sees no stop string is sampled on without stop strings (it never happened in
+the tests, and would cost one more call), and the session cuts every turn by that module's rule.
+
 Sampling is seeded per prompt (seeds drawn from ``params.seed``), never from the global RNG.
 On the CPU prompts are prefilled whole (vLLM 0.32's CPU build crashes on a seeded request
 whose prefill was split into chunks).
@@ -49,6 +61,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +70,7 @@ import torch
 from nanogrpo.errors import ConfigError, ModelError
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.hf import check_request, resolve_special_ids
+from nanogrpo.rollout.stops import StopStrings
 
 log = logging.getLogger("nanogrpo.rollout.vllm")
 
@@ -160,23 +174,26 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * _head_dim(cfg) * torch.finfo(dtype).bits // 8
 
 
-def vllm_options(cfg) -> dict[str, Any]:
+def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
     """:class:`VLLMEngine` arguments from a :class:`~nanogrpo.config.Config` (its ``[vllm]`` section,
-    the prompt and generation lengths, the rollout batch and the log-prob convention)."""
+    the prompt and generation lengths, the rollout batch and the log-prob convention). ``max_len``:
+    the longest sequence the run asks for (:func:`nanogrpo.rollout.turns.longest_context`: tool
+    output included), the default of ``max_model_len``."""
     v = cfg.vllm
     longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     tempered = bool(getattr(cfg.rollout, "tempered_logprobs", False))  # the convention switch, if present
     if tempered and (cfg.rollout.top_k or cfg.rollout.top_p < 1):
         raise ConfigError("rollout.engine=vllm with rollout.tempered_logprobs=true needs rollout.top_k=0 and "
                           "rollout.top_p=1: vLLM takes tempered log-probs after its top-k/top-p mask")
-    return dict(max_model_len=v.max_model_len or cfg.data.max_prompt_tokens + longest,
+    return dict(max_model_len=v.max_model_len or max_len or cfg.data.max_prompt_tokens + longest,
                 max_batch=max(cfg.rollout.prompts_per_step * cfg.grpo.group_size,
                               cfg.eval.batch_size * cfg.eval.k),
                 tempered_logprobs=tempered,
                 kv_cache_bytes=int(v.kv_cache_gib * 2**30), gpu_memory_utilization=v.gpu_memory_utilization,
                 tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=v.enable_prefix_caching,
-                sleep_mode=v.sleep_mode, seed=cfg.train.seed, llm_kwargs=dict(v.llm_kwargs))
+                sleep_mode=v.sleep_mode, seed=cfg.train.seed, stop_strings=cfg.tools.enabled,
+                llm_kwargs=dict(v.llm_kwargs))
 
 
 class VLLMEngine:
@@ -197,6 +214,8 @@ class VLLMEngine:
         gpu_memory_utilization, tensor_parallel_size, enforce_eager (None: eager on the CPU,
             CUDA graphs on a GPU), max_num_seqs (0: vLLM's default), enable_prefix_caching,
             sleep_mode, seed: as the ``[vllm]`` config keys.
+        stop_strings: give vLLM the tokenizer so that it stops at ``SamplingParams.stop`` (multi-turn
+            runs); without it stop strings are left to the caller (vLLM samples on to EOS).
         llm_kwargs: further ``vllm.LLM`` arguments, passed as given.
     """
 
@@ -211,7 +230,8 @@ class VLLMEngine:
                  max_model_len: int | None = None, max_batch: int = 256, tempered_logprobs: bool = False,
                  kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                  enforce_eager: bool | None = None, max_num_seqs: int = 0, enable_prefix_caching: bool = True,
-                 sleep_mode: bool = False, seed: int = 0, llm_kwargs: dict[str, Any] | None = None):
+                 sleep_mode: bool = False, seed: int = 0, stop_strings: bool = False,
+                 llm_kwargs: dict[str, Any] | None = None):
         from nanogrpo.models.lora import is_peft
 
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
@@ -235,6 +255,9 @@ class VLLMEngine:
         if sleep_mode and not cuda:
             raise ConfigError("vllm.sleep_mode frees GPU memory during the update; vLLM's CPU build has no "
                               "sleep mode: set vllm.sleep_mode=false")
+        if stop_strings and tokenizer is None:
+            raise ConfigError("VLLMEngine(stop_strings=True) needs the tokenizer (vLLM decodes to find them)")
+        self.tokenizer = tokenizer if stop_strings else None
         self.eos_ids, self.pad_id = resolve_special_ids(base, tokenizer, eos_token_id, pad_token_id)
         self.ignore_eos, self.tempered, self.sleep_mode = ignore_eos, tempered_logprobs, sleep_mode
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -251,7 +274,7 @@ class VLLMEngine:
         kw: dict[str, Any] = dict(
             dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             enforce_eager=not cuda if enforce_eager is None else enforce_eager,
-            load_format="dummy", skip_tokenizer_init=True, generation_config="vllm", seed=seed,
+            load_format="dummy", skip_tokenizer_init=not stop_strings, generation_config="vllm", seed=seed,
             logprobs_mode="processed_logprobs" if tempered_logprobs else "raw_logprobs",
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
         if kv_cache_bytes:
@@ -275,6 +298,8 @@ class VLLMEngine:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, _guard_process_state():
             cfg.to_json_file(str(Path(d) / "config.json"))  # the config only: weights come from memory
+            if stop_strings:
+                tokenizer.save_pretrained(d)
             try:
                 self.llm = vllm.LLM(model=d, **kw)
             except Exception as e:
@@ -343,9 +368,13 @@ class VLLMEngine:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        common = dict(n=params.n, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+        stops = StopStrings(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        common = dict(n=params.n, max_tokens=params.max_new_tokens, logprobs=0, detokenize=bool(stops),
                       skip_special_tokens=False, ignore_eos=self.ignore_eos,
                       stop_token_ids=None if self.ignore_eos else list(self.eos_ids))
+        if stops:  # vLLM's text rule; the same token as stops.py's where both decode alike
+            common.update(stop=list(stops.strings), include_stop_str_in_output=True,
+                          spaces_between_special_tokens=False)
         if params.greedy:
             sps = [vllm.SamplingParams(temperature=0.0, **common)] * len(prompts)
         else:
@@ -369,10 +398,35 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 comp.append(ids)
                 lps.append([step[t].logprob for t, step in zip(ids, c.logprobs, strict=True)])
-                reasons.append("stop" if c.finish_reason == "stop" and not self.ignore_eos else "length")
+                reasons.append("stop_string" if isinstance(c.stop_reason, str)
+                               else "stop" if c.finish_reason == "stop" and not self.ignore_eos else "length")
+        if stops:
+            self._sample_on(prompts, params, stops, comp, lps, reasons)
         n_tok = sum(len(c) for c in comp)
         return Generation(comp, lps, reasons, stats={"generate_s": gen_s, "new_tokens": float(n_tok),
                                                      "tok_per_s": n_tok / max(gen_s, 1e-9)})
+
+    def _sample_on(self, prompts: list[list[int]], params: SamplingParams, stops: StopStrings,
+                   comp: list[list[int]], lps: list[list[float]], reasons: list[str]) -> None:
+        """Rows that vLLM stopped at a stop string where :mod:`nanogrpo.rollout.stops` sees none
+        (the two decoded the text differently): sampled on, without stop strings, in place."""
+        odd = [i for i, (c, why) in enumerate(zip(comp, reasons, strict=True))
+               if why == "stop_string" and stops.find(c) is None]
+        if not odd:
+            return
+        log.warning("vLLM stopped %d row(s) at a stop string that nanogrpo's token rule does not see; "
+                    "sampling them on", len(odd))
+        for i in odd:
+            left = params.max_new_tokens - len(comp[i])
+            if left < 1:
+                reasons[i] = "length"
+                continue
+            seed = None if params.seed is None else params.seed + i
+            more = self.generate([prompts[i // params.n] + comp[i]],
+                                 replace(params, n=1, max_new_tokens=left, stop=(), seed=seed))
+            comp[i] += more.completion_ids[0]
+            lps[i] += more.logprobs[0]
+            reasons[i] = more.finish_reasons[0]
 
     def _wake(self) -> None:
         if self._asleep:

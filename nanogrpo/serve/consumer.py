@@ -188,13 +188,13 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         from nanogrpo.data import load_rows
         from nanogrpo.rewards import RewardRunner
         from nanogrpo.rollout.factory import engine_for
+        from nanogrpo.rollout.turns import longest_context
 
         if main:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
             evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
-                          engine_for(cfg, backend.rollout_model(), tok,
-                                     max_len=cfg.data.max_prompt_tokens
-                                     + (cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
+                          engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
+                              cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]
     published = -1  # the version the server holds, as far as all ranks know (the same on every rank)
     live = False    # past the replayed steps: taking batches from the server

@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.rewards import RewardRunner
     from nanogrpo.rollout.collect import rollout
     from nanogrpo.rollout.factory import engine_for
+    from nanogrpo.rollout.turns import longest_context
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
     from nanogrpo.serve.weights import WeightLayout
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
-        engine = engine_for(cfg, model, tok, max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        engine = engine_for(cfg, model, tok, max_len=longest_context(cfg, tok, cfg.rollout.max_new_tokens))
         follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
         if getattr(engine, "owns_weights", False):
             del model  # vllm holds its own copy of the weights; new ones come from the relay

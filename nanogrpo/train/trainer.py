@@ -22,6 +22,7 @@ from nanogrpo.models.load import check_model_source, load_model, load_policy, re
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
+from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.train.checkpoint import latest_checkpoint, load_state
 from nanogrpo.train.logging_sinks import RunLogger, run_summary
@@ -141,7 +142,7 @@ def train(run: Run) -> Path:
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
-                        max_len=cfg.data.max_prompt_tokens + longest_new)
+                        max_len=longest_context(cfg, tok, longest_new))
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0

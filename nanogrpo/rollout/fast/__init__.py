@@ -3,7 +3,8 @@
 ``engine`` (FastEngine: weights, prefill, decode loop), ``families`` (what each model family
 does differently, and which models the engine computes exactly), ``forward`` (the forward as
 pure functions), ``sampling`` (on-device sampling), ``cache`` (KV cache, RoPE tables, decode
-states, CUDA graphs).
+states, CUDA graphs), ``session`` (multi-turn rollouts: each trajectory's KV cache kept across
+tool turns).
 """
 
 from nanogrpo.rollout.fast.engine import FastEngine

@@ -28,7 +28,9 @@ What makes it fast (on CUDA; on CPU the same code runs eagerly):
   Measured on CPU (float32, "small" shape) fusion is a wash; on the GPU it saves 3
   GEMM launches per layer: ``bench/gpu_rollout.sh`` times ``fast`` vs ``fast-nofuse``;
 - rows that finished are compacted away into a smaller bucket when that halves the
-  batch (finished rows otherwise keep decoding, their outputs masked).
+  batch (finished rows otherwise keep decoding, their outputs masked);
+- multi-turn (tool) rollouts keep each trajectory's KV cache across turns
+  (:meth:`FastEngine.open_session`, :mod:`.session`): a turn prefills only the new tokens.
 
 Sampling uses the engine's own ``torch.Generator``, seeded from ``params.seed``:
 same seed, same engine settings and prompts -> same completions.
@@ -124,7 +126,8 @@ class FastEngine:
 
     Args:
         model: the live HF model (its weights are shared, see the module docstring).
-        eos_token_id, pad_token_id, tokenizer: special ids, as for :class:`HFEngine`.
+        eos_token_id, pad_token_id, tokenizer: special ids, as for :class:`HFEngine`; the tokenizer
+            also finds stop strings in multi-turn sessions (:meth:`open_session`).
         ignore_eos: never stop at EOS (benchmarks): every row makes ``max_new_tokens``.
         fuse: fuse QKV and gate/up (re-points the model's parameters into fused storage).
         cuda_graphs: capture decode steps as CUDA graphs (default: on for CUDA).
@@ -156,7 +159,7 @@ class FastEngine:
             raise ModelError(f"the fast rollout engine cannot run this model: {why}; "
                              "use rollout.engine=hf (or auto)")
         cfg = model.config
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         self.eos_ids, self.pad_id = resolve_special_ids(model, tokenizer, eos_token_id, pad_token_id)
         self.ignore_eos, self.compact, self.check_every = ignore_eos, compact, max(1, check_every)
         p = next(model.parameters())
@@ -320,6 +323,13 @@ class FastEngine:
         st.slot.add_(1)
 
     # ------------------------------------------------------------ generate
+
+    def open_session(self, prompts: list[list[int]], params: SamplingParams, max_len: int):
+        """A multi-turn :class:`~nanogrpo.rollout.engine.TurnSession` that keeps each trajectory's KV
+        cache across turns (:class:`~nanogrpo.rollout.fast.session.FastSession`)."""
+        from nanogrpo.rollout.fast.session import FastSession  # (it imports this module)
+
+        return FastSession(self, prompts, params, max_len)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
