@@ -101,3 +101,22 @@ def test_gsm8k_tool_configs_train_on_a_tiny_stand_in(name, tmp_path):
     with ToolRunner(load_config(REPO / "configs" / name).tools) as tools:   # its sandbox, its preloads
         [res] = tools.run([Call("import numpy, sympy\nprint(numpy.arange(4).sum(), sympy.sqrt(8))")], [{}])
     assert (res.status, res.output) == ("ok", "6 2*sqrt(2)")
+
+
+def test_a_tool_runs_server_admits_its_longest_trajectories(monkeypatch, tmp_path):
+    """A tool trajectory carries up to tools.max_turns tool outputs beyond the sampled tokens: the
+    server's length bound on uploads is the longest context the run asks for, not prompt + max_new."""
+    from nanogrpo.config import load_config
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.models.warmstart_tools import embedded_path
+    from nanogrpo.rollout.turns import longest_context
+    from nanogrpo.serve.server import build_parser, build_state
+
+    monkeypatch.setenv("NANOGRPO_CACHE", str(tmp_path))
+    ov = ["--config", str(DEMO), "grpo.beta=0", "tools.max_turns=4", "tools.max_output_tokens=100"]
+    st, _ = build_state(build_parser().parse_args(ov))
+    cfg = load_config(str(DEMO), ["grpo.beta=0", "tools.max_turns=4", "tools.max_output_tokens=100"])
+    want = longest_context(cfg, load_tokenizer(str(embedded_path())), cfg.rollout.max_new_tokens)
+    assert st.s.max_len == want > cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 4 * 100
+    plain, _ = build_state(build_parser().parse_args([*ov, "tools.enabled=false"]))
+    assert plain.s.max_len == cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens

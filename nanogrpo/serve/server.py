@@ -308,6 +308,12 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
     if vocab is None:
         raise ConfigError("cannot tell the vocabulary size: pass --vocab-size")
     settings.vocab_size = vocab
+    if cfg.tools.enabled:  # tool trajectories also carry tool outputs: the longest a tool run asks for
+        from nanogrpo.models.load import load_tokenizer
+        from nanogrpo.rollout.turns import longest_context
+
+        tok = load_tokenizer(str(resolve_model_path(cfg.model.path)), cfg.model.trust_remote_code)
+        settings.max_len = longest_context(cfg, tok, cfg.rollout.max_new_tokens)
     return ServerState(settings, token, ref_fn, layout), token
 
 
