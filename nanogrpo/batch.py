@@ -18,7 +18,10 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
                                          output out (context the model reads, never trained on)
 
 Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
-breakdown, question ids, ...), JSON-serialisable.
+breakdown, question ids, ...), JSON-serialisable. Keys the split-mode trainer and server read:
+``behaviour_logprobs`` (true: the engine's numerics are not the trainer's, take the clipped
+ratio from the first update), ``logprob_temperature`` (the temperature the log-probs are of;
+absent: 1.0, the seed's untempered convention), ``worker``.
 """
 
 from __future__ import annotations
