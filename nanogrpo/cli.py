@@ -81,18 +81,20 @@ def _base_config(config: str | None, overrides: list[str]):
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from nanogrpo.train.trainer import load_resume_config, prepare, train
-
     overrides = _flag_overrides(a) + list(a.overrides)
     if a.resume is not None:
+        from nanogrpo.train.trainer import load_resume_config
+
         cfg = load_resume_config(a.resume, overrides)
     else:
-        cfg = _base_config(a.config, overrides)
+        cfg = _base_config(a.config, overrides)  # a config mistake is reported before torch is imported
     if a.server:
         from nanogrpo.serve.consumer import train_from_server
 
         train_from_server(cfg, a.server, resume_dir=a.resume)
     else:
+        from nanogrpo.train.trainer import prepare, train
+
         root = train(prepare(cfg, a.resume))
         if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
             print(f"run directory: {root}")

@@ -272,6 +272,7 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     assert out.stdout.count("run directory:") == 1 and out.stdout.count("nanogrpo: 3 steps") == 1
 
 
+@pytest.mark.slow
 def test_backend_bench_runs_one_process_on_cpu(tmp_path):
     """bench/backend_step.py (the GPU bench of every backend) runs on the CPU and reports a step."""
     env = {**_env(), "OUT": str(tmp_path)}
