@@ -75,6 +75,7 @@ def tiny_gsm8k(tmp_path_factory) -> Path:
 # one config end to end in the fast suite; the others (same code path, other values) are slow
 @pytest.mark.parametrize("path", [pytest.param(p, marks=() if i == 0 else pytest.mark.slow)
                                   for i, p in enumerate(SINGLE)], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_gsm8k_config_trains_end_to_end(path, tiny_gsm8k, tmp_path):
     out = tmp_path / "run"
     rc = main(["train", "--config", str(path), "--model", str(tiny_gsm8k / "model"),

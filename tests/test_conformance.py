@@ -17,6 +17,7 @@ IDS = [c.name for c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.slow
 def test_engine_and_trainer_compute_each_family_right(case):
     r = fast_checks(case)
     assert r["engine"] == case.engine, r["why"]
@@ -43,6 +44,7 @@ GPT2 = [c for c in CASES if c.name.startswith("GPT-2")]
 
 
 @pytest.mark.parametrize("case", GPT2, ids=[c.name for c in GPT2])
+@pytest.mark.slow
 def test_dropout_model_trains_with_zero_first_step_kl(case, tmp_path):
     _check_train(case, tmp_path)
 

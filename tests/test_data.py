@@ -218,6 +218,7 @@ def test_hf_source_rows(monkeypatch):
 # ----------------------------------------------------------------------------- arithmetic
 
 
+@pytest.mark.slow
 def test_arithmetic_train_test_disjoint():
     train = make_split("train", 20000)
     test = make_split("test", 500)

@@ -105,6 +105,7 @@ def _eos_for_row0(model, prompts, n_new):
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
+@pytest.mark.slow
 def test_one_row_stops_at_eos_others_run_on(engine):
     model = qwen()
     eos = _eos_for_row0(model, PROMPTS, GREEDY.max_new_tokens)
@@ -130,6 +131,7 @@ def test_compaction_keeps_results():
                for a, b in zip(x, y, strict=True)) < 1e-5
 
 
+@pytest.mark.slow
 def test_graph_layout_on_cpu():
     """The CUDA path's bookkeeping, run eagerly on CPU: rows padded to power-of-two buckets,
     a scratch slot written by warm-ups, states kept between calls, compaction into pre-built
@@ -171,6 +173,7 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
+@pytest.mark.slow
 def test_update_weights_in_place(engine):
     model = qwen()
     eng = make_engine(engine, model, TOK)
@@ -187,6 +190,7 @@ def test_update_weights_in_place(engine):
         eng.update_weights({"not.a.weight": torch.zeros(1)})
 
 
+@pytest.mark.slow
 def test_fast_engine_sees_trainer_steps_and_swapped_storage():
     """Fused weights stay the model's parameters: an optimizer step is visible with no copy,
     autograd still works, and a parameter whose storage was swapped is put back."""

@@ -111,6 +111,7 @@ length-bound RoPE); the rest run with the slow tests."""
 
 @pytest.mark.parametrize("case", [c if c.name.startswith(QUICK) else pytest.param(c, marks=pytest.mark.slow)
                                   for c in FAST], ids=[c.name for c in FAST])
+@pytest.mark.slow
 def test_greedy_multiturn_equals_turn_by_turn_generate(case):
     model = build(case)
     engine = FastEngine(model, tokenizer=TOK, max_len=case.max_len)
@@ -121,6 +122,7 @@ def test_greedy_multiturn_equals_turn_by_turn_generate(case):
 
 @pytest.mark.parametrize("case", [c for c in FAST if c.name.startswith("Mistral, window 6")],
                          ids=lambda c: c.name)
+@pytest.mark.slow
 def test_graph_layout_on_cpu(case):
     """The CUDA path's bookkeeping run eagerly: rows in power-of-two buckets with filler rows, 64-slot
     cache lengths, smaller buckets created before the caches are laid out, compaction between them."""

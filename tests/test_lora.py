@@ -69,6 +69,7 @@ def _lora_run_args(assets: Path, out: Path, steps: int) -> list[str]:
             "grpo.beta=0.04", "log.tensorboard=false"]
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tmp_path):
     from nanogrpo.cli import main
     from tests.run_fixtures import comparable_metrics, write_tiny_run_assets

@@ -35,6 +35,7 @@ def _png_size(path: Path) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+@pytest.mark.slow
 def test_report_two_runs(tmp_path, capsys):
     a = _run(tmp_path / "lr-1e-6", 0.05)
     b = _run(tmp_path / "lr-3e-6", 0.1, steps=25, with_eval=False)
@@ -53,6 +54,7 @@ def test_report_two_runs(tmp_path, capsys):
     assert str(out / "report.md") in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_report_single_run_defaults_beside_it(tmp_path):
     a = _run(tmp_path / "run", 0.05)
     assert main(["report", str(a)]) == 0

@@ -55,6 +55,7 @@ def straight(assets) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_resume_in_halves_is_exact(assets, straight, capsys):
     out = assets / "halves"
     assert main(_args(assets, out, 3)) == 0

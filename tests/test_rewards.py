@@ -227,6 +227,7 @@ def test_raising_and_non_finite_get_the_penalty(workers: int, caplog) -> None:
     assert "5 raised" in boom_logs[-1].getMessage()
 
 
+@pytest.mark.slow
 def test_hanging_function_is_cut_and_the_rest_still_scored() -> None:
     specs = ["tests.reward_fixtures:hang", "correctness"]
     comps = ["<answer>7</answer>", "hang <answer>7</answer>", "<answer>8</answer>", "<answer>7</answer>"]
@@ -264,6 +265,7 @@ def test_user_function_sees_every_column(workers: int) -> None:
     assert res.failures == 0
 
 
+@pytest.mark.slow
 def test_pool_matches_in_process_on_builtins() -> None:
     comps = [GOOD, "<think>x</think><answer>\\frac{14}{2}</answer>", "it is 1,234", "nothing"]
     samples = [SAMPLE, SAMPLE, {"answer": "1234"}, SAMPLE]

@@ -280,6 +280,7 @@ def test_truncated_completions_get_no_credit_when_asked() -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.slow
 def test_runner_passes_truncated_correct_to_the_builtin_in_every_process(workers: int) -> None:
     samples = [{"answer": "42", "finish_reason": f} for f in ("stop", "length")]
     cfg = RewardsConfig(functions=["correctness", "format"], workers=workers, truncated_correct=False)
@@ -309,6 +310,7 @@ def test_every_completion_gets_its_own_sample_dict() -> None:
     assert "scratch" not in samples[1] and "scratch" not in rows[0]
 
 
+@pytest.mark.slow
 def test_rewards_see_how_each_completion_of_a_rollout_ended() -> None:
     """A real rollout (the embedded model, its engine): each reward sees how its completion ended."""
     from nanogrpo.config import load_config

@@ -43,6 +43,7 @@ def test_protections_in_force_here(sandbox):
     print("sandbox protections:", p)
 
 
+@pytest.mark.slow
 def test_attacks_in_one_batch_and_the_run_goes_on(sandbox, tmp_path):
     secret = tmp_path / "trainer_state.txt"
     secret.write_text("trainer secret")
@@ -89,6 +90,7 @@ def test_attacks_in_one_batch_and_the_run_goes_on(sandbox, tmp_path):
 
 @pytest.mark.parametrize("layers", ["all", *[pytest.param(x, marks=pytest.mark.slow)
                                              for x in ("netns", "landlock", "audit")]])
+@pytest.mark.slow
 def test_no_network(layers, tmp_path):
     """A TCP connect and a UDP datagram to listeners of this (the trainer's) process never arrive."""
     disable = () if layers == "all" else only(layers)
@@ -140,6 +142,7 @@ def test_each_layer_keeps_trainer_files_and_processes_out(layers, tmp_path):
         _alive(sb)
 
 
+@pytest.mark.slow
 def test_user_tool_by_name_runs_sandboxed():
     with Sandbox("tests.tool_fixtures:echo_question", timeout_s=1, workers=1) as sb:
         ok, = sb.run([("hello", {"question": "Q?"})])
@@ -150,6 +153,7 @@ def test_user_tool_by_name_runs_sandboxed():
         assert hung.status == "timeout" and time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 def test_a_dead_server_is_restarted(sandbox):
     sandbox._proc.kill()
     sandbox._proc.wait()

@@ -243,10 +243,10 @@ def _bad_weights(rng: random.Random) -> bytes:
     return len(raw).to_bytes(8, "little") + raw + b"\0" * rng.choice([0, 4, 8])
 
 
-@pytest.mark.parametrize("total", [2_400, pytest.param(10_400, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("total", [10_400])
 def test_fuzz_10k_malformed_requests_all_4xx(total):
-    """Malformed requests of every kind (>= 10,000 in the slow suite): all 4xx, memory flat, then a
-    good upload round-trips."""
+    """>= 10,000 malformed requests of every kind: all 4xx, memory flat, then a good upload round-trips."""
     st = _state(queue_size=4)
     rng = random.Random(1234)
     good = make_batch()
@@ -355,6 +355,7 @@ def test_staleness_policy_and_server_side_expiry():
     assert st.queue.expired == 1 and len(st.queue.ready) == 1 and len(st.queue.leased) == 1
 
 
+@pytest.mark.slow
 def test_client_gives_up_loudly_when_server_away_and_never_retries_a_4xx():
     import time
 

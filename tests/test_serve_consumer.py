@@ -61,6 +61,7 @@ def tiny_model(tmp_path):
     return tmp_path / "model", len(tok)
 
 
+@pytest.mark.slow
 def test_split_trainer_trains_each_batch_once_acks_it_and_drops_what_it_cannot_use(tmp_path, tiny_model,
                                                                                     monkeypatch):
     from nanogrpo.config import load_config

@@ -55,6 +55,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_idle_connections_from_another_process_do_not_deny_service():
     """Fault 1: 300 idle TCP connections (no token, nothing sent) held by another process made every
     request, /health included, answer 503 until they closed. Now /health, a good upload and a get
@@ -165,6 +166,7 @@ def test_a_version_jump_is_refused_and_the_relay_keeps_moving():
 # --------------------------------------------------------------------------- 4. vanished long-poll
 
 
+@pytest.mark.slow
 def test_a_long_poll_whose_client_vanished_loses_no_batch():
     """Fault 4: GET /get?wait=20, the client closes its socket, an upload arrives: the batch went to
     the dead socket and was gone."""

@@ -105,6 +105,7 @@ def _mutate(rng: random.Random, header: str, data: bytes) -> bytes:
     return _join(json.dumps(h), data)
 
 
+@pytest.mark.slow
 def test_fuzzed_headers_either_fail_the_check_or_load_into_the_model():
     """Anything check_weights accepts, the real loader (safetensors) decodes and the model loads; anything
     else is a WeightsError (one line), never another exception."""

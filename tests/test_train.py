@@ -35,6 +35,7 @@ def _args(tiny_dir, out, steps=3, *extra):
             "rewards.workers=0", "train.save_every=2", *extra]
 
 
+@pytest.mark.slow
 def test_train_writes_run_directory(tiny_dir, tmp_path):
     out = tmp_path / "run"
     assert main(_args(tiny_dir, out)) == 0
@@ -56,6 +57,7 @@ def test_train_writes_run_directory(tiny_dir, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m3.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_eval_prints_one_json_object(tiny_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_args(tiny_dir, out, 1)) == 0

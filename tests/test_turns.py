@@ -62,6 +62,7 @@ def letters_tools():
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.slow
 def test_trajectory_bookkeeping(engine_name, letters_tools):
     tok = make_tokenizer()
     model = make_model("tiny", tok, seed=2)
@@ -157,6 +158,7 @@ def reference(model, tok, prompt: list[int], tools, sample: dict, budget: int, m
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.slow
 def test_greedy_multiturn_equals_turn_by_turn_generate(engine_name, demo):
     cfg, model, tok, tools = demo
     rows = load_rows(cfg.data, "test")[:6]
@@ -177,6 +179,7 @@ def test_greedy_multiturn_equals_turn_by_turn_generate(engine_name, demo):
         assert got == want
 
 
+@pytest.mark.slow
 def test_rollout_batch_carries_the_loss_mask_and_rewards_see_the_turns(demo):
     cfg, model, tok, tools = demo
     rows = load_rows(cfg.data, "train")[:4]

@@ -54,6 +54,7 @@ class OwnCopyEngine:
 
 
 @pytest.mark.parametrize("behaviour", [True, False])
+@pytest.mark.slow
 def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(tmp_path, monkeypatch,
                                                                                 behaviour):
     import nanogrpo.train.trainer as trainer
