@@ -32,6 +32,19 @@ def open_session(engine: Engine, tokenizer, prompts: list[list[int]], params: Sa
     return ReprefillSession(engine, tokenizer, prompts, params)
 
 
+def check_step(rows: list[int], feeds: Sequence[Sequence[int]], budgets: Sequence[int],
+               live: set[int]) -> None:
+    """The arguments of :meth:`TurnSession.step`: one feed and one budget (>= 1) per row, rows distinct
+    and still live; ValueError otherwise (every session checks this before changing anything)."""
+    if not rows or len(rows) != len(feeds) or len(rows) != len(budgets):
+        raise ValueError(f"step needs one feed and one budget per row: {len(rows)} rows, {len(feeds)} "
+                         f"feeds, {len(budgets)} budgets")
+    if len(set(rows)) != len(rows) or not set(rows) <= live:
+        raise ValueError("step rows must be distinct trajectories still live in the session")
+    if min(budgets) < 1:
+        raise ValueError(f"every budget must be >= 1, got {min(budgets)}")
+
+
 def _turn_seed(seed: int | None, turn: int) -> int | None:
     if seed is None or turn == 0:
         return seed
@@ -55,13 +68,7 @@ class ReprefillSession:
 
     def step(self, rows: Sequence[int], feeds: Sequence[Sequence[int]], budgets: Sequence[int]) -> Generation:
         rows = [int(r) for r in rows]
-        if not rows or len(rows) != len(feeds) or len(rows) != len(budgets):
-            raise ValueError(f"step needs one feed and one budget per row: {len(rows)} rows, {len(feeds)} "
-                             f"feeds, {len(budgets)} budgets")
-        if len(set(rows)) != len(rows) or not set(rows) <= self.live:
-            raise ValueError("step rows must be distinct trajectories still live in the session")
-        if min(budgets) < 1:
-            raise ValueError(f"every budget must be >= 1, got {min(budgets)}")
+        check_step(rows, feeds, budgets, self.live)
         for r, f in zip(rows, feeds, strict=True):
             self.contexts[r].extend(int(t) for t in f)
         whole = self.turn == 0 and rows == list(range(len(self.contexts))) and not any(feeds)

@@ -32,19 +32,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from nanogrpo.train.checkpoint import fsync_dir
+
 log = logging.getLogger("nanogrpo.train.server")
 
 _NAME = re.compile(r"(\d{9})-(\d{4})\.(json|pending|batch)")
 TRAIN = "train"
 """The action of the one entry per step and rank that the step trains on (others: ``stale``, ``invalid``)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -81,7 +75,7 @@ class Inbox:
         if body is not None:
             _write(self.dir / f"{stem}.batch", body)
         _write(self.dir / f"{stem}.pending", json.dumps({**entry, "lease": lease}).encode())
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return self._settle(client, self.dir / f"{stem}.pending")
 
     def _settle(self, client, pending: Path) -> bool:
@@ -91,12 +85,12 @@ class Inbox:
         if answer == "lost":
             (self.dir / f"{stem}.batch").unlink(missing_ok=True)
             pending.unlink()
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
             log.warning("batch %s went to another consumer before it was acknowledged (its lease ran out); "
                         "dropped here", entry["id"])
             return False
         os.replace(pending, self.dir / f"{stem}.json")
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return True
 
     def settle_pending(self, client) -> int:

@@ -29,7 +29,7 @@ import torch
 STATE_FILE = "trainer_state.json"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -98,7 +98,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     _test_pause()
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it
         trash = ckpt_root / f".tmp-old-{final.name}"
@@ -107,7 +107,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     _atomic_write_text(ckpt_root / "latest", final.name + "\n")
     return final
 

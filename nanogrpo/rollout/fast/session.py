@@ -52,6 +52,7 @@ from nanogrpo.rollout.fast.engine import PREFILL_TOKENS
 from nanogrpo.rollout.fast.families import length_bound_reason
 from nanogrpo.rollout.fast.forward import head, post_attn, pre_attn, prefill_attention
 from nanogrpo.rollout.hf import check_request
+from nanogrpo.rollout.session import check_step
 from nanogrpo.rollout.stops import StopStrings
 
 
@@ -82,13 +83,7 @@ class FastSession:
     @torch.inference_mode()
     def step(self, rows: Sequence[int], feeds: Sequence[Sequence[int]], budgets: Sequence[int]) -> Generation:
         rows, budgets = [int(r) for r in rows], [int(b) for b in budgets]
-        if not rows or len(rows) != len(feeds) or len(rows) != len(budgets):
-            raise ValueError(f"step needs one feed and one budget per row: {len(rows)} rows, {len(feeds)} "
-                             f"feeds, {len(budgets)} budgets")
-        if len(set(rows)) != len(rows) or not set(rows) <= self.live:
-            raise ValueError("step rows must be distinct trajectories still live in the session")
-        if min(budgets) < 1:
-            raise ValueError(f"every budget must be >= 1, got {min(budgets)}")
+        check_step(rows, feeds, budgets, self.live)
         e = self.e
         ctx = [len(self.contexts[r]) + len(f) for r, f in zip(rows, feeds, strict=True)]  # before sampling
         longest = max(c + b - 1 for c, b in zip(ctx, budgets, strict=True))
