@@ -53,9 +53,11 @@ class ModelConfig(_Strict):
     device: str = "auto"
     """``auto``: ``cuda`` when available, else ``cpu``."""
     trust_remote_code: bool = False
-    cpu_linear: Literal["onednn", "torch"] = "onednn"
+    cpu_linear: Literal["auto", "onednn", "torch"] = "auto"
     """On the CPU in float32, linear layers run through oneDNN (``nanogrpo.models.cpu_linear``: ~2x
-    MKL's sgemm on AMD CPUs, same accuracy) or, with ``torch``, through PyTorch's default."""
+    MKL's sgemm on AVX-512 AMD CPUs, slower than it on AVX2 ones; same accuracy) or through
+    PyTorch's default (``torch``); ``auto`` times both on this CPU, once for the trainer's shapes
+    and once for the rollout engine's decode, and takes the faster."""
     chat_template: Literal["auto", "plain"] = "auto"
     """``auto`` uses the tokenizer's chat template and fails loudly if it has none;
     ``plain`` renders ``system\\n\\nuser\\n`` text for base models."""

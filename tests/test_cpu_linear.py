@@ -92,6 +92,41 @@ def test_load_model_follows_the_config(tmp_path):
     assert not any(isinstance(m, OneDnnLinear) for m in off.modules())
     with pytest.raises(ValueError, match="cpu_linear"):
         Config.model_validate({"model": {"cpu_linear": "mkl"}})
+    assert Config.model_validate({}).model.cpu_linear == "auto"
+
+
+@needs_onednn
+@pytest.mark.parametrize("faster", [True, False])
+def test_auto_takes_what_the_timing_says_for_trainer_and_engine(tmp_path, monkeypatch, faster):
+    """``auto``: the trainer's linears (many rows) and the engine's (a decode step's rows) each go
+    to oneDNN exactly when it timed faster for that shape class on this CPU."""
+    asked = []
+
+    def timed(rows, k, n, threads):
+        asked.append((rows, k, n))
+        return faster if rows == cpu_linear.TRAIN_ROWS else not faster
+
+    monkeypatch.setattr(cpu_linear, "onednn_faster", timed)
+    tok = make_tokenizer()
+    make_model("tiny", tok).save_pretrained(tmp_path)
+    m = load_model(str(tmp_path), torch.float32, torch.device("cpu"), cpu_linear="auto")
+    assert any(isinstance(x, OneDnnLinear) for x in m.modules()) == faster
+    engine = FastEngine(m, tokenizer=tok)                      # the engine's default is auto too
+    assert (engine._lin is cpu_linear.linear) == (not faster)
+    assert asked == [(cpu_linear.TRAIN_ROWS, 64, 128), (cpu_linear.DECODE_ROWS, 64, 128)]  # tiny: 64, 128
+    assert FastEngine(m, tokenizer=tok, cpu_linear="torch")._lin is F.linear
+    with pytest.raises(ValueError, match="cpu_linear must be one of"):
+        cpu_linear.choose("mkl", 32, 8, 8)
+
+
+@needs_onednn
+def test_onednn_faster_times_the_real_ops():
+    """The timing runs both implementations on the shape it is asked about and caches per shape."""
+    cpu_linear.onednn_faster.cache_clear()
+    a = cpu_linear.onednn_faster(32, 48, 64, torch.get_num_threads())
+    assert isinstance(a, bool)
+    assert cpu_linear.onednn_faster(32, 48, 64, torch.get_num_threads()) is a
+    assert cpu_linear.onednn_faster.cache_info().hits == 1
 
 
 @needs_onednn
@@ -101,7 +136,7 @@ def test_fast_engine_on_onednn_matches_generate():
     m.eval()
     plain = copy.deepcopy(m)                                   # torch's linears: the reference
     use_onednn_linears(m)
-    engine = FastEngine(m, tokenizer=tok)
+    engine = FastEngine(m, tokenizer=tok, cpu_linear="onednn")
     assert engine._lin is cpu_linear.linear
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     greedy = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)

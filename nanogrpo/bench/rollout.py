@@ -11,9 +11,9 @@ Engines: ``fast``, ``hf`` (our reference engine, ``generate`` + log-probs), ``vl
 process, ``pip install -e ".[vllm]"``), ``trl``
 (``generate`` called as TRL's GRPOTrainer does: dynamic cache, no log-probs), and fast
 variants for ablations: ``fast-nofuse``, ``fast-nocompile``, ``fast-eager`` (no graphs,
-no compile), ``fast-torchlinear`` (on the CPU: PyTorch's float32 GEMMs instead of oneDNN's, see
-``nanogrpo.models.cpu_linear``; the trainer uses oneDNN's by default, ``hf`` and ``trl`` here
-PyTorch's).
+no compile), ``fast-torchlinear`` / ``fast-onednn`` (on the CPU: PyTorch's or oneDNN's float32
+GEMMs; ``fast`` takes whichever ``model.cpu_linear=auto`` times faster on this CPU, see
+``nanogrpo.models.cpu_linear``; ``hf`` and ``trl`` here PyTorch's).
 
     python -m nanogrpo.bench.rollout --shape qwen2.5-0.5b --batch 64 --prompt-len 128 \\
         --new-tokens 256 --engines fast,hf --trl
@@ -32,10 +32,9 @@ import torch
 
 from nanogrpo.rollout.engine import SamplingParams
 
-FAST_VARIANTS = {"fast": {"cpu_linear": True}, "fast-nofuse": {"fuse": False, "cpu_linear": True},
-                 "fast-nocompile": {"compile": False, "cpu_linear": True},
-                 "fast-eager": {"compile": False, "cuda_graphs": False, "cpu_linear": True},
-                 "fast-torchlinear": {"cpu_linear": False}}
+FAST_VARIANTS = {"fast": {}, "fast-nofuse": {"fuse": False}, "fast-nocompile": {"compile": False},
+                 "fast-eager": {"compile": False, "cuda_graphs": False},
+                 "fast-torchlinear": {"cpu_linear": False}, "fast-onednn": {"cpu_linear": True}}
 ENGINES = (*FAST_VARIANTS, "hf", "trl", "vllm")
 
 

@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
-    p.add_argument("--cpu-linear", choices=["onednn", "torch"], default="onednn",
+    p.add_argument("--cpu-linear", choices=["auto", "onednn", "torch"], default="auto",
                    help="nanogrpo's float32 CPU linears (model.cpu_linear); TRL always runs torch's")
     p.add_argument("--reward-workers", type=int, default=0,
                    help="reward worker processes (0: in-process, as TRL calls its reward functions)")
@@ -141,7 +141,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """``a.steps`` calls of the trainer's own ``train_step`` on a fresh random-init model."""
     from nanogrpo.config import Config
     from nanogrpo.data import PromptSampler
-    from nanogrpo.models.cpu_linear import use_onednn_linears
+    from nanogrpo.models.cpu_linear import apply_cpu_linear
+    from nanogrpo.models.cpu_linear import linear as onednn_linear
     from nanogrpo.models.load import frozen_copy
     from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.rewards import RewardRunner
@@ -164,15 +165,14 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     _rng.seed(a.seed)
     tok = make_tokenizer()
     model = make_model(a.shape, tok, seed=a.seed, dtype=dtype, device=device)
-    if device.type == "cpu" and a.cpu_linear == "onednn":
-        use_onednn_linears(model)  # as load_model does for model.cpu_linear = "onednn"
+    train_onednn = apply_cpu_linear(model, a.cpu_linear)  # as load_model does for model.cpu_linear
     model.generation_config.pad_token_id = tok.pad_token_id
     ref = frozen_copy(model) if a.beta > 0 else None  # before the engine, as train() does
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = MasterAdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas,
                             weight_decay=cfg.train.weight_decay)
-    engine = _TimedEngine(make_engine(a.engine, model, tok, ignore_eos=True), device)
+    engine = _TimedEngine(make_engine(a.engine, model, tok, ignore_eos=True, cpu_linear=a.cpu_linear), device)
     sampler = PromptSampler(question_rows(max(64, a.prompts * (a.steps + 2)), a.seed), a.prompts,
                             seed=a.seed, shuffle=True)
     rewards = RewardRunner.from_config(cfg.rewards)
@@ -195,6 +195,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
         rewards.close()
     return {"system": "nanogrpo", "engine": engine.name,
             "cpu_linear": a.cpu_linear if device.type == "cpu" else None,
+            "onednn": {"train": train_onednn,
+                       "engine": getattr(engine.engine, "_lin", None) is onednn_linear},
             "grad_ckpt": int(cfg.train.gradient_checkpointing),
             "micro_batch": cfg.train.micro_batch_size, "updates": version, "groups_kept": kept,
             **_summary(times, engine.times, n * a.max_new, cpu), **_peak(device),

@@ -1,9 +1,16 @@
-"""Float32 linear layers on the CPU through oneDNN instead of MKL's sgemm.
+"""Float32 linear layers on the CPU through oneDNN instead of MKL's sgemm, where that is faster.
 
-PyTorch's CPU ``F.linear`` in float32 calls MKL. On AMD CPUs (the EPYC
-machines this project is built and tested on) MKL takes a slow code path:
-measured here at ~100 GFLOP/s per core against ~230 for oneDNN's matmul on the
+PyTorch's CPU ``F.linear`` in float32 calls MKL. On AMD CPUs with AVX-512 (the
+EPYC machines this project was first built on) MKL takes a slow code path:
+measured there at ~100 GFLOP/s per core against ~230 for oneDNN's matmul on the
 same shapes and threads, with the same float32 accuracy (no bf16/tf32 inside).
+On an AVX2-only EPYC (Zen 3) it is the other way round: MKL is 5-70% faster,
+most at the few rows of a decode step. So the default, ``model.cpu_linear =
+"auto"``, measures: :func:`onednn_faster` times both on this process's threads
+for the shape class at hand (few rows: the rollout engine's decode; many rows:
+the trainer's forward and backward) and picks oneDNN only if it is clearly
+faster. ``"onednn"`` / ``"torch"`` force one.
+
 oneDNN's matmul is reachable as ``torch.ops.mkldnn._linear_pointwise`` (the op
 Inductor uses for CPU linears); it has no autograd formula, so
 :class:`OneDnnLinearFn` supplies one: ``dx = g @ W`` and ``dW = g.T @ x`` through
@@ -20,6 +27,8 @@ turns all of it off.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,75 @@ def onednn_available() -> bool:
         return bool(torch.allclose(_lp(x, w, b), F.linear(x, w, b), atol=1e-5))
     except Exception:  # an op that exists but fails on this build or CPU
         return False
+
+
+log = logging.getLogger("nanogrpo.models")
+
+SETTINGS = ("auto", "onednn", "torch")
+DECODE_ROWS = 32
+"""Rows of the shape ``auto`` times for the rollout engine (a decode step's batch)."""
+TRAIN_ROWS = 256
+"""Rows of the shape ``auto`` times for the trainer's linears (a micro-batch's tokens: more, but
+GEMM speed per FLOP has levelled off by here)."""
+MAX_TIMED = (1024, 2048)
+"""The timed product's (in, out) are capped at these: a 7B model's [3584 x 18944] would take
+seconds to time, and the ranking of the two libraries does not change past this size."""
+MARGIN = 1.1
+"""``auto`` picks oneDNN only if it is at least this much faster (ties keep torch's default)."""
+
+
+def _best_time(fn, reps: int = 3) -> float:
+    fn()  # warm-up: first-call setup (oneDNN primitive creation, MKL buffers)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@functools.cache
+def onednn_faster(rows: int, k: int, n: int, threads: int) -> bool:
+    """Whether oneDNN's float32 linear beats ``F.linear`` by :data:`MARGIN` on a ``[rows, k] x
+    [k, n]`` product (and, for many rows, its backward's two products) with ``threads`` threads.
+
+    Measured once per process and shape (milliseconds for a small model, about a second at the
+    cap :data:`MAX_TIMED`: the best of 2 x 3 runs of each, alternated so that a burst of load on a
+    shared machine hits both). ``threads`` is part of the key because
+    the answer can change with it; pass ``torch.get_num_threads()``."""
+    if not onednn_available():
+        return False
+    k, n = min(k, MAX_TIMED[0]), min(n, MAX_TIMED[1])
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    gy = torch.randn(rows, n, generator=g)
+    backward = rows > DECODE_ROWS  # the trainer's linears also run dx = g W and dW = g^T x
+    one = lambda lin: lambda: (lin(x, w, None), backward and (lin(gy, w.t(), None),  # noqa: E731
+                                                              lin(gy.t(), x.t(), None)))
+    t_dnn, t_torch = float("inf"), float("inf")
+    for _ in range(2):
+        t_dnn = min(t_dnn, _best_time(one(_lp)))
+        t_torch = min(t_torch, _best_time(one(F.linear)))
+    return t_torch > MARGIN * t_dnn
+
+
+def choose(setting: str, rows: int, k: int, n: int) -> bool:
+    """True: float32 CPU linears of this shape class go through oneDNN. ``setting`` is
+    ``model.cpu_linear``: ``onednn`` (if this build has it), ``torch``, or ``auto`` (measured,
+    :func:`onednn_faster`)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"cpu_linear must be one of {', '.join(SETTINGS)}, not {setting!r}")
+    if setting == "torch" or not onednn_available():
+        return False
+    return setting == "onednn" or onednn_faster(rows, k, n, torch.get_num_threads())
+
+
+def model_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(hidden, intermediate) of an HF config, for the shapes ``auto`` times; defaults if absent."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None) or 1024
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    return int(hidden), int(inter)
 
 
 def _lp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -105,3 +183,20 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
             m.__class__ = OneDnnLinear
             n += 1
     return n
+
+
+def apply_cpu_linear(model: torch.nn.Module, setting: str) -> bool:
+    """``model.cpu_linear`` for a model's own (trainer's) linears: switch them to oneDNN when
+    :func:`choose` says so for the trainer's shape class; returns whether it did. Only float32
+    models on the CPU are touched."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return False
+    hidden, inter = model_dims(model)
+    on = choose(setting, TRAIN_ROWS, hidden, inter)
+    if on:
+        use_onednn_linears(model)
+    if setting == "auto":
+        log.info("model.cpu_linear=auto: the trainer's float32 linears run on %s (timed on this CPU)",
+                 "oneDNN" if on else "torch's BLAS")
+    return on

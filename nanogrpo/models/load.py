@@ -25,7 +25,7 @@ from transformers import (
 
 from nanogrpo.config import ModelConfig
 from nanogrpo.errors import ModelError
-from nanogrpo.models.cpu_linear import use_onednn_linears
+from nanogrpo.models.cpu_linear import apply_cpu_linear
 
 EMBEDDED = "embedded"
 log = logging.getLogger("nanogrpo.models")
@@ -133,10 +133,10 @@ def _first_line(e: Exception) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa",
-               trust_remote_code: bool = False, cpu_linear: str = "onednn") -> PreTrainedModel:
+               trust_remote_code: bool = False, cpu_linear: str = "auto") -> PreTrainedModel:
     """An HF causal LM on ``device``, with dropout off (:func:`disable_dropout`); on the CPU its
-    float32 linears go through oneDNN unless ``cpu_linear == "torch"`` (see
-    :mod:`nanogrpo.models.cpu_linear`).
+    float32 linears go through oneDNN where ``cpu_linear`` says so (``auto``: where it is faster on
+    this CPU; see :mod:`nanogrpo.models.cpu_linear`).
 
     A model that has no ``sdpa`` attention (Gemma2 in transformers 5) is loaded with ``eager``,
     saying so in one line; any other attention implementation the model refuses is an error
@@ -165,8 +165,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impleme
     if off:
         log.warning("%s: dropout is off in every forward (%d modules had it; the saved config keeps "
                     "its values)", path, off)
-    if device.type == "cpu" and cpu_linear == "onednn":
-        use_onednn_linears(model)
+    if device.type == "cpu":
+        apply_cpu_linear(model, cpu_linear)
     return model
 
 

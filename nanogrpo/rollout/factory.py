@@ -35,6 +35,7 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
     if name == "hf":
         from nanogrpo.rollout.hf import HFEngine
 
+        kwargs.pop("cpu_linear", None)  # hf generates through the model's own linears
         return HFEngine(model, tokenizer=tokenizer, **kwargs)
     if name == "fast":
         from nanogrpo.rollout.fast import FastEngine
@@ -49,6 +50,8 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
 
 def engine_for(cfg, model, tokenizer=None, **kwargs) -> Engine:
     """The engine ``cfg.rollout.engine`` names, with its settings from ``cfg`` (a :class:`Config`)."""
+    if cfg.rollout.engine in ("fast", "auto"):
+        kwargs = {"cpu_linear": cfg.model.cpu_linear, **kwargs}
     if cfg.rollout.engine == "vllm":
         from nanogrpo.rollout.vllm_engine import vllm_options
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from nanogrpo.errors import ModelError
-from nanogrpo.models.cpu_linear import OneDnnLinear
+from nanogrpo.models.cpu_linear import DECODE_ROWS, choose, model_dims
 from nanogrpo.models.cpu_linear import linear as onednn_linear
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.fast import cache
@@ -135,8 +135,9 @@ class FastEngine:
             CUDA). Any failure of compile or capture warns and falls back to eager.
         compact: move unfinished rows to a smaller batch when that halves it.
         check_every: decode steps between looks at the finished flags (one host sync each).
-        cpu_linear: run float32 CPU GEMMs through oneDNN (:mod:`nanogrpo.models.cpu_linear`);
-            default: when the model's own linear layers do (``model.cpu_linear``).
+        cpu_linear: run float32 CPU GEMMs through oneDNN (:mod:`nanogrpo.models.cpu_linear`):
+            True / False, or a ``model.cpu_linear`` setting; ``auto`` (the default) times both for
+            a decode step's shape on this CPU and takes the faster.
         max_len: the longest prompt + completion the caller will ask for, if known: a model the
             engine is exact for only up to a shorter length (dynamic / longrope RoPE) is refused
             now rather than at the first request that long.
@@ -152,7 +153,7 @@ class FastEngine:
     def __init__(self, model, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False,
                  fuse: bool = True, cuda_graphs: bool | None = None, compile: bool | None = None,
-                 compact: bool = True, check_every: int = 16, cpu_linear: bool | None = None,
+                 compact: bool = True, check_every: int = 16, cpu_linear: bool | str = "auto",
                  max_len: int | None = None):
         fam, why = fast_support(model, max_len)
         if fam is None:
@@ -191,8 +192,9 @@ class FastEngine:
         self._bound = [(mod, name, getattr(mod, name).data) for mod in model.modules()
                        for name, prm in mod.named_parameters(recurse=False) if prm is not None]
         self._rotary = base.rotary_emb
-        if cpu_linear is None:
-            cpu_linear = any(isinstance(m, OneDnnLinear) for m in model.modules())
+        if isinstance(cpu_linear, str):
+            cpu_linear = (self.device.type == "cpu" and self.dtype == torch.float32
+                          and choose(cpu_linear, DECODE_ROWS, *model_dims(model)))
         self._lin = onednn_linear if cpu_linear and self.device.type == "cpu" else F.linear
         self._pre, self._post, self._head = pre_attn, post_attn, head
         if self.use_compile:
