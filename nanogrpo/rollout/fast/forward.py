@@ -35,9 +35,17 @@ class Arch:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scale_then_round: bool = False) -> torch.Tensor:
     """HF's RMSNorm exactly: normalise in float32, then scale and round to the input dtype
     (Llama/Qwen round first, OLMo2 scales first)."""
+    return _scale(_unit(x, eps), w, x.dtype, scale_then_round)
+
+
+def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32 (the part of RMSNorm before its weight)."""
     xf = x.float()
-    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (w * n).to(x.dtype) if scale_then_round else w * n.to(x.dtype)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _scale(n: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, scale_then_round: bool) -> torch.Tensor:
+    return (w * n).to(dtype) if scale_then_round else w * n.to(dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,9 +63,13 @@ def pre_attn(x, ln, qkv_w, qkv_b, q_norm, k_norm, cos, sin, arch: Arch, lin=F.li
     ``qkv_w``: one fused matrix (rows q, k, v) or three; ``cos`` None: a layer without RoPE."""
     h = x if arch.post_norm else rms_norm(x, ln, arch.eps, arch.scale_then_round)
     nq, nk = arch.nh * arch.hd, arch.nkv * arch.hd
-    if len(qkv_w) == 1 and arch.qk_norm is None:  # fused, no q/k norms: one GEMM, RoPE on q and k at once
+    if len(qkv_w) == 1 and arch.qk_norm != "flat":  # fused: one GEMM, q and k normed and rotated at once
         out = lin(h, qkv_w[0], qkv_b[0])  # [..., nq + 2 nk]
         qk = out[..., :nq + nk].unflatten(-1, (arch.nh + arch.nkv, arch.hd))
+        if arch.qk_norm == "head":  # each head's statistic as HF's per-head RMSNorm, then q's / k's weight
+            n = _unit(qk, arch.eps)  # [..., nh + nkv, D] float32
+            qk = torch.cat((_scale(n[..., :arch.nh, :], q_norm, qk.dtype, arch.scale_then_round),
+                            _scale(n[..., arch.nh:, :], k_norm, qk.dtype, arch.scale_then_round)), -2)
         if cos is not None:
             qk = rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
         v = out[..., nq + nk:].unflatten(-1, (arch.nkv, arch.hd))
