@@ -70,6 +70,26 @@ def test_resume_truncates_every_sink(tmp_path):
     assert [s for s, _ in rewards] == [1, 2, 3, 4] and rewards[-1][1] == 9.0
 
 
+def test_a_line_being_written_or_torn_by_a_kill_is_left_out(tmp_path):
+    """A reader racing the trainer (``nanogrpo report``, a test polling the file) sees a last line
+    without its newline; so does ``--resume`` after a kill -9 mid-write. Both skip it: no crash."""
+    cfg = Config()
+    log = RunLogger(tmp_path, cfg)
+    for s in (1, 2, 3):
+        log.log_step(_row(s), [])
+    log.close()
+    for path in (tmp_path / "metrics.jsonl", tmp_path / "samples.jsonl"):
+        with open(path, "a") as f:
+            f.write('{"step": 4, "reward_mean": 1')              # torn: no closing brace, no newline
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert "3 steps" in run_summary(tmp_path)
+    log = RunLogger(tmp_path, cfg, resume_step=3)
+    log.log_step(_row(4), [])
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+
+
 def test_wandb_asked_but_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     cfg = Config()

@@ -25,7 +25,7 @@ from typing import Any
 
 from nanogrpo.config import Config
 from nanogrpo.errors import ConfigError
-from nanogrpo.train.metrics import MetricsWriter, read_metrics
+from nanogrpo.train.metrics import MetricsWriter, complete_lines, read_metrics
 
 TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", "gpu_mem_gib", "eval/time_s")
 """Fields that differ between identical runs (wall-clock and memory)."""
@@ -39,8 +39,8 @@ def _truncate_jsonl(path: Path, resume_step: int | None) -> None:
     if resume_step is None:
         path.write_text("")
     elif path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        kept = [line for line in complete_lines(path.read_text())  # a torn last line is dropped
+                if json.loads(line).get("step", 0) <= resume_step]
         path.write_text("".join(line + "\n" for line in kept))
 
 

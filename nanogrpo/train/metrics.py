@@ -14,12 +14,18 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def complete_lines(text: str) -> list[str]:
+    """The non-empty lines of a JSONL text that end in a newline: a last line without one is still
+    being written (a reader racing the trainer) or was torn by a kill, and is left out."""
+    return [line for line in text.split("\n")[:-1] if line.strip()]
+
+
 class MetricsWriter:
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        if resume_step is not None and path.exists():  # a torn last line (killed mid-write) is dropped
+            kept = [line for line in complete_lines(path.read_text())
+                    if json.loads(line).get("step", 0) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None:
             path.write_text("")
@@ -34,7 +40,8 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics file, also while a run is writing it (its unfinished last line is skipped)."""
+    return [json.loads(line) for line in complete_lines(Path(path).read_text())]
 
 
 COUNT_KEYS = ("completion_tokens", "num_completions", "groups_total", "groups_kept", "prompts_skipped",
