@@ -79,33 +79,40 @@ def onednn_faster(rows: int, k: int, n: int, threads: int) -> bool:
     [k, n]`` product (and, for many rows, its backward's two products) with ``threads`` threads.
 
     Measured once per process and shape (milliseconds for a small model, about a second at the
-    cap :data:`MAX_TIMED`: the best of 2 x 3 runs of each, alternated so that a burst of load on a
-    shared machine hits both). ``threads`` is part of the key because
+    cap :data:`MAX_TIMED` that :func:`choose` applies: the best of 2 x 3 runs of each, alternated so
+    that a burst of load on a shared machine hits both). ``threads`` is part of the key because
     the answer can change with it; pass ``torch.get_num_threads()``."""
     if not onednn_available():
         return False
-    k, n = min(k, MAX_TIMED[0]), min(n, MAX_TIMED[1])
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     gy = torch.randn(rows, n, generator=g)
     backward = rows > DECODE_ROWS  # the trainer's linears also run dx = g W and dW = g^T x
-    one = lambda lin: lambda: (lin(x, w, None), backward and (lin(gy, w.t(), None),  # noqa: E731
-                                                              lin(gy.t(), x.t(), None)))
+
+    def products(lin):
+        def run():
+            lin(x, w, None)
+            if backward:
+                lin(gy, w.t(), None)
+                lin(gy.t(), x.t(), None)
+        return run
+
     t_dnn, t_torch = float("inf"), float("inf")
     for _ in range(2):
-        t_dnn = min(t_dnn, _best_time(one(_lp)))
-        t_torch = min(t_torch, _best_time(one(F.linear)))
+        t_dnn = min(t_dnn, _best_time(products(_lp)))
+        t_torch = min(t_torch, _best_time(products(F.linear)))
     return t_torch > MARGIN * t_dnn
 
 
 def choose(setting: str, rows: int, k: int, n: int) -> bool:
     """True: float32 CPU linears of this shape class go through oneDNN. ``setting`` is
     ``model.cpu_linear``: ``onednn`` (if this build has it), ``torch``, or ``auto`` (measured,
-    :func:`onednn_faster`)."""
+    :func:`onednn_faster`, on the shape capped at :data:`MAX_TIMED`: models past it share one timing)."""
     if setting not in SETTINGS:
         raise ValueError(f"cpu_linear must be one of {', '.join(SETTINGS)}, not {setting!r}")
     if setting == "torch" or not onednn_available():
         return False
+    k, n = min(k, MAX_TIMED[0]), min(n, MAX_TIMED[1])
     return setting == "onednn" or onednn_faster(rows, k, n, torch.get_num_threads())
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from nanogrpo.config import Config
 from nanogrpo.errors import ConfigError
-from nanogrpo.train.metrics import MetricsWriter, complete_lines, read_metrics
+from nanogrpo.train.metrics import MetricsWriter, read_metrics, truncate_jsonl
 
 TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", "gpu_mem_gib", "eval/time_s")
 """Fields that differ between identical runs (wall-clock and memory)."""
@@ -33,15 +33,6 @@ TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", 
 
 def _tag(key: str) -> str:
     return key if "/" in key else f"train/{key}"
-
-
-def _truncate_jsonl(path: Path, resume_step: int | None) -> None:
-    if resume_step is None:
-        path.write_text("")
-    elif path.exists():
-        kept = [line for line in complete_lines(path.read_text())  # a torn last line is dropped
-                if json.loads(line).get("step", 0) <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
 
 
 def _number(v: Any) -> float | None:
@@ -58,7 +49,7 @@ class RunLogger:
         self.cfg = cfg
         self.metrics = MetricsWriter(self.root / "metrics.jsonl", resume_step=resume_step)
         self.samples_path = self.root / "samples.jsonl"
-        _truncate_jsonl(self.samples_path, resume_step)
+        truncate_jsonl(self.samples_path, resume_step)
         self.tb = None
         self.wandb = None
         self.t0 = time.perf_counter()

@@ -20,15 +20,21 @@ def complete_lines(text: str) -> list[str]:
     return [line for line in text.split("\n")[:-1] if line.strip()]
 
 
+def truncate_jsonl(path: Path, resume_step: int | None) -> None:
+    """Start a run's JSONL log: empty it (fresh run) or keep the rows of steps <= ``resume_step``
+    (a torn last line, killed mid-write, is dropped)."""
+    if resume_step is None:
+        path.write_text("")
+    elif path.exists():
+        kept = [line for line in complete_lines(path.read_text())
+                if json.loads(line).get("step", 0) <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 class MetricsWriter:
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
-        if resume_step is not None and path.exists():  # a torn last line (killed mid-write) is dropped
-            kept = [line for line in complete_lines(path.read_text())
-                    if json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        elif resume_step is None:
-            path.write_text("")
+        truncate_jsonl(path, resume_step)
         self._f = open(path, "a")
 
     def write(self, row: dict[str, Any]) -> None:
