@@ -150,7 +150,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     try:
-        with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
+        with RewardRunner.from_config(cfg.rewards, device=cfg.model.device) as rewards, torch.no_grad():
             summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,

@@ -211,3 +211,25 @@ def test_the_decorator_checks_its_arguments() -> None:
     assert (f.batched, f.chunk_size, f.timeout_s) == (True, 8, 2.5)
     with RewardRunner([f], workers=0, timeout_s=1.0) as runner:
         assert (runner.entries[0].chunk_size, runner.entries[0].timeout_s) == (8, 2.5)
+
+
+def test_reward_failures_and_model_metrics_merge_over_ranks() -> None:
+    """Two ranks' rows: per-function failure counts and a judge's request counts add up, its latency and
+    time are the slowest rank's; other keys are left to their own rules."""
+    from nanogrpo.train.metrics import merge_rank_metrics
+
+    def row(fails: int, requests: int, latency: float) -> dict:
+        return {"step": 1, "reward_mean": 0.0, "reward_std": 1.0, "num_completions": 4,
+                "reward/f": 0.5, "reward/f/failures": fails, "judge/requests": requests,
+                "judge/latency_s": latency, "judge/time_s": latency * 2, "rm_2/rows_per_s": 10.0}
+
+    rows = [row(1, 5, 0.3), row(2, 7, 0.5)]
+    sent = []
+    for r in rows:
+        merge_rank_metrics(r, lambda vals, ops: sent.append((vals, ops)) or vals, ["reward/f"])
+    (va, _), (vb, _) = sent
+    both = lambda vals, ops: [x + y if op == "sum" else max(x, y) for x, y, op in zip(va, vb, ops)]  # noqa: E731
+    merged = merge_rank_metrics(rows[0], both, ["reward/f"])
+    assert merged["reward/f/failures"] == 3 and merged["judge/requests"] == 12
+    assert merged["judge/latency_s"] == 0.5 and merged["judge/time_s"] == 1.0
+    assert merged["rm_2/rows_per_s"] == 20

@@ -30,6 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nanogrpo.errors import RewardError
@@ -155,7 +156,7 @@ class RewardRunner:
             raise RewardError(f"rewards.weights has {len(weights)} entries for {len(items)} rewards")
         return cls(items, weights, cfg.timeout_s, cfg.penalty, cfg.workers, cfg.truncated_correct,
                    chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
-                   rm_scale=getattr(cfg, "rm_scale", "none"), make_model=_model_factory(cfg, device, run_dir))
+                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, device, run_dir))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -199,6 +200,8 @@ class RewardRunner:
         completions, samples = list(completions), list(samples)
         tasks = self._plan(len(completions))
         results: dict[int, Any] = {}
+        waits = {tid: self.entries[k].model.submit(completions, samples) for tid, k, _ in tasks
+                 if self.entries[k].where == MODEL and hasattr(self.entries[k].model, "submit")}
         pool_calls: list[Call] = []
         inline: list[Task] = []
         for task in tasks:
@@ -217,8 +220,8 @@ class RewardRunner:
         metrics: dict[str, float] = {}
         for tid, k, _ in tasks:
             e = self.entries[k]
-            if e.where == MODEL:
-                results[tid] = e.model.score(completions, samples)
+            if e.where == MODEL:  # a judge's requests ran while the functions above did
+                results[tid] = waits[tid]() if tid in waits else e.model.score(completions, samples)
                 metrics.update(e.model.metrics())
         result = self._collect(tasks, results, len(completions))
         result.metrics = metrics
@@ -316,7 +319,34 @@ def _shut_down(pool: WorkerPool | None, models: list[ModelReward]) -> None:
 
 
 def _model_factory(cfg: Any, device: str, run_dir: Any) -> Callable[[str], ModelReward]:
+    """Builds the model reward an ``rm:`` / ``judge:`` spec names, from the rewards config."""
+    made: Counter = Counter()
+
     def make(spec: str) -> ModelReward:
-        raise RewardError(f"reward {spec!r}: model rewards (rm:, judge:) are not available in this build")
+        kind, _, target = spec.partition(":")
+        target = target.strip()
+        if not target:
+            raise RewardError(f"reward {spec!r}: name the {'model' if kind == 'rm' else 'server URL'} after "
+                              f"'{kind}:'")
+        made[kind] += 1
+        prefix = kind if made[kind] == 1 else f"{kind}_{made[kind]}"
+        if kind == "rm":
+            from nanogrpo.rewards.rm import RewardModel
+
+            return RewardModel(target, device=device if cfg.rm_device == "auto" else cfg.rm_device,
+                               batch_tokens=cfg.rm_batch_tokens, name=spec, metric_prefix=prefix)
+        from nanogrpo.rewards.judge import Judge
+        from nanogrpo.rewards.judge_cache import NullCache, ReplyCache
+
+        where = cfg.judge_cache
+        if where == "auto":
+            cache = ReplyCache(Path(run_dir) / "judge_cache.sqlite" if run_dir is not None else None)
+        else:
+            cache = NullCache() if where == "off" else ReplyCache(None if where == "memory" else where)
+        return Judge(target, model=cfg.judge_model, template=cfg.judge_template, scoring=cfg.judge_score,
+                     score_range=tuple(cfg.judge_range), concurrency=cfg.judge_concurrency,
+                     timeout_s=cfg.judge_timeout_s, deadline_s=cfg.judge_deadline_s,
+                     retries=cfg.judge_retries, max_tokens=cfg.judge_max_tokens, request=cfg.judge_request,
+                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix)
 
     return make

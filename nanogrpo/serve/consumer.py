@@ -192,7 +192,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
 
         if main:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
-            evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
+            rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device, run_dir=root)
+            evaluation = (Run(cfg, root, rewards, [], resume_from, eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
                               cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         (cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % 2**31
     client = ServerClient(a.server, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
     client.health()
-    rewards = RewardRunner.from_config(cfg.rewards)
+    rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device)  # rm: on this worker's device
     tools = ToolRunner.from_config(cfg.tools)
     try:
         model, tok, _ = load_policy(cfg.model)

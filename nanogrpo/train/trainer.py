@@ -53,7 +53,9 @@ class Run:
 
 def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     """Validate everything cheap first: rewards import, data fields, model path, run directory."""
-    rewards = RewardRunner.from_config(cfg.rewards)
+    # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
+    rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device,
+                                       run_dir=Path(resume_dir or cfg.train.out))
     try:
         tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
         rows = load_rows(cfg.data, cfg.data.split)
