@@ -5,15 +5,21 @@ offline, like the warm start (:mod:`nanogrpo.models.warmstart`):
 
 1. the warm start answers ``PROMPTS`` training problems of the embedded task, ``SAMPLES`` times
    each, sampled at the temperatures in ``TEMPERATURES`` (its careful and careless habits both show);
-2. each completion is labelled by the rule reward: 1 when it is correct *and* well formatted
+2. each of those completions also gives one *variant* (:func:`variants`): its ``<think>`` equation
+   and ``<answer>`` edited the way a policy drifts — a wrong result stated consistently in both,
+   another operand, a right answer after a wrong equation. Without them the classifier learns the
+   shortcut "the answer repeats the equation's result" (the warm start's own equations are nearly
+   always right), and GRPO against it learns to write wrong equations with matching answers: the
+   first version of this demo did exactly that (reward up, held-out accuracy 7% -> 20% -> 9%);
+3. every completion is labelled by the rule reward: 1 when it is correct *and* well formatted
    (``correctness`` and ``format`` both positive), else 0;
-3. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
+4. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
    fine-tuned on them (binary cross-entropy on its logit), reading each pair as the reward-model
    reward reads it (:class:`nanogrpo.rewards.rm.RewardModel`: the chat template over the question
    and the completion);
-4. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
-   problems (the test split, which shares no question with train) and saved beside the weights
-   in ``rm_card.json``.
+5. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
+   problems (the test split, which shares no question with train), the warm start's own and their
+   variants apart, and saved beside the weights in ``rm_card.json``.
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
 the rule at run time. Shipped in ``nanogrpo/models/embedded_rm/`` (~3 MB); rebuild with
@@ -28,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -65,6 +72,39 @@ def label(completion: str, row: dict) -> float:
     from nanogrpo.rewards.builtin import correctness, format_reward
 
     return float(correctness(completion, row) > 0 and format_reward(completion, row) > 0)
+
+
+_SOLUTION = re.compile(r"<think>(\d+)([-+*])(\d+)=(-?\d+)</think><answer>(-?\d+)</answer>")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def variants(completion: str, row: dict, rng: random.Random) -> list[str]:
+    """Edits of a well-formed ``<think>a op b=z</think><answer>y</answer>`` completion (none for another
+    shape): a wrong result in both places; a right answer after a wrong result; another second operand
+    with its own result in both places; the fully right solution."""
+    m = _SOLUTION.fullmatch(completion.strip())
+    if not m:
+        return []
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    right = int(row["answer"])
+    wrong = right + rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
+    b2 = max(0, b + rng.choice([-2, -1, 1, 2]))
+    other = _OPS[op](a, b2)
+    return [f"<think>{a}{op}{b}={wrong}</think><answer>{wrong}</answer>",
+            f"<think>{a}{op}{b}={wrong}</think><answer>{right}</answer>",
+            f"<think>{a}{op}{b2}={other}</think><answer>{other}</answer>",
+            f"<think>{a}{op}{b}={right}</think><answer>{right}</answer>"]
+
+
+def one_variant_each(pairs: list[tuple[dict, str]], seed: int) -> list[tuple[dict, str]]:
+    """One variant (picked at random) of each completion that has any."""
+    rng = random.Random(seed)
+    out: list[tuple[dict, str]] = []
+    for row, c in pairs:
+        v = variants(c, row, rng)
+        if v:
+            out.append((row, rng.choice(v)))
+    return out
 
 
 def sample_completions(model, tok, rows: list[dict], n: int, seed: int) -> list[tuple[dict, str]]:
@@ -182,24 +222,30 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
     t0 = time.time()
     policy, tok, _ = load_policy(ModelConfig(path="embedded", device="cpu", cpu_linear="torch"))
     policy.eval()
-    train_pairs = sample_completions(policy, tok, make_split("train", prompts, seed=SEED), SAMPLES, SEED)
+    sampled = sample_completions(policy, tok, make_split("train", prompts, seed=SEED), SAMPLES, SEED)
+    train_pairs = sampled + one_variant_each(sampled, SEED)
+    random.Random(SEED).shuffle(train_pairs)
     eval_pairs = sample_completions(policy, tok, make_split("test", EVAL_PROMPTS, seed=SEED), EVAL_SAMPLES,
                                     SEED + 1)
-    print(f"sampled {len(train_pairs)} + {len(eval_pairs)} completions ({time.time() - t0:.0f}s)")
+    eval_variants = one_variant_each(eval_pairs, SEED + 1)
+    print(f"sampled {len(sampled)} + {len(eval_pairs)} completions, {len(train_pairs) - len(sampled)} + "
+          f"{len(eval_variants)} variants ({time.time() - t0:.0f}s)")
     torch.manual_seed(SEED)
     model = Qwen2ForSequenceClassification.from_pretrained(
         str(_policy_dir()), num_labels=1, pad_token_id=tok.pad_token_id, dtype=torch.float32)
     model.config.architectures = ["Qwen2ForSequenceClassification"]
     before = accuracy(model.eval(), tok, eval_pairs)
     train(model, tok, train_pairs, epochs, BATCH_SIZE, LR)
-    card = {"held_out": accuracy(model, tok, eval_pairs), "held_out_before_training": before,
-            "train_completions": len(train_pairs), "train_positive_rate":
+    card = {"held_out": accuracy(model, tok, eval_pairs),
+            "held_out_variants": accuracy(model, tok, eval_variants), "held_out_before_training": before,
+            "train_examples": len(train_pairs), "train_completions": len(sampled), "train_positive_rate":
                 sum(label(c, r) for r, c in train_pairs) / len(train_pairs),
             "held_out_problems": EVAL_PROMPTS, "samples_per_problem": [SAMPLES, EVAL_SAMPLES],
             "temperatures": list(TEMPERATURES), "epochs": epochs, "batch_size": BATCH_SIZE, "lr": LR,
             "seed": SEED, "build_time_s": round(time.time() - t0, 1), "torch": torch.__version__}
-    print(f"held-out classifier accuracy {card['held_out']['accuracy']:.3f} "
-          f"(before fine-tuning {before['accuracy']:.3f}); {card['build_time_s']:.0f}s")
+    print(f"held-out classifier accuracy {card['held_out']['accuracy']:.3f} on the warm start's completions, "
+          f"{card['held_out_variants']['accuracy']:.3f} on their variants (before fine-tuning "
+          f"{before['accuracy']:.3f}); {card['build_time_s']:.0f}s")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)

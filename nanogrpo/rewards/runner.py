@@ -95,7 +95,8 @@ class RewardRunner:
     Python callables (per-completion or batched) or model reward objects, in any mix; ``weights``
     one per reward (None: all 1.0). Names in the breakdown: a spec is its own name, a callable its
     ``__name__`` (``lambda``; a second of the same name gets ``_2``). ``make_model`` builds the
-    model reward a ``rm:`` / ``judge:`` spec names (:meth:`from_config` supplies it)."""
+    model reward a ``rm:`` / ``judge:`` spec names (default: with the ``rewards`` config's defaults;
+    :meth:`from_config` supplies one with the run's settings)."""
 
     def __init__(self, rewards: Sequence[RewardItem], weights: Sequence[float] | None = None,
                  timeout_s: float = 5.0, penalty: float = -1.0, workers: int = 1,
@@ -121,6 +122,10 @@ class RewardRunner:
         self.rm_scale = rm_scale
         self._closed = False
         self._pool: WorkerPool | None = None
+        if make_model is None:  # rm: / judge: specs with the config's defaults
+            from nanogrpo.config import RewardsConfig
+
+            make_model = _model_factory(RewardsConfig(), "auto", None)
         self.entries: list[Entry] = build_entries(
             rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
             chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model)
@@ -131,13 +136,11 @@ class RewardRunner:
         self.abandoned_threads = 0
         in_pool = [e for e in self.entries if e.where == POOL]
         self._pool_index = {id(e): k for k, e in enumerate(in_pool)}
-        models = [e.model for e in self.entries if e.model is not None]
-        self._finalizer = weakref.finalize(self, _shut_down, None, models)
         if in_pool:
             self._pool = WorkerPool([e.source for e in in_pool], workers, [e.timeout_s for e in in_pool],
                                     truncated_correct=truncated_correct, batched=[e.batched for e in in_pool])
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
+        models = [e.model for e in self.entries if e.model is not None]
+        self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
 
     @property
     def names(self) -> list[str]:
