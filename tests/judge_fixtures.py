@@ -41,6 +41,7 @@ class FaultServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms ACK stall
 
             def log_message(self, *args) -> None:  # quiet
                 pass

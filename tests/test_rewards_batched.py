@@ -100,23 +100,19 @@ def test_a_hanging_batched_call_is_cut_and_the_other_chunks_scored() -> None:
 # ----------------------------------------------------------------------------- callables
 
 
-def _pid(completion: str, sample: dict) -> float:
-    return float(os.getpid())
-
-
 def test_callables_of_every_kind_run_in_the_workers(caplog) -> None:
     offset = 100.0
     closure = lambda c, s: offset + len(c)  # noqa: E731 - a closure over a local
     partial = functools.partial(lambda c, s, k: k * len(c), k=2.0)
     scorer = fx.Scorer(bonus=0.5)
-    fns = [_pid, fx.length, closure, partial, scorer, batched(lambda cs, ss: [1.0] * len(cs))]
+    fns = [fx.pid, fx.length, closure, partial, scorer, batched(lambda cs, ss: [1.0] * len(cs))]
     with caplog.at_level(logging.WARNING, logger="nanogrpo.rewards"):
         runner = RewardRunner(fns, weights=[0, 1, 1, 1, 1, 1], workers=1)
     with runner:
         assert [e.where for e in runner.entries] == [POOL] * 6
         res = runner.score(["ab", "abcd"], [SAMPLE] * 2)
-    assert runner.specs == ["_pid", "length", "lambda", "lambda_2", "Scorer", "lambda_3"]
-    assert all(p != os.getpid() for p in res.per_function["_pid"])
+    assert runner.specs == ["pid", "length", "lambda", "lambda_2", "Scorer", "lambda_3"]
+    assert all(p != os.getpid() for p in res.per_function["pid"])
     assert res.per_function["lambda"] == [102.0, 104.0]
     assert res.per_function["lambda_2"] == [4.0, 8.0]
     assert res.per_function["Scorer"] == [2.5, 4.5]

@@ -175,7 +175,7 @@ def test_requests_run_concurrently(template) -> None:
         stats = srv.stats()
     print(f"64 requests at 0.2 s each, concurrency 16: {elapsed:.2f} s (peak in flight {stats['peak']})")
     assert all(k == "ok" for k, _ in got)
-    assert stats["peak"] == 16 and stats["requests"] == 65
+    assert 8 < stats["peak"] <= 16 and stats["requests"] == 65  # bounded by the concurrency
     assert elapsed < 2.0, elapsed
 
 

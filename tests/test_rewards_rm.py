@@ -70,13 +70,13 @@ def _direct(model, tok, completion: str, sample: dict, max_positions: int | None
 @pytest.mark.parametrize("pad", [True, False])
 def test_scores_equal_a_forward_of_each_row_alone_in_any_batch(tmp_path, pad) -> None:
     path, model, tok = _qwen_rm(tmp_path, pad=pad)
-    comps, samples = _rows()
+    comps, samples = _rows(16)
     expected = [_direct(model, tok, c, s) for c, s in zip(comps, samples)]
-    assert len({round(x, 4) for x in expected}) > 10  # the rows really score differently
+    assert len({round(x, 4) for x in expected}) > 8  # the rows really score differently
     rm = RewardModel(str(path), device="cpu")
-    for budget in (1, 300, 2000, 10**6):  # one row per forward ... everything in one forward
+    for budget in (1, 400, 10**6):  # one row per forward ... everything in one forward
         rm.batch_tokens = budget
-        for order in (list(range(len(comps))), list(reversed(range(len(comps)))), [3, 17, 4, 0, 9]):
+        for order in (list(range(len(comps))), [13, 3, 15, 4, 0, 9]):
             got = rm.score([comps[i] for i in order], [samples[i] for i in order])
             assert all(kind == "ok" for kind, _ in got)
             assert [v for _, v in got] == pytest.approx([expected[i] for i in order], abs=2e-5)
@@ -216,3 +216,18 @@ def test_on_a_gpu_the_reward_model_runs_in_bf16_close_to_float32(tmp_path) -> No
     expected = [_direct(model, tok, c, s) for c, s in zip(comps, samples)]
     spread = max(expected) - min(expected)
     assert max(abs(a - b) for a, b in zip(got, expected)) < 0.05 * spread + 0.02
+
+
+def test_the_demo_reward_models_contrasts_carry_the_rules_labels() -> None:
+    from nanogrpo.data import make_split
+    from nanogrpo.models.reward_model import NEGATIVE_KINDS, POSITIVE_KINDS, contrasts, label, training_pairs
+
+    rng = random.Random(0)
+    rows = make_split("train", 200, seed=1)
+    for row in rows:
+        alt = contrasts(row, rng)
+        assert all(label(alt[k], row) == 1.0 for k in POSITIVE_KINDS), alt
+        assert all(label(alt[k], row) == 0.0 for k in NEGATIVE_KINDS), alt
+    sampled = [(rows[0], contrasts(rows[0], rng)["careless"]), (rows[1], contrasts(rows[1], rng)["right"])]
+    for row, pos, neg in training_pairs(sampled, seed=3):
+        assert label(pos, row) == 1.0 and label(neg, row) == 0.0

@@ -5,25 +5,31 @@ offline, like the warm start (:mod:`nanogrpo.models.warmstart`):
 
 1. the warm start answers ``PROMPTS`` training problems of the embedded task, ``SAMPLES`` times
    each, sampled at the temperatures in ``TEMPERATURES`` (its careful and careless habits both show);
-2. each of those completions also gives one *variant* (:func:`variants`): its ``<think>`` equation
-   and ``<answer>`` edited the way a policy drifts — a wrong result stated consistently in both,
-   another operand, a right answer after a wrong equation. Without them the classifier learns the
-   shortcut "the answer repeats the equation's result" (the warm start's own equations are nearly
-   always right), and GRPO against it learns to write wrong equations with matching answers: the
-   first version of this demo did exactly that (reward up, held-out accuracy 7% -> 20% -> 9%);
-3. every completion is labelled by the rule reward: 1 when it is correct *and* well formatted
+2. every completion is labelled by the rule reward: 1 when it is correct *and* well formatted
    (``correctness`` and ``format`` both positive), else 0;
+3. each is paired with a *contrast* for the same question and of the other label (:func:`contrasts`):
+   the right solution, a wrong result stated in both the equation and the answer, a right answer
+   after a wrong equation, the equation of another operand, the careless answer — written the way
+   the warm start writes, labelled by the same rule;
 4. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
-   fine-tuned on them (binary cross-entropy on its logit), reading each pair as the reward-model
-   reward reads it (:class:`nanogrpo.rewards.rm.RewardModel`: the chat template over the question
-   and the completion);
+   fine-tuned on them, reading each as the reward-model reward reads it
+   (:class:`nanogrpo.rewards.rm.RewardModel`: the chat template over the question and the
+   completion): binary cross-entropy on every logit plus the pairwise (Bradley-Terry) loss
+   ``-log sigmoid(s_pos - s_neg)`` of each pair, the usual reward-model objective;
 5. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
-   problems (the test split, which shares no question with train), the warm start's own and their
-   variants apart, and saved beside the weights in ``rm_card.json``.
+   problems (the test split, which shares no question with train), and its ranking of each kind of
+   contrast below the right solution; all saved beside the weights in ``rm_card.json``.
+
+Why the contrasts: trained on the warm start's completions alone (version 1 of this demo), the
+classifier learned the shortcut "the answer repeats the equation's result" (the warm start's own
+equations are nearly always right) and no arithmetic; GRPO against it learned to write wrong
+equations with matching answers (reward up, held-out accuracy 7% -> 20% -> 9%). With contrasts but
+binary cross-entropy alone (version 2) it learned "the answer differs from the equation" instead, and
+GRPO found that. Minimal pairs with a ranking loss leave the model only the difference that matters.
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
 the rule at run time. Shipped in ``nanogrpo/models/embedded_rm/`` (~3 MB); rebuild with
-``python -m nanogrpo.models.reward_model --out DIR`` (about ten minutes on 2 CPU cores).
+``python -m nanogrpo.models.reward_model --out DIR``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -42,11 +47,11 @@ from pathlib import Path
 import torch
 
 SEED = 2468
-PROMPTS, SAMPLES = 2400, 8
-EVAL_PROMPTS, EVAL_SAMPLES = 400, 4
+PROMPTS, SAMPLES = 1200, 8
+EVAL_PROMPTS, EVAL_SAMPLES = 300, 4
 TEMPERATURES = (0.7, 1.0, 1.3)
 MAX_NEW_TOKENS = 56
-EPOCHS, BATCH_SIZE, LR = 2, 64, 1e-3
+EPOCHS, PAIRS_PER_BATCH, LR = 3, 32, 3e-4
 
 
 def packaged_path() -> Path:
@@ -59,10 +64,10 @@ def embedded_rm_path() -> Path:
     if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
         return p
     root = Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
-    key = f"{SEED}-{PROMPTS}-{SAMPLES}-{TEMPERATURES}-{EPOCHS}-{BATCH_SIZE}-{LR}-{torch.__version__}"
+    key = f"{SEED}-{PROMPTS}-{SAMPLES}-{TEMPERATURES}-{EPOCHS}-{PAIRS_PER_BATCH}-{LR}-{torch.__version__}"
     out = root / f"embedded-rm-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (out / "model.safetensors").is_file():
-        print(f"building the demo reward model into {out} (once; about ten minutes)")
+        print(f"building the demo reward model into {out} (once; about half an hour on 2 CPU cores)")
         build(out)
     return out
 
@@ -74,37 +79,42 @@ def label(completion: str, row: dict) -> float:
     return float(correctness(completion, row) > 0 and format_reward(completion, row) > 0)
 
 
-_SOLUTION = re.compile(r"<think>(\d+)([-+*])(\d+)=(-?\d+)</think><answer>(-?\d+)</answer>")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def variants(completion: str, row: dict, rng: random.Random) -> list[str]:
-    """Edits of a well-formed ``<think>a op b=z</think><answer>y</answer>`` completion (none for another
-    shape): a wrong result in both places; a right answer after a wrong result; another second operand
-    with its own result in both places; the fully right solution."""
-    m = _SOLUTION.fullmatch(completion.strip())
-    if not m:
-        return []
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+def contrasts(row: dict, rng: random.Random) -> dict[str, str]:
+    """Solutions of ``row`` written as the warm start writes them, by kind: ``right``, ``wrong_both`` (a
+    wrong result in the equation and the answer), ``right_answer_wrong_equation``, ``other_operand``
+    (another second operand, its result in both places), ``careless`` (the first operand as answer)."""
+    a, op, b = int(row["a"]), row["op"], int(row["b"])
     right = int(row["answer"])
     wrong = right + rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
-    b2 = max(0, b + rng.choice([-2, -1, 1, 2]))
+    b2 = b + rng.choice([-2, -1, 1, 2])
+    if b2 < 0 or _OPS[op](a, b2) == right:
+        b2 = b + 3
     other = _OPS[op](a, b2)
-    return [f"<think>{a}{op}{b}={wrong}</think><answer>{wrong}</answer>",
-            f"<think>{a}{op}{b}={wrong}</think><answer>{right}</answer>",
-            f"<think>{a}{op}{b2}={other}</think><answer>{other}</answer>",
-            f"<think>{a}{op}{b}={right}</think><answer>{right}</answer>"]
+    return {"right": f"<think>{a}{op}{b}={right}</think><answer>{right}</answer>",
+            "wrong_both": f"<think>{a}{op}{b}={wrong}</think><answer>{wrong}</answer>",
+            "right_answer_wrong_equation": f"<think>{a}{op}{b}={wrong}</think><answer>{right}</answer>",
+            "other_operand": f"<think>{a}{op}{b2}={other}</think><answer>{other}</answer>",
+            "careless": f"<think>{a}{op}{b}={right}</think><answer>{a}</answer>"}
 
 
-def one_variant_each(pairs: list[tuple[dict, str]], seed: int) -> list[tuple[dict, str]]:
-    """One variant (picked at random) of each completion that has any."""
+POSITIVE_KINDS = ("right", "right_answer_wrong_equation")
+NEGATIVE_KINDS = ("wrong_both", "other_operand", "careless")
+
+
+def training_pairs(sampled: list[tuple[dict, str]], seed: int) -> list[tuple[dict, str, str]]:
+    """``(row, positive, negative)``: each sampled completion with a contrast of the other label."""
     rng = random.Random(seed)
-    out: list[tuple[dict, str]] = []
-    for row, c in pairs:
-        v = variants(c, row, rng)
-        if v:
-            out.append((row, rng.choice(v)))
-    return out
+    pairs = []
+    for row, c in sampled:
+        alt = contrasts(row, rng)
+        if label(c, row):
+            pairs.append((row, c, alt[rng.choice(NEGATIVE_KINDS)]))
+        else:
+            pairs.append((row, alt[rng.choice(POSITIVE_KINDS)], c))
+    return pairs
 
 
 def sample_completions(model, tok, rows: list[dict], n: int, seed: int) -> list[tuple[dict, str]]:
@@ -169,41 +179,60 @@ def accuracy(model, tok, pairs: list[tuple[dict, str]]) -> dict[str, float]:
             "positive_rate": sum(labels) / len(labels), "n": len(labels)}
 
 
-def train(model, tok, pairs: list[tuple[dict, str]], epochs: int, batch_size: int, lr: float,
+def contrast_ranking(model, tok, rows: list[dict], seed: int) -> dict[str, float]:
+    """Per kind of contrast: the share of held-out questions where it scores below the right solution
+    (positive kinds: above the careless answer)."""
+    rng = random.Random(seed)
+    alts = [contrasts(r, rng) for r in rows]
+    score = {k: logits_of(model, tok, [encode_pair(tok, r, a[k]) for r, a in zip(rows, alts)])
+             for k in alts[0]}
+    out = {f"right_above_{k}": sum(x > y for x, y in zip(score["right"], score[k])) / len(rows)
+           for k in NEGATIVE_KINDS}
+    out["right_answer_wrong_equation_above_careless"] = sum(
+        x > y for x, y in zip(score["right_answer_wrong_equation"], score["careless"])) / len(rows)
+    return out
+
+
+def train(model, tok, pairs: list[tuple[dict, str, str]], epochs: int, pairs_per_batch: int, lr: float,
           log_every: int = 50) -> None:
-    """Binary cross-entropy on the logit, AdamW with warmup and a cosine decay, shuffled each epoch."""
-    seqs = [encode_pair(tok, r, c) for r, c in pairs]
-    labels = [label(c, r) for r, c in pairs]
-    steps = epochs * (len(seqs) // batch_size)
+    """Binary cross-entropy on every logit plus the pairwise loss ``-log sigmoid(s_pos - s_neg)``;
+    AdamW with warmup and a cosine decay, pairs shuffled each epoch."""
+    pos = [encode_pair(tok, r, p) for r, p, _ in pairs]
+    neg = [encode_pair(tok, r, n) for r, _, n in pairs]
+    steps = epochs * (len(pairs) // pairs_per_batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warm = max(1, steps // 10)
+    warm = max(1, steps // 20)
     rng = random.Random(SEED)
     order: list[int] = []
     model.train()
     t0 = time.time()
     for step in range(steps):
-        if len(order) < batch_size:
-            order = list(range(len(seqs)))
+        if len(order) < pairs_per_batch:
+            order = list(range(len(pairs)))
             rng.shuffle(order)
-        idx, order = order[:batch_size], order[batch_size:]
+        idx, order = order[:pairs_per_batch], order[pairs_per_batch:]
         scale = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        ids, mask = _batch(tok, [seqs[i] for i in idx])
-        logit = model(input_ids=ids, attention_mask=mask).logits[:, 0]
-        target = torch.tensor([labels[i] for i in idx])
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, target)
+        ids, mask = _batch(tok, [pos[i] for i in idx] + [neg[i] for i in idx])
+        logit = model(input_ids=ids, attention_mask=mask).logits[:, 0]              # (2P,)
+        s_pos, s_neg = logit[:len(idx)], logit[len(idx):]                           # (P,) each
+        target = torch.cat([torch.ones(len(idx)), torch.zeros(len(idx))])
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, target)
+        rank = torch.nn.functional.softplus(s_neg - s_pos).mean()                    # -log sigmoid(pos - neg)
+        loss = bce + rank
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if log_every and (step + 1) % log_every == 0:
-            print(f"reward model step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+            print(f"reward model step {step + 1}/{steps} bce {bce.item():.4f} rank {rank.item():.4f} "
+                  f"({time.time() - t0:.0f}s)")
     model.eval()
 
 
 def build(out: Path, prompts: int = PROMPTS, epochs: int = EPOCHS) -> dict:
-    """Sample, label, fine-tune, measure and save (HF format, atomically) to ``out``; returns the card."""
+    """Sample, label, pair, fine-tune, measure, save (HF format, atomically) to ``out``; returns the card."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the warm start: one thread, the same reduction order everywhere
     try:
@@ -218,34 +247,31 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
     from nanogrpo.config import ModelConfig
     from nanogrpo.data import make_split
     from nanogrpo.models.load import load_policy
+    from nanogrpo.models.warmstart import embedded_path
 
     t0 = time.time()
     policy, tok, _ = load_policy(ModelConfig(path="embedded", device="cpu", cpu_linear="torch"))
     policy.eval()
     sampled = sample_completions(policy, tok, make_split("train", prompts, seed=SEED), SAMPLES, SEED)
-    train_pairs = sampled + one_variant_each(sampled, SEED)
-    random.Random(SEED).shuffle(train_pairs)
-    eval_pairs = sample_completions(policy, tok, make_split("test", EVAL_PROMPTS, seed=SEED), EVAL_SAMPLES,
-                                    SEED + 1)
-    eval_variants = one_variant_each(eval_pairs, SEED + 1)
-    print(f"sampled {len(sampled)} + {len(eval_pairs)} completions, {len(train_pairs) - len(sampled)} + "
-          f"{len(eval_variants)} variants ({time.time() - t0:.0f}s)")
+    pairs = training_pairs(sampled, SEED)
+    eval_rows = make_split("test", EVAL_PROMPTS, seed=SEED)
+    eval_pairs = sample_completions(policy, tok, eval_rows, EVAL_SAMPLES, SEED + 1)
+    print(f"sampled {len(sampled)} + {len(eval_pairs)} completions ({time.time() - t0:.0f}s)")
     torch.manual_seed(SEED)
     model = Qwen2ForSequenceClassification.from_pretrained(
-        str(_policy_dir()), num_labels=1, pad_token_id=tok.pad_token_id, dtype=torch.float32)
+        str(embedded_path()), num_labels=1, pad_token_id=tok.pad_token_id, dtype=torch.float32)
     model.config.architectures = ["Qwen2ForSequenceClassification"]
     before = accuracy(model.eval(), tok, eval_pairs)
-    train(model, tok, train_pairs, epochs, BATCH_SIZE, LR)
+    train(model, tok, pairs, epochs, PAIRS_PER_BATCH, LR)
     card = {"held_out": accuracy(model, tok, eval_pairs),
-            "held_out_variants": accuracy(model, tok, eval_variants), "held_out_before_training": before,
-            "train_examples": len(train_pairs), "train_completions": len(sampled), "train_positive_rate":
-                sum(label(c, r) for r, c in train_pairs) / len(train_pairs),
+            "held_out_ranking": contrast_ranking(model, tok, eval_rows, SEED + 2),
+            "held_out_before_training": before, "train_completions": len(sampled),
+            "train_positive_rate": sum(label(c, r) for r, c in sampled) / len(sampled),
             "held_out_problems": EVAL_PROMPTS, "samples_per_problem": [SAMPLES, EVAL_SAMPLES],
-            "temperatures": list(TEMPERATURES), "epochs": epochs, "batch_size": BATCH_SIZE, "lr": LR,
-            "seed": SEED, "build_time_s": round(time.time() - t0, 1), "torch": torch.__version__}
-    print(f"held-out classifier accuracy {card['held_out']['accuracy']:.3f} on the warm start's completions, "
-          f"{card['held_out_variants']['accuracy']:.3f} on their variants (before fine-tuning "
-          f"{before['accuracy']:.3f}); {card['build_time_s']:.0f}s")
+            "temperatures": list(TEMPERATURES), "epochs": epochs, "pairs_per_batch": PAIRS_PER_BATCH,
+            "lr": LR, "seed": SEED, "build_time_s": round(time.time() - t0, 1), "torch": torch.__version__}
+    print(f"held-out classifier accuracy {card['held_out']['accuracy']:.3f} (before fine-tuning "
+          f"{before['accuracy']:.3f}); ranking {card['held_out_ranking']}; {card['build_time_s']:.0f}s")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
@@ -257,12 +283,6 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
         shutil.rmtree(out)
     os.replace(tmp, out)
     return card
-
-
-def _policy_dir() -> Path:
-    from nanogrpo.models.warmstart import embedded_path
-
-    return embedded_path()
 
 
 def main(argv: list[str] | None = None) -> int:
