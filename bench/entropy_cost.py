@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return stats(*args, entropy="none", **kw)
 
     def run(variant: str) -> float:
-        cfg = Config.model_validate({"grpo": {"beta": 0.04, "entropy_coef": 0.01 if variant == "bonus" else 0.0},
+        coef = 0.01 if variant == "bonus" else 0.0
+        cfg = Config.model_validate({"grpo": {"beta": 0.04, "entropy_coef": coef},
                                      "rollout": {"max_new_tokens": a.len}})
         step.token_stats = no_entropy if variant == "off" else stats
         try:

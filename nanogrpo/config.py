@@ -136,8 +136,8 @@ class RolloutConfig(_Strict):
     def _correction_bounds(self) -> RolloutConfig:
         lo, hi = self.correction_min, self.correction_max
         if self.correction != "none" and lo is None and hi is None:
-            raise ValueError(f"rollout.correction={self.correction} needs a bound: set rollout.correction_max "
-                             "(or correction_min)")
+            raise ValueError(f"rollout.correction={self.correction} needs a bound: set "
+                             "rollout.correction_max (or correction_min)")
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"rollout.correction_min={lo} must be below rollout.correction_max={hi}")
         return self
@@ -239,17 +239,17 @@ def _check_loss_combination(g: GrpoConfig) -> None:
     p = LOSS_PRESETS[g.loss]
     r = g.resolved()
     if p.objective != "clip":
-        keys = ["clip_ratio_c", "clip_delta"] + (["clip_eps_low"] if p.objective in ("cispo", "sapo") else []) \
-            + (["clip_eps_high"] if p.objective == "sapo" else [])
+        keys = ["clip_ratio_c", "clip_delta", "clip_eps_low"]
+        keys += ["clip_eps_high"] if p.objective == "sapo" else []
         bad = [k for k in keys if getattr(g, k) is not None]
         if bad:
             what = "a soft gate, no clip" if p.objective == "sapo" else "only an upper bound on its weight " \
                 "(clip_eps_high, its ε_max)"
             raise ValueError(f"grpo.{bad[0]} means nothing for grpo.loss={g.loss} ({what})")
     if r["importance_sampling"] == "sequence" and r["loss_reduction"] != "seq-mean-token-mean":
-        raise ValueError(f"grpo.importance_sampling=sequence with grpo.loss_reduction={r['loss_reduction']}: the "
-                         "sequence ratio is one value per completion; only seq-mean-token-mean optimises the "
-                         "per-sequence objective (TRL warns likewise)")
+        raise ValueError(f"grpo.importance_sampling=sequence with grpo.loss_reduction={r['loss_reduction']}: "
+                         "the sequence ratio is one value per completion; only seq-mean-token-mean optimises "
+                         "the per-sequence objective (TRL warns likewise)")
     if g.clip_delta is not None and g.clip_ratio_c is not None:
         raise ValueError("grpo.clip_delta and grpo.clip_ratio_c are the same bound for negative advantages; "
                          "set one")

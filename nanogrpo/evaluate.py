@@ -83,12 +83,13 @@ def completion_entropy(model, prompts: list[list[int]], completions: list[list[i
         comps = completions[i:i + micro_batch]
         if not any(comps):
             continue
-        ids, am, cm, _, p = pad_batch(prompts[i:i + micro_batch], comps, [[0.0] * len(c) for c in comps], pad_id)
+        zeros = [[0.0] * len(c) for c in comps]
+        ids, am, cm, _, p = pad_batch(prompts[i:i + micro_batch], comps, zeros, pad_id)
         if masks is not None:
             for j, m in enumerate(masks[i:i + micro_batch]):
                 cm[j, :len(m)] &= torch.tensor(m, dtype=torch.bool)
-        _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk, temperature=temperature,
-                             entropy="value")                                  # (n, C)
+        _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk,
+                             temperature=temperature, entropy="value")         # (n, C)
         total += float(ent[cm.to(dev)].double().sum())
         count += int(cm.sum())
     return total, count

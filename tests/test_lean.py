@@ -58,8 +58,9 @@ def test_entropy_in_the_same_pass_matches_the_full_softmax(temperature, chunk):
     ref = torch.autograd.grad((lp * g1 + ent * g2).sum(), [h, w, b])
     for a, r in zip(grads, ref):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-11)
-    assert torch.autograd.gradcheck(lambda h_, w_: linear_logprobs(h_, w_, None, t[:4], chunk, temperature, "grad"),
-                                    (h[:4].detach().requires_grad_(), w.detach().requires_grad_()))
+    def fn(h_, w_):
+        return linear_logprobs(h_, w_, None, t[:4], chunk, temperature, "grad")
+    assert torch.autograd.gradcheck(fn, (h[:4].detach().requires_grad_(), w.detach().requires_grad_()))
     val = linear_logprobs(h, w, b, t, chunk, temperature, entropy="value")
     assert not torch.autograd.grad(val[:, 1].sum(), [h], retain_graph=True)[0].any()  # no entropy gradient
     torch.testing.assert_close(val, out.detach(), rtol=0, atol=0)

@@ -12,7 +12,9 @@ magnify past 1e-6. The float64 comparisons therefore give the trainer's
 ``_get_per_token_logps_and_entropies`` a plain float64 log-softmax of the same model's logits
 (:func:`_exact_logps`); everything downstream (advantages, masks, importance weights, the loss
 and its gradient) is TRL's code. One case runs TRL's own kernel unchanged, within float32's
-precision (:func:`test_trls_own_float32_kernel_agrees_to_its_precision`).
+precision (:func:`test_trls_own_float32_kernel_agrees_to_its_precision`). Likewise Qwen2's RMSNorm
+normalises in float32 whatever its input, which would leave every forward (TRL's and nanogrpo's, on
+different batch shapes) at float32 rounding: in this module it keeps its input's dtype.
 nanogrpo's :func:`~nanogrpo.train.step.policy_update` then runs on a model with the same weights
 and a batch holding the same tensors (in two micro-batches, where TRL takes one); the loss and every
 parameter's gradient must agree within 1e-6 relative. Off-policy cases perturb the weights between
@@ -38,7 +40,8 @@ if os.environ.get("NANOGRPO_REQUIRE_TRL") == "1":
 else:
     trl = pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[dev]' pins trl==1.16.0)")
 if trl.__version__ != "1.16.0":
-    pytest.skip(f"the parity tests check TRL 1.16.0's code, found trl {trl.__version__}", allow_module_level=True)
+    pytest.skip(f"the parity tests check TRL 1.16.0's code, found trl {trl.__version__}",
+                allow_module_level=True)
 
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -57,8 +60,9 @@ TOK = make_tokenizer()
 G, C = 4, 6                                   # group size, max_completion_length
 PROMPTS = [[5, 6, 7], [8, 9, 30], [10, 11, 12]]  # equal lengths: TRL's forward takes no position ids
 LENGTHS = [6, 3, 6, 2, 4, 6, 1, 5, 6, 6, 3, 2]   # rows 2, 5, 8 end without EOS at the limit: truncated
-R = [[1.0, 0.5], [0.0, 0.5], [1.0, -1.0], [0.0, 0.0],     # per-function rewards (N, 2)
-     [0.25, 0.125], [0.25, 0.125], [0.25, 0.125], [0.25, 0.125],  # group 1: zero variance (dyadic: exact in float32, as TRL holds rewards)
+# per-function rewards (N, 2); group 1 has zero variance; dyadic: exact in float32, as TRL holds rewards
+R = [[1.0, 0.5], [0.0, 0.5], [1.0, -1.0], [0.0, 0.0],
+     [0.25, 0.125], [0.25, 0.125], [0.25, 0.125], [0.25, 0.125],
      [2.0, 1.0], [-1.0, 0.0], [0.5, 1.0], [1.5, -0.5]]
 WEIGHTS = [1.0, 0.5]
 
@@ -96,6 +100,20 @@ def _float64():
         torch.set_default_dtype(before)
 
 
+def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _float64_norms():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
+        yield
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("parity")
@@ -104,8 +122,8 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def _exact_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-                 compute_aux_loss=False, **kw):
+def _exact_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                 compute_entropy=False, compute_aux_loss=False, **kw):
     """``GRPOTrainer._get_per_token_logps_and_entropies`` in float64: the model's own logits, log-softmax."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits          # (B, L, V)
     lp = (logits[:, -logits_to_keep - 1:-1] / self.temperature).log_softmax(-1)         # (B, C, V)
@@ -114,8 +132,8 @@ def _exact_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_s
 
 
 def _trainer(model_dir, exact: bool = True, **kw) -> GRPOTrainer:
-    base = dict(output_dir=str(model_dir / "trl"), per_device_train_batch_size=len(LENGTHS), num_generations=G,
-                max_completion_length=C, report_to=[], use_cpu=True, bf16=False, beta=0.04,
+    base = dict(output_dir=str(model_dir / "trl"), per_device_train_batch_size=len(LENGTHS),
+                num_generations=G, max_completion_length=C, report_to=[], use_cpu=True, bf16=False, beta=0.04,
                 use_bias_correction_kl=False, loss_type="grpo", gradient_checkpointing=False,
                 save_strategy="no", logging_steps=1, reward_weights=WEIGHTS,
                 model_init_kwargs={"dtype": torch.float64})
@@ -158,13 +176,14 @@ def _generate_and_score(tr: GRPOTrainer, vllm: bool, old_model=None) -> dict:
                     for i, (c, d) in enumerate(zip(COMPLETIONS, _sampling_logprobs()))]
 
     def generate(prompts):
-        return ([PROMPTS[i // G] for i in range(len(COMPLETIONS))], COMPLETIONS, None, ["x"] * len(COMPLETIONS),
-                sampling, {}, None, [])
+        n = len(COMPLETIONS)
+        return [PROMPTS[i // G] for i in range(n)], COMPLETIONS, None, ["x"] * n, sampling, {}, None, []
 
     tr._generate = generate
     tr.model.train()
     with _float64():
-        return tr._generate_and_score_completions([{"prompt": "abc"[i // G]} for i in range(len(COMPLETIONS))])
+        rows = [{"prompt": "abc"[i // G]} for i in range(len(COMPLETIONS))]
+        return tr._generate_and_score_completions(rows)
 
 
 class _GradTap(Backend):
@@ -189,10 +208,16 @@ def _batch(inputs: dict, behaviour: torch.Tensor) -> RolloutBatch:
                         ref_logprobs=inputs.get("ref_per_token_logps"), truncated=torch.tensor(TRUNCATED))
 
 
-def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str, rel: float = 1e-6) -> None:
+def _t(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str, rel: float = 1e-6) -> float:
+    """max |ours - TRL| / max |TRL| (asserted <= ``rel``), returned."""
     scale = float(theirs.abs().max())
     err = float((ours - theirs).abs().max())
     assert err <= rel * scale + 1e-14, f"{what}: max |ours - TRL| = {err:.3e} against max |TRL| = {scale:.3e}"
+    return err / scale if scale > 0 else err
 
 
 @dataclass
@@ -212,8 +237,8 @@ CASES = {
     "bnpo": Case({"loss_type": "bnpo"}, ["grpo.loss=bnpo"]),
     "dr_grpo": Case({"loss_type": "dr_grpo"}, ["grpo.loss=dr_grpo"]),
     "dapo": Case({"loss_type": "dapo", "epsilon_high": 0.28}, ["grpo.loss=dapo"]),
-    "cispo": Case({"loss_type": "cispo", "epsilon_high": 1.25}, ["grpo.loss=cispo", "grpo.clip_eps_high=1.25"],
-                  clips=("cispo",)),
+    "cispo": Case({"loss_type": "cispo", "epsilon_high": 1.25},
+                  ["grpo.loss=cispo", "grpo.clip_eps_high=1.25"], clips=("cispo",)),
     "sapo": Case({"loss_type": "sapo"}, ["grpo.loss=sapo"], clips=()),
     "gspo": Case({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4,
                   "epsilon_high": 4e-4}, ["grpo.loss=gspo"]),
@@ -227,26 +252,29 @@ CASES = {
                        ["rollout.correction=token_mask", *IS_OURS], vllm=True),
     "sequence_truncate": Case({"vllm_importance_sampling_mode": "sequence_truncate", **IS},
                               ["rollout.correction=sequence_truncate", *IS_OURS], vllm=True),
-    "sequence_mask": Case({"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": 3.0,
+    "sequence_mask": Case({"vllm_importance_sampling_mode": "sequence_mask",
+                           "vllm_importance_sampling_clip_max": 3.0,
                            "vllm_importance_sampling_clip_min": 0.3},
-                          ["rollout.correction=sequence_mask", "rollout.correction_max=3", "rollout.correction_min=0.3"],
-                          vllm=True),
+                          ["rollout.correction=sequence_mask", "rollout.correction_max=3",
+                           "rollout.correction_min=0.3"], vllm=True),
     "off_policy_mask": Case({"off_policy_mask_threshold": 0.02}, ["grpo.off_policy_mask_kl=0.02"]),
-    "off_policy_mask_vllm": Case({"off_policy_mask_threshold": 0.05, "vllm_importance_sampling_mode": "token_truncate",
-                                  **IS}, ["grpo.off_policy_mask_kl=0.05", "rollout.correction=token_truncate",
-                                          *IS_OURS], vllm=True),
+    "off_policy_mask_vllm": Case({"off_policy_mask_threshold": 0.05,
+                                  "vllm_importance_sampling_mode": "token_truncate", **IS},
+                                 ["grpo.off_policy_mask_kl=0.05", "rollout.correction=token_truncate",
+                                  *IS_OURS], vllm=True),
     "bias_correction_kl": Case({"use_bias_correction_kl": True}, ["grpo.kl_is_weighted=true"]),
-    "gspo_bias_correction_kl": Case({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4,
-                                     "epsilon_high": 4e-4, "use_bias_correction_kl": True},
+    "gspo_bias_correction_kl": Case({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                                     "epsilon": 3e-4, "epsilon_high": 4e-4, "use_bias_correction_kl": True},
                                     ["grpo.loss=gspo", "grpo.kl_is_weighted=true"]),
     "sapo_sequence": Case({"loss_type": "sapo", "importance_sampling_level": "sequence"},
                           ["grpo.loss=sapo", "grpo.importance_sampling=sequence"], clips=()),
     "dapo_everything": Case({"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True,
-                             "top_entropy_quantile": 0.5, "entropy_coef": 0.02, "use_bias_correction_kl": True,
+                             "top_entropy_quantile": 0.5, "entropy_coef": 0.02,
+                             "use_bias_correction_kl": True,
                              "vllm_importance_sampling_mode": "token_mask", **IS},
                             ["grpo.loss=dapo", "grpo.mask_truncated=true", "grpo.top_entropy_quantile=0.5",
-                             "grpo.entropy_coef=0.02", "grpo.kl_is_weighted=true", "rollout.correction=token_mask",
-                             *IS_OURS], vllm=True),
+                             "grpo.entropy_coef=0.02", "grpo.kl_is_weighted=true",
+                             "rollout.correction=token_mask", *IS_OURS], vllm=True),
 }
 
 
@@ -261,7 +289,10 @@ def test_trls_own_float32_kernel_agrees_to_its_precision(model_dir):
     _compare(model_dir, "dapo_everything", True, exact=False, rel=1e-4)
 
 
-def _compare(model_dir, name: str, off_policy: bool, exact: bool = True, rel: float = 1e-6) -> None:
+def _compare(model_dir, name: str, off_policy: bool, exact: bool = True,
+             rel: float = 1e-10) -> tuple[float, float]:
+    """(relative error of the loss, largest relative error of a parameter's gradient), each asserted within
+    ``rel``: the acceptance asks 1e-6; in float64 they agree to rounding (~1e-15), so 1e-10 is asserted."""
     case = CASES[name]
     tr = _trainer(model_dir, exact, num_iterations=2 if off_policy else 1, **case.trl)
     _perturb(tr.ref_model, seed=11, scale=0.05)                   # a reference that differs: KL > 0
@@ -269,7 +300,7 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True, rel: fl
     gen_model.load_state_dict(tr.model.state_dict())
     inputs = _generate_and_score(tr, case.vllm, gen_model)
     if off_policy:
-        _perturb(tr.model, seed=7, scale=0.05)                    # the update's weights moved since generation
+        _perturb(tr.model, seed=7, scale=0.05)              # the update's weights moved since generation
     weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
     tr.model.zero_grad()
     with _float64():
@@ -280,9 +311,11 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True, rel: fl
 
     model = make_model("tiny", TOK, seed=1, dtype=torch.float64)
     model.load_state_dict(weights)
-    cfg = load_config(overrides=["grpo.group_size=4", "grpo.beta=0.04", "train.micro_batch_size=5", *case.ours])
+    cfg = load_config(overrides=["grpo.group_size=4", "grpo.beta=0.04", "train.micro_batch_size=5",
+                                 *case.ours])
     if case.vllm:       # the engine's log-probs; the ratio is anchored on the trainer's before the update
-        behaviour, anchor = inputs["sampling_per_token_logps"], inputs["old_per_token_logps"] if off_policy else None
+        behaviour = inputs["sampling_per_token_logps"]
+        anchor = inputs["old_per_token_logps"] if off_policy else None
     elif off_policy:    # no correction: the recorded log-probs are the anchor (TRL: its old_per_token_logps)
         behaviour, anchor = inputs["old_per_token_logps"], None
     else:               # on-policy: the engine's log-probs equal the trainer's
@@ -293,16 +326,16 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True, rel: fl
                         on_policy=not off_policy, max_new_tokens=C, backend=be, rollout=cfg.rollout,
                         old_logprobs=anchor)
     assert not res.skipped_nonfinite
-    _close(torch.tensor(res.loss), loss.detach(), f"{name} loss", rel)
-    for k, g in theirs.items():
-        _close(be.grads[k], g, f"{name} grad {k}", rel)
-    _close(torch.tensor(res.metrics["entropy"]), torch.tensor(metrics["entropy"]), f"{name} entropy", rel)
+    loss_err = _close(_t(res.loss), loss.detach(), f"{name} loss", rel)
+    grad_err = max(_close(be.grads[k], g, f"{name} grad {k}", rel) for k, g in theirs.items())
+    _close(_t(res.metrics["entropy"]), _t(metrics["entropy"]), f"{name} entropy", rel)
     if not cfg.grpo.kl_is_weighted:
-        _close(torch.tensor(res.kl), torch.tensor(metrics["kl"]), f"{name} kl", rel)
+        _close(_t(res.kl), _t(metrics["kl"]), f"{name} kl", rel)
     assert metrics["kl"] > 0
     if "clip_ratio/low_mean" in metrics:
-        _close(torch.tensor(res.metrics["clip_frac_low"]), torch.tensor(metrics["clip_ratio/low_mean"]), "low")
-        _close(torch.tensor(res.metrics["clip_frac_high"]), torch.tensor(metrics["clip_ratio/high_mean"]), "high")
+        for ours, theirs in (("clip_frac_low", "clip_ratio/low_mean"),
+                             ("clip_frac_high", "clip_ratio/high_mean")):
+            _close(_t(res.metrics[ours]), _t(metrics[theirs]), f"{name} {ours}")
     if off_policy:      # not a vacuous comparison: the ratio moved and the clip bound both ways
         assert res.metrics["ratio_min"] < 0.9 and res.metrics["ratio_max"] > 1.1
         for kind in case.clips:
@@ -310,14 +343,19 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True, rel: fl
             assert metrics[key] > 0, f"{name}: TRL's {key} is 0: the clip never bound"
     else:
         assert res.metrics["ratio_min"] == res.metrics["ratio_max"] == 1.0
+    return loss_err, grad_err
 
 
-@pytest.mark.parametrize("trl_kw,estimator,aggregation", [
+ADVANTAGE_CASES = [
     ({"scale_rewards": "group"}, "group", "sum_then_normalize"),
     ({"scale_rewards": "batch"}, "batch_std", "sum_then_normalize"),
     ({"scale_rewards": "none"}, "group_mean", "sum_then_normalize"),
     ({"multi_objective_aggregation": "normalize_then_sum"}, "batch_std", "normalize_then_sum"),
-], ids=["group", "batch", "none", "gdpo"])
+]
+
+
+@pytest.mark.parametrize("trl_kw,estimator,aggregation", ADVANTAGE_CASES,
+                         ids=["group", "batch", "none", "gdpo"])
 def test_advantages_equal_trls(model_dir, trl_kw, estimator, aggregation):
     tr = _trainer(model_dir, **trl_kw)
     theirs = _generate_and_score(tr, False)["advantages"]
@@ -334,3 +372,39 @@ def test_advantages_equal_trls(model_dir, trl_kw, estimator, aggregation):
     adv, _ = batch_advantages(per_fn, WEIGHTS, torch.tensor([float(n) for n in LENGTHS]), cfg.grpo)
     assert adv.dtype == torch.float32
     _close(adv.double(), theirs, f"trainer advantages {trl_kw}")
+
+
+def main() -> None:
+    """``python -m tests.test_parity_trl``: every case, its measured relative errors, as a markdown table."""
+    import datetime
+    import platform
+    import tempfile
+    from pathlib import Path
+
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    Qwen2RMSNorm.forward = _rms_norm_in_input_dtype
+    d = Path(tempfile.mkdtemp())
+    make_model("tiny", TOK, seed=1, dtype=torch.float64).save_pretrained(d / "model")
+    TOK.save_pretrained(d / "model")
+    print(f"TRL {trl.__version__}, torch {torch.__version__}, {platform.machine()}, "
+          f"{datetime.date.today().isoformat()}; float64; relative error = max |ours - TRL| / max |TRL|")
+    print("| case | TRL setting | on-policy loss / grad | off-policy loss / grad |")
+    print("|---|---|---|---|")
+    for name, case in CASES.items():
+        on, off = _compare(d, name, False), _compare(d, name, True)
+        setting = ", ".join(f"{k}={v}" for k, v in case.trl.items()
+                            if not k.startswith("vllm_importance_sampling_c"))
+        print(f"| {name} | {setting} | {on[0]:.1e} / {on[1]:.1e} | {off[0]:.1e} / {off[1]:.1e} |")
+    f32 = _compare(d, "dapo_everything", True, exact=False, rel=1e-4)
+    print(f"| dapo_everything, TRL's float32 kernel | | | {f32[0]:.1e} / {f32[1]:.1e} |")
+    for trl_kw, est, agg in ADVANTAGE_CASES:
+        tr = _trainer(d, **trl_kw)
+        theirs = _generate_and_score(tr, False)["advantages"]
+        ours, _ = advantages(torch.tensor(R, dtype=torch.float64), torch.tensor(WEIGHTS, dtype=torch.float64),
+                             G, estimator=est, aggregation=agg, eps=1e-4)
+        print(f"| advantages {est} / {agg} | {trl_kw} | {_close(ours, theirs, est, 1e-12):.1e} | |")
+
+
+if __name__ == "__main__":
+    main()

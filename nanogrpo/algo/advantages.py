@@ -55,7 +55,7 @@ def _batch_sums(values: list[float], reduce: Reduce | None) -> list[float]:
 
 
 def group(r: torch.Tensor, g: int, *, eps: float, lengths=None, reduce=None) -> torch.Tensor:
-    """GRPO (DeepSeekMath, Shao et al. 2024): within-group z-score; the seed's, as TRL's scale_rewards="group"."""
+    """GRPO (DeepSeekMath, Shao et al. 2024): within-group z-score, the seed's (TRL scale_rewards="group")."""
     x = _work(r).view(-1, g)                                           # (groups, G)
     centred = x - x.mean(dim=1, keepdim=True)                          # (groups, G)
     return (centred / (x.std(dim=1, keepdim=True) + eps)).reshape(-1)  # (N,)
@@ -87,7 +87,7 @@ def rloo(r: torch.Tensor, g: int, *, eps: float, lengths=None, reduce=None) -> t
 
 
 def reinforce_pp(r: torch.Tensor, g: int, *, eps: float, lengths=None, reduce=None) -> torch.Tensor:
-    """REINFORCE++-baseline (Hu et al. 2025): group mean subtracted, then whitened over the batch as verl does:
+    """REINFORCE++-baseline (Hu et al. 2025): group mean off, then whitened over the batch as verl does it:
     every token carries its sequence's value, mean and unbiased variance over all tokens, rsqrt(var + 1e-8)
     (``eps`` unused)."""
     x = _work(r)                                                       # (N,)
@@ -103,7 +103,8 @@ def reinforce_pp(r: torch.Tensor, g: int, *, eps: float, lengths=None, reduce=No
 
 Estimator = Callable[..., torch.Tensor]
 ADVANTAGES: dict[str, Estimator] = {
-    "group": group, "group_mean": group_mean, "batch_std": batch_std, "rloo": rloo, "reinforce_pp": reinforce_pp,
+    "group": group, "group_mean": group_mean, "batch_std": batch_std, "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
 }
 
 
@@ -126,8 +127,9 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, float], torch
 
 
 def advantages(per_fn: torch.Tensor, weights: torch.Tensor, group_size: int, *, estimator: str = "group",
-               aggregation: str = "sum_then_normalize", eps: float = 1e-4, lengths: torch.Tensor | None = None,
-               reduce: Reduce | None = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               aggregation: str = "sum_then_normalize", eps: float = 1e-4,
+               lengths: torch.Tensor | None = None, reduce: Reduce | None = None,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (N,), scores (N,)) from the per-function rewards ``per_fn`` (N, F) and ``weights`` (F,).
 
     ``lengths`` (N,): trained tokens per completion (``reinforce_pp`` weighs by them);

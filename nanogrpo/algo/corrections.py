@@ -58,13 +58,13 @@ def no_correction(old, behaviour, mask, lo, hi):
 
 
 def token_truncate(old, behaviour, mask, lo, hi):
-    """Truncated IS (Yao et al. 2025, "off-policy RL training" behind vLLM): per-token ratio clamped to [lo, hi]."""
+    """Truncated IS (Yao et al. 2025, off-policy RL behind vLLM): the per-token ratio clamped to [lo, hi]."""
     r = _token_ratio(old, behaviour, mask)                             # (N, T)
     return torch.clamp(r, min=lo, max=hi), r, _outside(r, lo, hi)
 
 
 def token_mask(old, behaviour, mask, lo, hi):
-    """Masked IS (TRL token_mask): a token whose ratio leaves [lo, hi] gets weight 0, the others their ratio."""
+    """Masked IS (TRL token_mask): a token whose ratio leaves [lo, hi] gets weight 0, others their ratio."""
     r = _token_ratio(old, behaviour, mask)                             # (N, T)
     out = _outside(r, lo, hi)                                          # (N, T)
     return r.masked_fill(out, 0.0), r, out
@@ -77,7 +77,7 @@ def sequence_truncate(old, behaviour, mask, lo, hi):
 
 
 def sequence_mask(old, behaviour, mask, lo, hi):
-    """Sequence-level MIS (TRL sequence_mask, the default there): sequences whose ratio leaves [lo, hi] dropped."""
+    """Sequence-level MIS (TRL sequence_mask, its default): a sequence whose ratio leaves [lo, hi] dropped."""
     r = _seq_ratio(old, behaviour, mask)                               # (N, 1)
     out = _outside(r, lo, hi)                                          # (N, 1)
     return r.masked_fill(out, 0.0), r, out
@@ -100,7 +100,8 @@ def correction_stats(old: torch.Tensor, behaviour: torch.Tensor, m: torch.Tensor
     d = torch.where(m, old - behaviour, 0.0)                           # (N, T) log(pi_old / mu)
     out = {"is_tokens" if raw.shape[1] == m.shape[1] else "is_seqs": sel.sum(),
            "is_weight_sum": torch.where(sel, raw, 0.0).sum(),
-           "is_weight_min": torch.where(sel, raw, inf).min(), "is_weight_max": torch.where(sel, raw, -inf).max(),
+           "is_weight_min": torch.where(sel, raw, inf).min(),
+           "is_weight_max": torch.where(sel, raw, -inf).max(),
            "is_kl_sum": torch.where(m, torch.exp(d) - d - 1, 0.0).sum()}
     if corrected is not None:
         out["is_corrected"] = (corrected & sel).sum()

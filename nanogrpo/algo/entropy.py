@@ -83,7 +83,8 @@ class EntropyControl:
 
     def state_dict(self) -> dict[str, float | None]:
         """JSON-safe (no measurement yet: ``last_entropy`` None)."""
-        return {"coef": self.coef, "last_entropy": self.last_entropy if math.isfinite(self.last_entropy) else None}
+        last = self.last_entropy if math.isfinite(self.last_entropy) else None
+        return {"coef": self.coef, "last_entropy": last}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:

@@ -82,8 +82,9 @@ class LinearLogprob(torch.autograd.Function):
     The entropy costs two more elementwise passes over each chunk's logits (the log-sum-exp is
     computed by hand so that its exp(z - max) serves both): H = log s - sum_v e_v (z_v - m) / s with
     m = max_v z_v, e = exp(z - m), s = sum_v e. Its gradient is dH/dz = -p (log p + H), folded into
-    the same backward chunk as the log-prob's g (onehot - p); peak memory stays at two (chunk, V)
-    buffers, what ``torch.logsumexp`` itself holds.
+    the same backward pass as the log-prob's g (onehot - p), over half chunks (softmax and logits are
+    needed at once), so the peak stays that of the plain pass: one (chunk, V) buffer and its
+    ``torch.logsumexp`` temporary in the forward, one (chunk, V) buffer in the backward.
     """
 
     @staticmethod
@@ -136,6 +137,9 @@ class LinearLogprob(torch.autograd.Function):
         acc_w = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         gw = torch.zeros(weight.shape, dtype=acc_w, device=weight.device) if need_w else None  # (V, H)
         gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        # with the entropy's gradient each chunk needs softmax and logits at once: half chunks keep the
+        # peak at two (chunk / 2, V) buffers, what the plain backward's one (chunk, V) plus logsumexp hold
+        chunk = chunk if g_h is None else max(1, chunk // 2)
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
                 hc = h[i:i + chunk].to(dt)                                    # (c, H)
@@ -278,7 +282,8 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
     flat = None
     if share_prefix and prompt_len > 1 and not _checkpointing(model):
-        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature, entropy)
+        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature,
+                              entropy)
     if flat is None:
         with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy):
             flat = model(input_ids=ids, attention_mask=am, position_ids=pos,

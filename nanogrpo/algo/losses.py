@@ -111,7 +111,7 @@ def k2_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """k3 (Schulman 2020): exp(ref - logp) - (ref - logp) - 1 >= 0; the seed's and TRL's (no clamp, unlike verl)."""
+    """k3 (Schulman 2020): exp(ref - logp) - (ref - logp) - 1 >= 0; the seed's and TRL's (verl clamps it)."""
     d = ref - logp                                                     # (N, T)
     return torch.exp(d) - d - 1                                        # (N, T), >= 0
 
@@ -140,7 +140,8 @@ IMPORTANCE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 # ----------------------------------------------------------------------------- per-token objectives
-# Each: (ratio (N, T|1), logp (N, T), adv (N, 1), spec) -> (loss (N, T|1), {"low"|"high"|"dual": bool (N, T|1)})
+# Each: (ratio (N, T|1), logp (N, T), adv (N, 1), spec)
+#    -> (loss (N, T|1), clip indicators {"low" | "high" | "dual": bool (N, T|1)})
 
 
 def clip_objective(ratio, logp, a, spec: LossSpec):
@@ -237,7 +238,8 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
     """
     if isinstance(spec, str):
         p = LOSS_PRESETS[spec]
-        spec = LossSpec(objective=p.objective, importance_sampling=p.importance_sampling, reduction=p.reduction,
+        spec = LossSpec(objective=p.objective, importance_sampling=p.importance_sampling,
+                        reduction=p.reduction,
                         eps_low=p.eps_low if eps_low is None else eps_low,
                         eps_high=p.eps_high if eps_high is None else eps_high, beta=beta or 0.0)
     m = mask.bool()                                                    # (N, T)
@@ -258,17 +260,19 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
     if behaviour is not None:
         beh = behaviour.to(logp.dtype)                                 # (N, T)
         with torch.no_grad():
-            corr = CORRECTIONS[spec.correction](old.detach(), beh, mf, spec.correction_min, spec.correction_max)
+            corr = CORRECTIONS[spec.correction](old.detach(), beh, mf, spec.correction_min,
+                                                spec.correction_max)
             stats.update(correction_stats(old.detach(), beh, m, corr))
         if corr[0] is not None:
             loss_t = loss_t * corr[0]                                  # (N, T|1) weight, no gradient
     if (spec.beta if beta is None else beta) > 0:
         if ref is None:
             raise ValueError("beta > 0 needs reference log-probs")
-        kl = KL_ESTIMATORS[spec.kl_estimator](logp, torch.where(m, ref.to(logp.dtype), logp.detach()))  # (N, T)
+        ref = torch.where(m, ref.to(logp.dtype), logp.detach())         # (N, T) 0 KL off the mask
+        kl = KL_ESTIMATORS[spec.kl_estimator](logp, ref)               # (N, T)
         stats["kl_sum"] = (kl.detach() * mf).sum()
         if spec.kl_is_weighted:
-            kl = kl * ratio                                            # (N, T) DeepSeek-V3.2, TRL bias correction
+            kl = kl * ratio                                            # (N, T) DeepSeek-V3.2
         loss_t = loss_t + spec.beta * kl                               # (N, T)
     loss = REDUCTIONS[spec.reduction](loss_t.expand_as(mf), mf, tot)   # ()
     if entropy is not None:
@@ -284,15 +288,17 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
 
 
 STAT_OPS: dict[str, str] = {
-    "ratio_count": "sum", "clip_low_sum": "sum", "clip_high_sum": "sum", "clip_dual_sum": "sum", "ratio_sum": "sum",
-    "ratio_min": "min", "ratio_max": "max", "kl_sum": "sum", "entropy_sum": "sum", "entropy_masked_sum": "sum",
+    "ratio_count": "sum", "clip_low_sum": "sum", "clip_high_sum": "sum", "clip_dual_sum": "sum",
+    "ratio_sum": "sum", "ratio_min": "min", "ratio_max": "max", "kl_sum": "sum", "entropy_sum": "sum",
+    "entropy_masked_sum": "sum",
     "off_policy_masked_seqs": "sum", "is_tokens": "sum", "is_seqs": "sum", "is_weight_sum": "sum",
     "is_weight_min": "min", "is_weight_max": "max", "is_corrected": "sum", "is_kl_sum": "sum",
 }
 """How each stat of :func:`policy_loss` combines over micro-batches and ranks."""
 
 
-def _ratio_stats(r: torch.Tensor, clipped: dict[str, torch.Tensor], m: torch.Tensor) -> dict[str, torch.Tensor]:
+def _ratio_stats(r: torch.Tensor, clipped: dict[str, torch.Tensor],
+                 m: torch.Tensor) -> dict[str, torch.Tensor]:
     """Counts of the clip indicators, and the ratio's sum, min and max, over the trained tokens (a token-level
     ratio) or the sequences with a trained token (a sequence-level one, as TRL counts GSPO's)."""
     unit = m if r.shape[1] == m.shape[1] else m.any(1, keepdim=True)  # (N, T) or (N, 1)

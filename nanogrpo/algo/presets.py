@@ -6,13 +6,13 @@ estimator. An explicit key in the config overrides the preset's value.
 This module imports nothing heavy: :mod:`nanogrpo.config` reads it before torch is loaded.
 
     name     objective  ratio     reduction            clip (low, high)  advantage   paper
-    grpo     clip       token     seq-mean-token-mean  0.2, 0.2          group       DeepSeekMath (Shao et al. 2024)
-    dapo     clip       token     token-mean           0.2, 0.28         group       DAPO (Yu et al. 2025)
-    dr_grpo  clip       token     constant             0.2, 0.2          group_mean  Dr. GRPO (Liu et al. 2025)
-    bnpo     clip       token     token-mean           0.2, 0.2          group       BNPO (Xiao et al. 2025)
-    gspo     clip       sequence  seq-mean-token-mean  3e-4, 4e-4        group       GSPO (Zheng et al. 2025)
-    cispo    cispo      token     token-mean           -, 5.0 (ε_max)    group       MiniMax-M1 (2025); ScaleRL's ε_max
-    sapo     sapo       token     seq-mean-token-mean  - (soft gate)     group       SAPO (Gao et al. 2025)
+    grpo     clip       token     seq-mean-token-mean  0.2, 0.2          group       DeepSeekMath, Shao 2024
+    dapo     clip       token     token-mean           0.2, 0.28         group       DAPO, Yu 2025
+    dr_grpo  clip       token     constant             0.2, 0.2          group_mean  Dr. GRPO, Liu 2025
+    bnpo     clip       token     token-mean           0.2, 0.2          group       BNPO, Xiao 2025
+    gspo     clip       sequence  seq-mean-token-mean  3e-4, 4e-4        group       GSPO, Zheng 2025
+    cispo    cispo      token     token-mean           -, 5.0 (ε_max)    group       MiniMax-M1 2025, ScaleRL
+    sapo     sapo       token     seq-mean-token-mean  - (soft gate)     group       SAPO, Gao 2025
 """
 
 from __future__ import annotations

@@ -179,6 +179,6 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
                          rewards=r[rows_kept], advantages=adv[rows_kept], group_ids=group_ids,
                          old_logprobs=lp, prompt_len=p, group_size=g, policy_version=policy_version,
-                         truncated=torch.tensor([gen.finish_reasons[i] == "length" for i in idx], dtype=torch.bool),
+                         truncated=torch.tensor([gen.finish_reasons[i] == "length" for i in idx]),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats

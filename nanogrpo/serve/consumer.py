@@ -279,7 +279,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
                                     on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                    logprob_temperature=cfg.rollout.logprob_temperature(), rollout=cfg.rollout,
+                                    logprob_temperature=cfg.rollout.logprob_temperature(),
+                                    rollout=cfg.rollout,
                                     old_logprobs=anchor, entropy_coef=control.applied())
                 control.update(res.bonus_entropy)
                 anchor = res.logprobs if anchor is None else anchor
@@ -295,7 +296,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             roll = batch.meta.get("rollout") if isinstance(batch.meta.get("rollout"), dict) else {}
             row: dict[str, Any] = {
                 **{k: v for k, v in roll.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                "step": step, **upd, "lr": backend.optimizer.lr, "skipped_nonfinite": skipped, "policy_version": version,
+                "step": step, **upd, "lr": backend.optimizer.lr, "skipped_nonfinite": skipped,
+                "policy_version": version,
                 "wait_time_s": wait_s, "train_time_s": train_s,
             }
             mine = {"id": entry["id"], "worker": str(batch.meta.get("worker", "?")), "lag": lag,

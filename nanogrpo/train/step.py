@@ -43,7 +43,7 @@ import torch
 
 from nanogrpo.algo.corrections import anchor
 from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
-from nanogrpo.algo.logprobs import token_logprobs, token_stats
+from nanogrpo.algo.logprobs import _acc_dtype, token_logprobs, token_stats
 from nanogrpo.algo.losses import STAT_OPS, BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import GrpoConfig, RolloutConfig, TrainConfig
@@ -151,28 +151,30 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = N
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
                    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N, C) float32 of the trained tokens (0 elsewhere), and with ``entropy`` the policy's
-    entropies there, without gradients, over the micro-batches the update packs (length-sorted rows,
-    all-padding columns dropped), so long-tailed completion lengths (multi-turn trajectories) cost
-    little padding and tool output no log-prob; of ``logits / temperature`` (the run's convention).
+    """Log-probs (N, C) float32 (float64 for a float64 model) of the trained tokens (0 elsewhere), and with
+    ``entropy`` the policy's entropies there, without gradients, over the micro-batches the update packs
+    (length-sorted rows, all-padding columns dropped), so long-tailed completion lengths (multi-turn
+    trajectories) cost little padding and tool output no log-prob; of ``logits / temperature`` (the run's
+    convention).
     The reference forward, the top-ρ entropy threshold, and the trainer's log-probs before an update."""
     mask = batch.trained_mask if mask is None else mask
-    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.input_ids.device)  # (N, C)
+    dt = _acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
+    out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)    # (N, C)
     ent = torch.zeros_like(out) if entropy else None                                           # (N, C)
     for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
         ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
         lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
                             temperature=temperature, entropy="value" if entropy else "none")  # (n, c)
-        out[rows, :lp.shape[1]] = lp.float()
+        out[rows, :lp.shape[1]] = lp.to(dt)
         if entropy:
-            ent[rows, :h.shape[1]] = h.float()
+            ent[rows, :h.shape[1]] = h.to(dt)
     return out, ent
 
 
 def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
                        share_prefix: bool, temperature: float = 1.0) -> torch.Tensor:
     """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere): :func:`batch_logprobs`."""
-    return batch_logprobs(ref, batch, train, share_prefix, temperature)[0]
+    return batch_logprobs(ref, batch, train, share_prefix, temperature)[0].float()
 
 
 def entropy_threshold_pass(model, batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
@@ -202,7 +204,8 @@ def _autocast(model, enabled: bool):
 def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None, grpo: GrpoConfig,
                   train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None,
                   logprob_temperature: float = 1.0, rollout: RolloutConfig | None = None,
-                  old_logprobs: torch.Tensor | None = None, entropy_coef: float | None = None) -> UpdateResult:
+                  old_logprobs: torch.Tensor | None = None,
+                  entropy_coef: float | None = None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
     ``backend`` (a :class:`nanogrpo.train.distributed.Backend`) owns the wrapped model, the
@@ -239,7 +242,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens,
                          entropy_tokens=n_ent)
     ent_mode = "grad" if coef != 0.0 else "value"
-    kept = None if batch is None else torch.zeros(batch.completion_mask.shape, dtype=torch.float32,
+    acc_dt = _acc_dtype(next(iter(be.module.parameters())).dtype)
+    kept = None if batch is None else torch.zeros(batch.completion_mask.shape, dtype=acc_dt,
                                                   device=batch.input_ids.device)  # (N, C)
     be.zero_grad()
     loss_sum, bad = 0.0, 0.0
@@ -258,7 +262,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                                           behaviour=beh, entropy=ent,
                                           entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
                                           entropy_coef=coef)
-                kept[rows, :logp.shape[1]] = logp.detach().float()
+                kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
                 _accumulate(acc, stats)
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
                 loss = _zero_loss(fwd, be.device, train.logprob_chunk)
@@ -282,8 +286,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     if not math.isfinite(grad_norm):
         return UpdateResult(tot["loss"], float("nan"), float("nan"), grad_norm, True, metrics, kept, bonus)
     clip = metrics["clip_frac_low"] + metrics["clip_frac_high"]
-    return UpdateResult(tot["loss"], tot["kl_sum"] / max(totals.num_tokens, 1), clip, grad_norm, False, metrics,
-                        kept, bonus)
+    kl = tot["kl_sum"] / max(totals.num_tokens, 1)
+    return UpdateResult(tot["loss"], kl, clip, grad_norm, False, metrics, kept, bonus)
 
 
 _IDENTITY = {"sum": 0.0, "min": math.inf, "max": -math.inf}

@@ -289,7 +289,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         torch.cuda.synchronize()
     t_end = time.perf_counter()
     step_time = t_end - t0
-    upd = step_metrics(results) if results else dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
+    upd = step_metrics(results) if results else \
+        dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
     row: dict[str, Any] = {"step": step, "loss": upd.pop("loss"), **rstats.metrics(), "kl": upd.pop("kl"),
                            "clip_frac": upd.pop("clip_frac"), "grad_norm": upd.pop("grad_norm"), **upd,
                            "lr": optimizer.lr, "skipped_nonfinite": skipped,
