@@ -208,9 +208,20 @@ class ToolsConfig(_Strict):
     preload: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
     """Modules the sandbox imports once, before forking the calls (a call imports others itself,
     which fails where the sandbox cannot read them: add e.g. ``numpy``, ``sympy``)."""
+    sample_fields: list[str] = Field(default_factory=list)
+    """Fields of the prompt's dataset row a custom tool receives as its ``sample`` (default none:
+    the reference answer never enters the sandbox). The built-in ``python`` tool receives none. A
+    tool that runs the model's code in its own process hands that code all it was given."""
     require_isolation: bool = False
-    """Refuse to start unless the kernel isolates the network (namespace) and the filesystem
-    (Landlock); otherwise those rest on the audit hook (see ``nanogrpo.tools.sandbox``)."""
+    """Refuse to start unless the kernel gives the calls their own network and PID namespaces,
+    Landlock and the seccomp filter (see ``nanogrpo.tools.sandbox`` for what each layer holds)."""
+
+    @model_validator(mode="after")
+    def _fields_for_custom_tools(self) -> ToolsConfig:
+        if self.sample_fields and self.function.strip() == "python":
+            raise ValueError("tools.sample_fields is for a custom tool: the built-in python tool runs the "
+                             "model's code, which would read them (e.g. the answer); leave it empty")
+        return self
 
 
 class TrainConfig(_Strict):
