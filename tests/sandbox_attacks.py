@@ -2,7 +2,7 @@
 
 Run by ``tests/test_sandbox_attacks.py`` as the user it tests (an unprivileged uid, or root). It
 holds what a trainer holds (a dataset file with the answers, a secret in its environment and in
-its memory, an abstract unix socket), starts a sibling process of its own uid (a stand-in for a
+its memory, an abstract and a named unix socket), starts a sibling process of its own uid (a stand-in for a
 DDP rank or the reward pool: it writes a heartbeat), and runs the model-written probes below
 through :class:`~nanogrpo.tools.registry.ToolRunner` with the built-in ``python`` tool and the
 sandbox layers named in ``LAYERS`` (comma-separated, or ``-``) left off. After every call it
@@ -90,7 +90,7 @@ LEAKS = {
     "frames": "import sys" + SCAN + "frame_chain(sys._getframe())\nprint(sorted(found))",
     "traceback": SCAN + "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    tb = e.__traceback__\n"
                  "    frame_chain(tb.tb_frame)\nprint(sorted(found))",
-    "inspect": "import inspect" + SCAN + "for fi in inspect.stack():\n    frame_chain(fi.frame)\n"
+    "inspect": "import inspect" + SCAN + "for fi in inspect.stack(0):\n    frame_chain(fi.frame)\n"
                "print(sorted(found))",
     "gc": "import gc, sys" + SCAN + "for o in gc.get_objects():\n    walk(o, 3)\n"
           "for m in list(sys.modules.values()):\n    walk(vars(m), 2)\nprint(sorted(found))",
@@ -173,6 +173,8 @@ def attacks(t: dict) -> dict[str, tuple[str, tuple[str, ...]]]:
         "write_trainer_dir": (f"open({t['outside'][2]!r}, 'w').write('x')", hidden),
         "abstract_socket": ("import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
                             f"s.connect({t['abstract']!r})\ns.sendall(b'pwned')", hidden),
+        "unix_socket": ("import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+                        f"s.connect({t['named']!r})\ns.sendall(b'pwned')", hidden),
         "escape_and_linger": ("sys_call(NR['prctl'], 1, 0, 0, 0, 0)\ntry:\n    os.setsid()\nexcept OSError:\n"
                               "    pass\nimport time\ntime.sleep(60)", ("denied", "timeout")),
     }
@@ -221,13 +223,18 @@ def main(argv: list[str]) -> int:
     listener.bind(abstract)
     listener.listen()
     listener.setblocking(False)
+    named = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)    # e.g. a D-Bus or docker socket
+    named.bind(str(home / "trainer.sock"))
+    os.chmod(home / "trainer.sock", 0o777)
+    named.listen()
+    named.setblocking(False)
     tag = f"nanogrpo-attack-{os.getpid()}"
     outside = [f"/tmp/{tag}", f"/dev/shm/{tag}", str(home / "pwned")]
     here = str(Path(__file__).parent)
     sibling = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r})\n"
                                 "from sandbox_attacks import _spin\n_spin()"], stdout=subprocess.PIPE)
     os.set_blocking(sibling.stdout.fileno(), False)
-    cfg = ToolsConfig(enabled=True, timeout_s=1.5, workers=4, memory_mb=256,
+    cfg = ToolsConfig(enabled=True, timeout_s=3, workers=4, memory_mb=256,
                       preload=["math", "inspect", "gc"])
     runner = ToolRunner(cfg, disable=disable)
     report: dict = {"uid": os.getuid(), "disable": list(disable), "probes": {}}
@@ -244,7 +251,8 @@ def main(argv: list[str]) -> int:
         targets = {"trainer": os.getpid(), "sibling": sibling.pid, "server": server, "pgid": os.getpgid(0),
                    "uid": os.getuid(), "secret_addr": ctypes.addressof(secret),
                    "canary_addr": ctypes.addressof(canary), "dataset": str(dataset), "outside": outside,
-                   "abstract": abstract, "max_pid": max(os.getpid(), sibling.pid, server) + 200}
+                   "abstract": abstract, "named": str(home / "trainer.sock"),
+                   "max_pid": max(os.getpid(), sibling.pid, server) + 200}
 
         def check() -> list[str]:
             bad = []
@@ -271,12 +279,13 @@ def main(argv: list[str]) -> int:
             if not beat:
                 bad.append("sibling heartbeat stopped")
             bad += [f"wrote {p}" for p in outside if os.path.exists(p)]
-            try:
-                conn, _ = listener.accept()
-                bad.append(f"abstract socket reached: {conn.recv(100)!r}")
-                conn.close()
-            except BlockingIOError:
-                pass
+            for kind, sock in (("abstract", listener), ("named", named)):
+                try:
+                    conn, _ = sock.accept()
+                    bad.append(f"{kind} socket reached")
+                    conn.close()
+                except BlockingIOError:
+                    pass
             if canary.raw[:16] != b"canary-canary-ca":
                 bad.append("trainer memory written")
             [res] = runner.run([Call("print(6 * 7)")], [{"question": "q", "answer": "SEKRIT999"}])
@@ -303,11 +312,15 @@ def main(argv: list[str]) -> int:
             report["probes"][name] = {"status": res.status, "output": res.output[-600:],
                                       "ok_statuses": list(ok),
                                       "broken": broken, "s": round(time.monotonic() - t0, 2)}
-        # calls of one wave against each other: a victim that runs 0.8 s beside attackers
-        victim = Call("import time\ntime.sleep(0.8)\nprint('victim ok')")
+        # calls of one wave against each other: a victim that runs 0.8 s and writes a file beside
+        # attackers that signal every pid and fill their disk
+        victim = Call("import time\ntime.sleep(0.8)\nopen('v', 'wb').write(b'v' * 100000)\n"
+                      "print('victim ok')")
         hit = Call(f"import os, signal\nfor p in range(1, {targets['max_pid']}):\n"
                    "    if p != os.getpid():\n        try:\n            os.kill(p, signal.SIGKILL)\n"
-                   "        except OSError:\n            pass\nprint('done')")
+                   "        except OSError:\n            pass\ntry:\n    for i in range(40):\n"
+                   "        open(f'fill{i}', 'wb').write(b'x' * (1 << 20))\nexcept OSError:\n    pass\n"
+                   "print('done')")
         results = runner.run([victim, hit, hit, hit], rows[:4])
         broken = check() + ([] if results[0].output == "victim ok" else [f"victim: {results[0]}"])
         report["probes"]["siblings_in_wave"] = {"status": results[1].status, "output": results[1].output,

@@ -97,6 +97,10 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: s
     _ok(libc().mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
+def mount_tmpfs(target: str, size_mb: int, options: str = "") -> None:
+    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={size_mb}m{options}")
+
+
 def _remount_read_only(target: str) -> None:
     """Read-only bind remount keeping the flags the kernel locks (nosuid, nodev, noexec)."""
     st = os.statvfs(target)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nanogrpo.errors import ToolError
 from nanogrpo.tools.protocols import Call, make_protocol
-from nanogrpo.tools.sandbox import Sandbox, ToolResult
+from nanogrpo.tools.sandbox import Sandbox, ToolResult, describe
 
 log = logging.getLogger("nanogrpo.tools")
 
@@ -83,8 +83,10 @@ class ToolRunner:
         prot = self.sandbox.start()
         if not self._announced:
             self._announced = True
-            log.info("tool %s (%s protocol) in the sandbox: %s", self.spec, self.protocol.name,
-                     ", ".join(f"{k}={v}" for k, v in prot.items()))
+            text, missing = describe(prot)
+            log.log(logging.WARNING if missing else logging.INFO, "tool %s (%s protocol) in the sandbox, "
+                    "%s%s", self.spec, self.protocol.name, text,
+                    " (see nanogrpo/tools/sandbox.py: what holds without them)" if missing else "")
         return self
 
     def close(self) -> None:

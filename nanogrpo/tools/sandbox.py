@@ -1,58 +1,80 @@
 """A sandbox for tool calls written by the model: every call in a fresh, locked-down process.
 
-:class:`Sandbox` starts one *fork server* (``python -I nanogrpo/tools/_zygote.py``, standard
-library only) with an environment of five fixed variables (none of the trainer's), in its own
-session, in a private directory. The server imports the tool function (and ``preload`` modules)
-once, then forks a child per call, at most ``workers`` at a time; the child locks itself down,
-runs ``tool(call, sample)``, sends back what it printed and returned (up to ``output_bytes``) and
-exits. A tool that raises, hangs, crashes, floods its output or breaks a limit gives the model an
-error text and a status (``error``, ``timeout``, ``crash``, ``overflow``) that the caller counts;
-the server and the run carry on. A server that dies or stops answering is killed and restarted;
-its calls get ``crash``.
+The code a policy writes is adversarial by construction: whatever raises the reward gets
+reinforced, reading the reference answer or slowing the run down included. :class:`Sandbox`
+starts one *fork server* (``python -I nanogrpo/tools/_zygote.py``, standard library only) with an
+environment of five fixed variables (none of the trainer's), in its own session and private
+directory. The server imports the tool function (and ``preload`` modules) once; for each call
+the trainer writes the call (and the sample fields the tool may see) into a memfd and hands it,
+with the write end of a result pipe, to the server, which forks the call's process at once and
+gives it the two descriptors (at most ``workers`` calls at a time). The call's process locks
+itself down, runs ``tool(call, sample)``, writes back what it printed and returned (up to
+``output_bytes``) and exits. A tool that raises, is refused, hangs, crashes, floods its output
+or breaks a limit gives the model an error text and a status (``error``, ``denied``,
+``timeout``, ``crash``, ``overflow``) that the caller counts; the server and the run carry on.
+A server that dies or stops answering is killed and restarted; its calls get ``crash``.
 
 What is guaranteed (Linux), whatever the code does:
 
-- **a fresh process per call**, forked from the server (never from the trainer), with its own
-  session and process group, killed as a group (SIGKILL) at ``timeout_s`` of wall-clock time;
-  ``RLIMIT_CPU`` stops it after about as much CPU time;
+- **a call holds nothing but its own call**: its code and sample never pass through the server
+  (a call's process is a copy of the server's memory), so no call can find another call's code,
+  sample or output in its frames, its tracebacks, ``gc`` or its raw memory; the built-in
+  ``python`` tool receives no sample at all, a custom tool the ``tools.sample_fields`` it
+  declares (:class:`~nanogrpo.tools.registry.ToolRunner`), and the harness's frames hold only
+  those, the limits and paths;
+- **a fresh process per call**, forked from the server (never from the trainer), killed
+  (SIGKILL) at ``timeout_s`` of wall-clock time; ``RLIMIT_CPU`` stops it after about as much
+  CPU time; not dumpable (no process of its uid may trace it or read its memory or ``/proc``);
 - **limits** (rlimits, set before the code runs): address space ``memory_mb``, file size
   ``file_mb``, 64 open files, no core dumps, and ``RLIMIT_NPROC = 0``: no new process or
   thread (a fork bomb stops at the first fork). Linux exempts root from ``RLIMIT_NPROC``, hence:
-- **privileges dropped**: when the trainer runs as root, each child switches to uid/gid 65534
-  (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``;
+- **privileges dropped**: when the trainer runs as root, each call's process switches to
+  uid/gid 65534 (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``; in a
+  user namespace (not root) it gives up the capabilities the namespace granted;
 - **no environment**: ``os.environ`` holds only ``PATH``, ``LANG``, ``OMP_NUM_THREADS``,
-  ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``; ``python -I`` ignores ``PYTHON*`` variables
-  and the user site directory;
-- **a throwaway working directory**, removed after the call; stdin, stdout and stderr are
-  ``/dev/null`` (output goes through a capped in-process buffer, ``output_bytes``);
+  ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` (and ``HOME``/``TMPDIR``: its directory);
+  ``python -I`` ignores ``PYTHON*`` variables and the user site directory; no descriptor but
+  its result pipe; stdin, stdout and stderr are ``/dev/null``;
+- **a throwaway working directory**, removed after the call;
 - **the output is capped**: past ``output_bytes`` the tool is stopped and the model gets the first
-  ``output_bytes`` and a note; the server also kills a child that writes more than it should.
+  ``output_bytes`` and a note; the trainer also kills a call that writes more than it should.
 
-Where the kernel allows it (reported by :attr:`Sandbox.protections`; ``require_isolation``
-refuses to start without the first two):
+Where the kernel allows it (reported by :attr:`Sandbox.protections` and the run's start-up line;
+``require_isolation`` refuses to start without any of :data:`ISOLATION`); each is off where the
+kernel refuses it, and each can be turned off (``disable``, tests only):
 
-- **no network**: the server moves into a new network namespace (``unshare(CLONE_NEWNET)``;
-  as non-root with a user namespace) before forking anything: no interface but a loopback
-  that is down, so no packet leaves, TCP or UDP, not even to the host's localhost;
-- **no files but its own** (Landlock, Linux >= 5.13): read-only access to the Python
-  installation (prefixes, stdlib, site-packages) and system library directories, read-write
-  access to its working directory, nothing else: not the trainer's files, not ``/proc`` (so
-  not another process's environment), not the home directory. Landlock ABI >= 4 also denies TCP
-  bind/connect, ABI >= 6 signals and abstract unix sockets to processes outside the sandbox.
+- ``network_namespace``: the server moves into a new network namespace (as non-root inside a
+  user namespace that maps only its own uid) before forking anything: no interface but a
+  loopback that is down, no abstract unix socket of the host;
+- ``pid_namespace``: each call is pid 1 of a PID namespace of its own: it sees, signals,
+  renices, pins, traces no other process (``setpriority(PRIO_USER)`` reaches only itself);
+- ``private_root`` (a mount namespace): the server pivots into an empty read-only tmpfs holding
+  read-only binds of the Python installation and the system libraries, and each call gets a
+  tmpfs of ``4 * file_mb + 4`` MB as its directory: no trainer file, no ``/proc``, ``/sys``,
+  ``/tmp``, ``/dev/shm``, home or host socket exists for it, and no call fills another's disk;
+- ``landlock`` (Linux >= 5.13, its ABI version): read-only access to the same directories,
+  read-write to its own, nothing else; ABI >= 4 also denies TCP bind/connect, ABI >= 6 signals
+  and abstract unix sockets to processes outside its domain;
+- ``seccomp`` (:mod:`nanogrpo.tools._seccomp`, our own short BPF filter, x86_64 and aarch64):
+  no signal, ``pidfd``, ``prlimit`` but to itself; no ``ptrace``, ``process_vm_readv``/
+  ``writev``, ``setpriority``, ``sched_setaffinity``/``setscheduler``, ``ioprio_set``,
+  ``perf_event_open``, ``bpf``, ``userfaultfd``, keyrings, ``io_uring``, mounts, ``unshare``/
+  ``setns``, ``execve``, ``socket``; another architecture's calls kill it. It carries the
+  process rules alone where the namespaces are missing (no user namespaces for non-root: the
+  default on Ubuntu 23.10+) and Landlock cannot scope signals (before 6.12: Ubuntu 22.04 and
+  24.04, RHEL 9).
 
 Defence in depth, never a boundary: an audit hook (PEP 578) in the child refuses sockets, new
-processes, signals, ``ctypes`` calls and file access outside those directories, which covers
-plain Python code where the kernel features are missing; code that reaches C (``ctypes``
-before the hook, a C extension) can get around it.
+processes, signals, ``ctypes`` calls and file access outside those directories; frames,
+``gc`` and C code get around it.
 
-Not guaranteed: isolation from kernel exploits; a disk-space quota (``file_mb`` bounds each
-file, ``timeout_s`` the time to write them, and the directory is deleted after); CPU or memory
-shares between concurrent children beyond their own rlimits. Without a network namespace
-(unprivileged and no user namespaces) UDP is blocked only by the audit hook; without Landlock
-files only by the audit hook (and by dropping to ``nobody`` when root). Modules that are not
-preloaded are imported by the child itself: as ``nobody`` it can read only world-readable
-installations (list what the tool's code imports in ``preload``). Needs Linux (or another
-POSIX system, with fewer layers); not Windows.
+Not guaranteed: isolation from kernel exploits or side channels; CPU or memory shares between
+concurrent calls beyond their own rlimits. Without both Landlock and the private root, files
+are kept out only by dropping to ``nobody`` (root) and the audit hook; without both the
+namespaces and seccomp, other processes of the uid are reachable. Modules that are not
+preloaded are imported by the call itself from the read-only directories (as ``nobody``
+without the private root, only world-readable installations: list what the tool's code imports
+in ``preload``). Needs Linux (or another POSIX system, with fewer layers); not Windows.
 """
 
 from __future__ import annotations
@@ -179,7 +201,8 @@ class Sandbox:
         self._proc, self._sock = proc, mine
         self._finalizer = weakref.finalize(self, _stop, proc, mine, root)
         init = {"sys_path": [p for p in sys.path if p], "tool": self.tool, "preload": self.preload,
-                "limits": self.limits, "root": root, "disable": list(self.disable), "parent_pid": os.getpid()}
+                "limits": self.limits, "root": root, "workers": self.workers, "disable": list(self.disable),
+                "parent_pid": os.getpid()}
         try:
             self._send(init)
             answer, _ = self._recv(time.monotonic() + 120)
@@ -326,6 +349,25 @@ def _result(c: _Call) -> ToolResult:
     else:
         why = f"it exited with code {code} before finishing"
     return ToolResult("crash", f"the tool process stopped: {why}")
+
+
+def describe(prot: dict[str, Any]) -> tuple[str, bool]:
+    """The start-up line's account of :attr:`Sandbox.protections`, and whether a kernel layer is off."""
+    on, off = [], []
+    for key, name in (("network_namespace", "network namespace"), ("pid_namespace", "PID namespace"),
+                      ("private_root", "private root"), ("seccomp", "seccomp")):
+        (on if prot.get(key) else off).append(name)
+    abi = int(prot.get("landlock") or 0)
+    if abi:
+        on.append(f"Landlock ABI {abi}" + ("" if abi >= 6 else " (signals not scoped)"))
+    else:
+        off.append("Landlock")
+    on += [name for key, name in (("drop_privileges", "nobody"), ("audit_hook", "audit hook"),
+                                  ("rlimits", "rlimits")) if prot.get(key)]
+    text = "on: " + ", ".join(on) + (f"; OFF: {', '.join(off)}" if off else "")
+    if prot.get("private_root_error"):
+        text += f" ({prot['private_root_error']})"
+    return text, bool(off)
 
 
 def _jsonable(sample: dict) -> dict:
