@@ -140,7 +140,9 @@ class GrpoConfig(_Strict):
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``, ``format_strict``) or ``module:function``."""
+    """Built-in names (``correctness``, ``format``, ``format_strict``), ``module:function`` or
+    ``path/to/file.py:function`` (per-completion or batched, ``nanogrpo.rewards.batching``). (Python's
+    API also takes callables: ``nanogrpo.rewards.entries``.)"""
     weights: list[float] | None = None
     """One weight per function; None means all 1.0."""
     timeout_s: float = Field(5.0, gt=0)
@@ -148,6 +150,12 @@ class RewardsConfig(_Strict):
     penalty: float = -1.0
     workers: int = Field(1, ge=0)
     """Reward worker processes (isolate hangs and crashes); 0 runs rewards in-process."""
+    chunk_size: int = Field(0, ge=0)
+    """Rows per call of a batched reward that names no ``chunk_size`` of its own; 0: the whole rollout
+    batch in one call. Chunks of one batch run in parallel over the workers."""
+    batch_timeout_s: float = Field(60.0, gt=0)
+    """A batched reward's call (one chunk) taking longer than this is abandoned and its rows scored
+    ``penalty`` (a function may name its own: ``@batched(timeout_s=...)``)."""
     truncated_correct: bool = True
     """Whether the built-in ``correctness`` credits a completion the token limit cut off
     (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
