@@ -8,10 +8,10 @@ off), which replaces a dataset column of that name.
 Importing this package has no side effects; math_verify loads on first use.
 """
 
-from nanogrpo.rewards.builtin import correctness, format_reward, format_strict
+from nanogrpo.rewards.builtin import correctness, format_boxed, format_reward, format_strict
 from nanogrpo.rewards.extract import Answer, extract_answer, read_answer
 from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "resolve", "RewardRunner", "RewardResult"]
+           "format_boxed", "resolve", "RewardRunner", "RewardResult"]
