@@ -32,7 +32,8 @@ def _train_parser(sub) -> None:
                                    "flags and key=value overrides apply on top.")
     p.add_argument("--config", help="TOML/YAML config file, or the name of a shipped preset (demo)")
     p.add_argument("--model", help="local HF model directory or hub id (model.path)")
-    p.add_argument("--data", help="dataset file, preset (gsm8k, arithmetic) or hf:NAME (data.source)")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, arithmetic, ...) or hf:NAME "
+                                  "(data.source)")
     p.add_argument("--out", help="run directory (train.out)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, help="random seed (train.seed)")
@@ -45,11 +46,14 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="greedy pass@1, or pass@k/maj@k, of a checkpoint", description=(
         "Greedy pass@1 with the training rewards, or with --k K sampled pass@K and maj@K (temperature: "
         "eval.temperature, else rollout.temperature). Prints one JSON object (accuracy, format_rate, n, "
-        "pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the run the "
-        "checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task)."))
+        "pass@1, pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the "
+        "run the checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task); "
+        "with a dataset preset (--data math500) and a model of your own, from the defaults (key=value "
+        "overrides on top, e.g. data.prompt_template=r1_boxed rollout.max_new_tokens=4096)."))
     p.add_argument("--model", required=True, help="checkpoint directory (HF format) or hub id")
     p.add_argument("--config", help="config file or preset name")
-    p.add_argument("--data", help="dataset file, preset or hf:NAME")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, math500, aime24, ...) or hf:NAME "
+                                  "(default: data.eval_source, else data.source)")
     p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
     p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
     p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")
@@ -110,23 +114,28 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    from nanogrpo.data.sources import PRESETS
     from nanogrpo.evaluate import run_eval
     from nanogrpo.models.load import load_policy
 
     overrides = list(a.overrides) + [f"model.path={json.dumps(a.model)}"]
-    if a.data:
-        overrides.append(f"data.source={json.dumps(a.data)}")
+    if a.data:  # what to evaluate on: the held-out problems of this source
+        overrides += [f"data.source={json.dumps(a.data)}", f"data.eval_source={json.dumps(a.data)}"]
     run_cfg = _run_config_of(Path(a.model))
     if a.config is None and run_cfg is not None:
         from nanogrpo.config import load_config
 
         cfg = load_config(run_cfg, overrides)
+    elif a.config is None and a.data in PRESETS and a.model != "embedded":
+        from nanogrpo.config import load_config
+
+        cfg = load_config(None, overrides)  # your model, your data: the demo's lengths do not fit
     else:
         cfg = _base_config(a.config, overrides)
-    from nanogrpo.data import load_rows
+    from nanogrpo.data import load_eval_rows
 
     split = a.split or cfg.data.eval_split
-    load_rows(cfg.data, split)  # fail on bad data before loading weights
+    load_eval_rows(cfg.data, split)  # fail on bad data before loading weights
     model, tok, _ = load_policy(cfg.model)
     if a.k is not None and a.k < 1:
         raise ConfigError(f"--k must be at least 1, got {a.k}")

@@ -26,8 +26,8 @@ from typing import Any
 from nanogrpo.rewards.grade import answer_equals, grade
 from nanogrpo.rewards.latex import braced_end
 
-__all__ = ["BUILTIN", "correctness", "format_reward", "format_strict", "format_boxed", "answers_match",
-           "well_formed", "boxed_well_formed", "warm_up"]
+__all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "format_reward", "format_strict",
+           "format_boxed", "answers_match", "well_formed", "boxed_well_formed", "warm_up"]
 
 
 def warm_up() -> None:
@@ -121,3 +121,12 @@ def format_boxed(completion: str, sample: dict[str, Any]) -> float:
 
 BUILTIN = {"correctness": correctness, "format": format_reward, "format_strict": format_strict,
            "format_boxed": format_boxed}
+FORMATS = ("format_boxed", "format_strict", "format")
+"""The built-in format rewards, the one a run's format rate is measured by first."""
+
+
+def format_name(functions: list[str]) -> str:
+    """The format reward a run uses: the first of :data:`FORMATS` named in ``functions`` (``format`` when
+    none is): what its ``format_rate`` metrics count."""
+    names = {f.strip() for f in functions}
+    return next((f for f in FORMATS if f in names), "format")

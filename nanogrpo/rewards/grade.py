@@ -41,6 +41,7 @@ from nanogrpo.rewards.latex import (
     MATH_SEGMENT_RE,
     base_number,
     choice,
+    choices,
     clean,
     final_span,
     math_segments,
@@ -65,6 +66,8 @@ class Reference:
     tolerance: Fraction = Fraction(0)
     """A reference written as a long decimal (``2.666666666666667``) matches what rounds to it."""
     choice: str | None = None
+    choices: frozenset[str] | None = None
+    """Several letters to choose, in any order (``\\text{A, E}``)."""
     words: str | None = None
     base: tuple[str, int] | None = None
 
@@ -75,6 +78,9 @@ def reference(text: str) -> Reference:
     letter = choice(text)
     if letter is not None:
         return Reference(text, text, choice=letter)
+    letters = choices(text)
+    if letters is not None:
+        return Reference(text, text, choices=letters)
     latex = clean(text)
     values = plain_values(latex)
     if values is not None:
@@ -165,6 +171,8 @@ def _against(text: str, raw: str, region: str, completion: str, ref: Reference, 
     """Whether the answer ``text`` (cleaned; ``raw`` as written, read from ``region``) equals ``ref``."""
     if ref.choice is not None:
         return choice(raw) == ref.choice or choice(text) == ref.choice
+    if ref.choices is not None:
+        return choices(raw) == ref.choices or choices(text) == ref.choices
     if ref.words is not None:
         return _words_match(ref.words, raw)
     what = kind(text)

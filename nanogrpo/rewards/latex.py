@@ -28,7 +28,8 @@ from fractions import Fraction
 from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _last_announcement
 from nanogrpo.rewards.numbers import normalize, read_number
 
-__all__ = ["Span", "final_span", "clean", "plain_values", "choice", "words", "base_number", "math_segments",
+__all__ = ["Span", "final_span", "clean", "plain_values", "choice", "choices", "words", "base_number",
+           "math_segments",
            "split_top", "MATH_NAMES", "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
 
 WINDOW = 600
@@ -378,33 +379,52 @@ def _drop_variable(t: str) -> str:
 # ----------------------------------------------------------------------------- answers of other kinds
 
 _TEXT_OPEN = r"(?:\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{\s{0,2})?"
-_CHOICE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"\(\s{0,2}([A-Ea-e])\s{0,2}\)"
-                        r"|^\s*" + _TEXT_OPEN + r"([A-E])\s{0,2}\}?\s*(?:[.:)]|$)")
+_CHOICE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"\(\s{0,2}([A-Ha-h])\s{0,2}\)"
+                        r"|^\s*" + _TEXT_OPEN + r"([A-H])\s{0,2}\}?\s*(?:[.:)]|$)")
+_LETTERS_RE = re.compile(r"^\(?([A-H])\)?(?:\s{0,3}(?:,|\band\b)\s{0,3}(?:\band\b\s{0,3})?"
+                         r"\(?([A-H])\)?){1,7}$")
+
+
+def _plain_letters(text: str) -> str:
+    t = _DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).replace("*", " ")
+    t = re.sub(r"\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{", " ", t).replace("}", " ")
+    return " ".join(t.split()).rstrip(".")
 
 
 def choice(text: str) -> str | None:
     """The multiple-choice letter ``text`` gives (``(B)``, ``B``, ``\\text{(B)}``, ``\\textbf{(B)} 12``),
-    upper-cased, or None."""
+    upper-cased, or None (also for several letters: :func:`choices`)."""
     t = " ".join(_DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).replace("*", " ").split())
+    if choices(t) is not None:
+        return None
     m = _CHOICE_RE.match(t)
     if m is None:
         return None
     return (m.group(1) or m.group(2)).upper()
 
 
-_WORDS_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"([A-Za-z][A-Za-z' -]{1,40}?)"
-                       r"\s{0,2}\}?\s*\.?\s*$")
+def choices(text: str) -> frozenset[str] | None:
+    """The letters of a several-letter choice (``\\text{A, E}``, ``(B), (D)``, ``A and C``), or None."""
+    t = _plain_letters(text)
+    if _LETTERS_RE.match(t) is None:
+        return None
+    return frozenset(re.findall(r"[A-H]", t))
+
+
+_WORD_TOKEN_RE = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]")
 
 
 def words(text: str) -> str | None:
-    """``text`` as a word answer (``\\text{odd}``, ``Devon``, ``neither``), lower-cased; None when it is
-    not words only, or a single letter (a variable)."""
+    """``text`` as a word answer (``\\text{odd}``, ``Devon``, ``neither``, ``\\text{no solution}``),
+    lower-cased; None unless it is one to four words of two letters or more (``p - q`` is no word)."""
     t = " ".join(_DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).split())
-    m = _WORDS_RE.match(t)
+    m = re.match(r"^\s*" + _TEXT_OPEN + r"([^{}\\$]{2,60}?)\s{0,2}\}?\s*\.?\s*$", t)
     if m is None:
         return None
-    w = " ".join(m.group(1).split()).lower()
-    return w if len(w.replace(" ", "")) >= 2 else None
+    tokens = m.group(1).split()
+    if not 1 <= len(tokens) <= 4 or not all(_WORD_TOKEN_RE.fullmatch(w) for w in tokens):
+        return None
+    return " ".join(tokens).lower()
 
 
 _BASE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"([0-9A-Za-z]{1,40})\s{0,2}\}?\s{0,2}"

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from nanogrpo.config import Config, load_config, save_config
-from nanogrpo.data import PromptSampler, load_rows
+from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
 from nanogrpo.rewards import RewardRunner
@@ -57,7 +57,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     try:
         tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
         rows = load_rows(cfg.data, cfg.data.split)
-        eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
+        eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         check_model_source(cfg.model)
         if cfg.rollout.engine == "vllm":
             from nanogrpo.rollout.vllm_engine import import_vllm
