@@ -23,6 +23,13 @@ def ok(completion: str, ref: str, question: str = "") -> bool:
     return correctness(completion, {"question": question, "answer": ref}) > 0
 
 
+def sampled(cases: list, every: int = 4) -> list:
+    """``cases`` with all but every ``every``-th one marked slow: the fast suite runs a sample, CI all."""
+    slow = pytest.mark.slow
+    return [c if i % every == 0 else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=slow)
+            for i, c in enumerate(cases)]
+
+
 # ----------------------------------------------------------------------------- the labelled set
 
 
@@ -54,7 +61,7 @@ def test_latex_set_agreement_beats_math_verify_alone_in_every_category() -> None
 
 @pytest.mark.parametrize("style", ["tags", "r1", "sentence"])
 def test_latex_set_agreement_per_style_sample(style: str) -> None:
-    rows = [r for r in ROWS if r["style"] == style][::6]  # a fast sample; the whole set is the slow test
+    rows = [r for r in ROWS if r["style"] == style][::25]  # a fast sample; the whole set is the slow test
     wrong = [r["id"] for r in rows if ok(r["completion"], r["reference"], r["question"]) != r["correct"]]
     assert not wrong
 
@@ -64,7 +71,7 @@ def test_latex_set_agreement_per_style_sample(style: str) -> None:
 SIN60 = "\\frac{\\sqrt{3}}{2}"
 
 
-@pytest.mark.parametrize("completion", [
+@pytest.mark.parametrize("completion", sampled([
     "<answer>\n\\frac{\\sqrt{3}}{2}\n</answer>", "<answer>\n$\\frac{\\sqrt3}{2}$\n</answer>",
     "<answer>\\(\\dfrac{\\sqrt{3}}{2}\\)</answer>", "<answer>\n\\[\n\\frac{\\sqrt{3}}{2}\n\\]\n</answer>",
     "<answer>\nThe answer is $\\frac{\\sqrt{3}}{2}$.\n</answer>",
@@ -80,12 +87,12 @@ SIN60 = "\\frac{\\sqrt{3}}{2}"
     "So the answer is $\\frac{\\sqrt{3}}{2}$", "</think>\nSo $\\sin 60^\\circ = \\frac{\\sqrt{3}}{2}$.",
     "<think>maybe $\\boxed{\\frac12}$</think>\n<answer>\\frac{\\sqrt3}{2}</answer>",
     "\\boxed{\\frac{\\sqrt{3}}{2}}\n\nHuman: and cos?\n\\boxed{\\frac12}",
-])
+]))
 def test_right_answers_as_models_write_them(completion: str) -> None:
     assert ok(completion, SIN60)
 
 
-@pytest.mark.parametrize("answer, ref", [
+@pytest.mark.parametrize("answer, ref", sampled([
     ("(2, 3)", "(2,3)"), ("\\left( 2, 3 \\right)", "(2,3)"), ("(x, y) = (2, 3)", "(2,3)"),
     ("[-1, 4)", "[-1,4)"), ("x \\in [-1, 4)", "[-1,4)"), ("\\left[-1,4\\right)", "[-1,4)"),
     ("(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)"),
@@ -119,7 +126,7 @@ def test_right_answers_as_models_write_them(completion: str) -> None:
     ("\\text{Devon}", "\\text{Devon}"), ("\\varnothing", "\\emptyset"), ("\\frac{5}{2}\\,", "\\frac{5}{2}"),
     ("\\left(\\frac{5}{2}\\right)", "\\frac{5}{2}"), ("\\mathbf{\\frac{5}{2}}", "\\frac{5}{2}"),
     ("\\dfrac{5}{2}.", "\\frac{5}{2}"), ("k = 7", "7"), ("a_n = 2n + 1", "2n+1"), ("\\infty", "\\infty"),
-])
+]))
 def test_equivalent_answers_are_accepted_in_every_style(answer: str, ref: str) -> None:
     for completion in (f"<think>\nwork\n</think>\n<answer>\n{answer}\n</answer>",
                        f"work\n</think>\n\n**Final Answer**\n\\[\n\\boxed{{{answer}}}\n\\]",
@@ -127,7 +134,7 @@ def test_equivalent_answers_are_accepted_in_every_style(answer: str, ref: str) -
         assert ok(completion, ref), completion
 
 
-@pytest.mark.parametrize("completion, ref", [
+@pytest.mark.parametrize("completion, ref", sampled([
     ("<answer>The area is $9\\pi$ square units.</answer>", "9\\pi"),
     ("<answer>$x = -2$ and $x = 5$</answer>", "-2, 5"),
     ("<answer>The solutions are $x=5$ or $x=-2$.</answer>", "-2, 5"),
@@ -147,7 +154,7 @@ def test_equivalent_answers_are_accepted_in_every_style(answer: str, ref: str) -
     ("The answer is $\\boxed{\\text{(C)}}$.", "\\text{(C)}"), ("The answer is (C).", "C"),
     ("<answer>The answer is $\\frac{1}{2}$, not $\\frac{1}{3}$.</answer>", "\\frac{1}{2}"),
     ("...\\boxed{8}? Wait.\n</think>\n\nSo there are $16$ divisors in all.", "16"),
-])
+]))
 def test_sentences_boxes_and_lists(completion: str, ref: str) -> None:
     assert ok(completion, ref)
 
@@ -155,7 +162,7 @@ def test_sentences_boxes_and_lists(completion: str, ref: str) -> None:
 # ----------------------------------------------------------------------------- wrong answers that look right
 
 
-@pytest.mark.parametrize("answer, ref", [
+@pytest.mark.parametrize("answer, ref", sampled([
     ("\\frac{4}{3}", "\\frac{3}{4}"), ("\\frac{3}{16}", "\\frac{3}{4}"), ("\\frac{1}{2}", SIN60),
     ("-\\frac{\\sqrt3}{2}", SIN60), ("\\frac{\\sqrt{2}}{2}", SIN60),
     ("0.866", SIN60), ("0.8660254", SIN60), ("0.866025403784", SIN60),
@@ -182,7 +189,7 @@ def test_sentences_boxes_and_lists(completion: str, ref: str) -> None:
     ("\\text{even}", "\\text{odd}"), ("\\text{Evan}", "\\text{Devon}"),
     ("f(x) = 3x + 1", "3x-1"), ("y = 3x + 2", "y=2x+3"),
     ("", "5"), ("\\boxed{}", "5"), ("-3", "3"), ("3", "-3"), ("28.27", "9\\pi"), ("9", "9\\pi"),
-])
+]))
 def test_wrong_answers_are_refused_in_every_style(answer: str, ref: str) -> None:
     for completion in (f"<think>\nwork\n</think>\n<answer>\n{answer}\n</answer>",
                        f"work\n</think>\n\n**Final Answer**\n\\[\n\\boxed{{{answer}}}\n\\]",
@@ -190,7 +197,7 @@ def test_wrong_answers_are_refused_in_every_style(answer: str, ref: str) -> None
         assert not ok(completion, ref), completion
 
 
-@pytest.mark.parametrize("completion, ref", [
+@pytest.mark.parametrize("completion, ref", sampled([
     ("</think>\n\nIt is either $\\boxed{1}$ or $\\boxed{7}$.", "1"),
     ("</think>\n\nSo $\\cos 120^\\circ = \\boxed{-\\frac12}$.\n\n"
      "Check: $\\cos 60^\\circ = \\boxed{\\frac12}$.",
@@ -207,7 +214,7 @@ def test_wrong_answers_are_refused_in_every_style(answer: str, ref: str) -> None
     ("<answer></answer> \\boxed{\\frac{\\sqrt3}{2}}", SIN60),
     ("<answer>\\boxed{}</answer>", SIN60),
     ("The sum is $5$ and the product is $\\boxed{6}$.", "5"),
-])
+]))
 def test_no_credit_for_drafts_hedges_negations_and_missing_answers(completion: str, ref: str) -> None:
     assert not ok(completion, ref)
 
@@ -268,7 +275,7 @@ def test_plain_numbers_never_reach_math_verify(monkeypatch, completion: str, ref
     assert ok(completion, ref)
 
 
-@pytest.mark.parametrize("ref", [SIN60, "(2,3)", "\\text{(B)}", "\\text{odd}"])
+@pytest.mark.parametrize("ref", sampled([SIN60, "(2,3)", "\\text{(B)}", "\\text{odd}"]))
 def test_adversarial_completions_take_bounded_time_against_latex_references(ref: str) -> None:
     ok("<answer>0</answer>", ref)  # the reference is parsed once per group, before the completions
     worst = ("", 0.0)
