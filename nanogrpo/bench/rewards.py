@@ -223,14 +223,45 @@ def pathological_times(repeats: int = 3, ref: str = "5") -> list[tuple[str, floa
     return out
 
 
-def _speed(rows: list[dict[str, Any]], repeats: int) -> dict[str, float]:
+def reaches_math_verify(rows: list[dict[str, Any]]) -> list[bool]:
+    """Whether grading each row calls math_verify at all (beyond its reference's parse): MEASUREMENT
+    ONLY, by wrapping ``math_verify.parse`` for the duration."""
+    import math_verify
+
+    real, calls = math_verify.parse, [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    out = []
+    try:
+        for r in rows:
+            _cold(r["reference"])
+            calls[0] = 0
+            math_verify.parse = counting
+            correctness(r["completion"], sample_of(r))
+            math_verify.parse = real
+            out.append(calls[0] > 0)
+    finally:
+        math_verify.parse = real
+    return out
+
+
+def _p99(times: list[float]) -> float:
+    times = sorted(times)
+    return round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 4) if times else float("nan")
+
+
+def _speed(rows: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     raw = call_times(rows, repeats)
-    times = sorted(raw)
-    per_row = sorted(statistics.median(raw[i::len(rows)]) for i in range(len(rows)))
-    return {"median_ms": round(1000 * statistics.median(times), 4),
-            "p99_ms": round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 4),
-            "max_ms": round(1000 * times[-1], 3),
-            "row_median_p99_ms": round(1000 * per_row[min(len(rows) - 1, int(0.99 * len(rows)))], 4)}
+    per_row = [statistics.median(raw[i::len(rows)]) for i in range(len(rows))]
+    mv = reaches_math_verify(rows)
+    plain = [t for i, t in enumerate(raw) if not mv[i % len(rows)]]
+    return {"median_ms": round(1000 * statistics.median(raw), 4), "p99_ms": _p99(raw),
+            "max_ms": round(1000 * max(raw), 3), "row_median_p99_ms": _p99(per_row),
+            "rows_reaching_math_verify": sum(mv), "without_math_verify_p99_ms": _p99(plain),
+            "without_math_verify_row_median_p99_ms": _p99([t for t, m in zip(per_row, mv) if not m])}
 
 
 def main(argv: list[str] | None = None) -> int:

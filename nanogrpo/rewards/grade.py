@@ -24,7 +24,7 @@ ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
 
 A completion that announces nothing (no tags, no box, no "answer is") is read by the number reader
 against a number reference (its last sentence, as before), else by math_verify over the end of the
-text after the reasoning.
+text after the reasoning when delimited math is there.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
 from nanogrpo.rewards.latex import (
     MATH_NAMES,
-    MATH_SEGMENT_RE,
     base_number,
     choice,
     choices,
     clean,
     final_span,
+    math_segment_matches,
     math_segments,
     plain_values,
     split_top,
@@ -189,6 +189,8 @@ def _against(text: str, raw: str, region: str, completion: str, ref: Reference, 
             return not set(values).isdisjoint(ref.values)
         if what == "arithmetic":
             return _numbers(completion, ref, question)
+        if what == "symbolic" and len(split_top(text)) > 1 and all(plain_values(p) for p in split_top(text)):
+            return False  # numbers offered together ("42 or 56", "36, 42"): no one number, no math_verify
         if what == "prose":
             segments = math_segments(raw)
             if segments and kind(clean(segments[-1])) == "symbolic":
@@ -211,7 +213,7 @@ def _prose(raw: str, ref: Reference) -> bool:
     """A sentence against a LaTeX reference: math_verify's reading of it (the last delimited math,
     joined lists, "answer is"), else what follows its last "is" / "are" / "=" when that is math;
     never a value the sentence negates ("not $\\frac12$")."""
-    segments = list(MATH_SEGMENT_RE.finditer(raw))
+    segments = math_segment_matches(raw)
     if len(segments) == 1:
         at = segments[0].start()
         if _NOT_BEFORE_RE.search(raw, max(0, at - 30), at):
@@ -241,6 +243,8 @@ def grade(completion: str, reference_text: str, question: str | None = None) -> 
         tail = tail[-verify.MAX_REGION:]
         if ref.words is not None:
             return _words_match(ref.words, tail[-200:])
+        if not math_segment_matches(tail[-verify.MAX_REGION:]):
+            return False  # no delimited math at the end: nothing a LaTeX reference could equal
         return verify.region_equal(tail, ref.latex)
     if len(span.text) > verify.MAX_REGION:  # no final answer is this long: a passage, read as one
         if ref.values is not None:

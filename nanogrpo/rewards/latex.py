@@ -30,7 +30,7 @@ from nanogrpo.rewards.numbers import normalize, read_number
 
 __all__ = ["Span", "final_span", "clean", "plain_values", "choice", "choices", "words", "base_number",
            "math_segments",
-           "split_top", "MATH_NAMES", "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
+           "math_segment_matches", "split_top", "MATH_NAMES", "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
 
 WINDOW = 600
 """Characters read after an announcement, and of a region handed to math_verify."""
@@ -246,6 +246,7 @@ _DEGREES_RE = re.compile(r"\^\s{0,2}\{?\s{0,2}\\circ\s{0,2}\}?|\\degree\b"
                          r"|\^\s{0,2}\{\s{0,2}\\text\{\s{0,2}o\s{0,2}\}\s{0,2}\}")
 _CONNECT_RE = re.compile(r"\s*(?:\\(?:text|mbox|textrm|mathrm)\s{0,2}\{\s{0,3}(?:or|and)\s{0,3}\}"
                          r"|(?<![A-Za-z\\])(?:or|and)(?![A-Za-z]))\s*")
+_TEXT_NUMBER_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,2}([^{}A-Za-z\\]{1,40}?)\s{0,2}\}")
 _BOLD_RE = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm|mathit|textit|emph)\s{0,2}\{")
 _UNIT_RE = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textrm|mathrm|operatorname)\s{0,2}"
                       r"\{\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
@@ -291,6 +292,7 @@ def clean(text: str) -> str:
     t = _DELIMS_RE.sub(" ", t)
     t = _unwrap(t, _BOX_RE)
     t = _unwrap(t, _BOLD_RE)
+    t = _TEXT_NUMBER_RE.sub(r"\1", t)
     t = _SIZING_RE.sub("", t)
     t = _FRAC_RE.sub("\\\\frac", t)
     t = _THOUSANDS_RE.sub("", t)
@@ -444,6 +446,23 @@ MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,400})\$\$|(?<![\\$])\$([^$\n]{1,400})
 """Delimited math: ``$$…$$``, ``$…$``, ``\\(…\\)``, ``\\[…\\]`` (its content: the group that matched)."""
 
 
+_PROSE_IN_MATH_RE = re.compile(r"(?<![A-Za-z\\])[A-Za-z]{2,}\s+[A-Za-z]{2,}(?![A-Za-z])")
+_TEXT_CMD_RE = re.compile(r"\\(?:text|mbox|textrm|mathrm|textbf|operatorname)\s{0,2}\{[^{}]{0,60}\}"
+                          r"|\\[A-Za-z]+")
+
+
+def math_segment_matches(text: str) -> list[re.Match]:
+    """The delimited math in ``text``, in order (:data:`MATH_SEGMENT_RE`), without what two dollar signs
+    of prose enclose ("a profit of $60, a loss of $20": currency, not math)."""
+    out = []
+    for m in MATH_SEGMENT_RE.finditer(text):
+        content = next(g for g in m.groups() if g is not None)
+        if m.group(2) is not None and _PROSE_IN_MATH_RE.search(_TEXT_CMD_RE.sub(" ", content)):
+            continue
+        out.append(m)
+    return out
+
+
 def math_segments(text: str) -> list[str]:
     """The delimited math (``$…$``, ``$$…$$``, ``\\(…\\)``, ``\\[…\\]``) in ``text``, in order."""
-    return [next(g for g in m.groups() if g is not None) for m in MATH_SEGMENT_RE.finditer(text)]
+    return [next(g for g in m.groups() if g is not None) for m in math_segment_matches(text)]

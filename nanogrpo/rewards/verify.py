@@ -78,9 +78,49 @@ def parse_region(text: str) -> tuple[Any, ...]:
 def _verify(gold: tuple[Any, ...], guess: tuple[Any, ...]) -> bool:
     from math_verify import verify
 
-    if not gold or not guess:
+    if not gold or not guess or _clearly_different(gold[0], guess[0]):
         return False
     return bool(verify(list(gold), list(guess), timeout_seconds=_timeout()))
+
+
+_POINTS = (0.7390851332, 1.3247179572)
+"""Where expressions are evaluated to tell them apart (positive, away from 0, 1 and each other)."""
+
+
+def _value_at(x: Any, point: float) -> complex:
+    """``x`` at ``point`` (its i-th variable, by name, at ``point + 0.1123 * i``)."""
+    names = sorted(x.free_symbols, key=lambda s: s.name)
+    return complex(x.subs({s: point + 0.1123 * i for i, s in enumerate(names)}).evalf(20))
+
+
+def _clearly_different(gold: Any, guess: Any) -> bool:
+    """Whether two parsed answers are expressions (no set, relation, matrix or percent) whose values
+    differ by more than any rounding math_verify allows, at a number or two: math_verify would go on to
+    sympy's ``simplify``, which takes tens of milliseconds to say the same (``\\frac{\\sqrt3}{2}`` or
+    ``x^2+7x+10`` against a wrong ``1``). Answers with different variables are left to math_verify
+    (it reads ``ab`` as ``a b``), except a number against an expression that is not constant."""
+    import sympy
+
+    def far(a: complex, b: complex) -> bool:
+        return abs(a - b) > 1e-4 * max(1.0, abs(a), abs(b))
+
+    try:
+        if not all(isinstance(x, sympy.Expr) and not x.has(sympy.UnevaluatedExpr) for x in (gold, guess)):
+            return False
+        gold, guess = gold.doit(), guess.doit()
+        names_g = {s.name for s in gold.free_symbols}
+        names_p = {s.name for s in guess.free_symbols}
+        if not all(n.isalpha() and len(n) == 1 for n in names_g | names_p):
+            return False  # \\text{odd}, \\text{3}, x_1: symbols math_verify compares by name
+        if names_g == names_p:
+            return any(far(_value_at(gold, p), _value_at(guess, p)) for p in _POINTS)
+        if names_g and not names_p:
+            return far(_value_at(gold, _POINTS[0]), _value_at(gold, _POINTS[1]))
+        if names_p and not names_g:
+            return far(_value_at(guess, _POINTS[0]), _value_at(guess, _POINTS[1]))
+    except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError, RecursionError):
+        return False
+    return False
 
 
 @lru_cache(maxsize=8192)
