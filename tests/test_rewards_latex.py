@@ -154,6 +154,9 @@ def test_equivalent_answers_are_accepted_in_every_style(answer: str, ref: str) -
     ("The answer is $\\boxed{\\text{(C)}}$.", "\\text{(C)}"), ("The answer is (C).", "C"),
     ("<answer>The answer is $\\frac{1}{2}$, not $\\frac{1}{3}$.</answer>", "\\frac{1}{2}"),
     ("...\\boxed{8}? Wait.\n</think>\n\nSo there are $16$ divisors in all.", "16"),
+    ("<answer>The answer is $\\frac{\\sqrt3}{2}$, not $\\frac12$.</answer>", SIN60),
+    ("<answer>\\frac{1}{2} \\text{ or } 0.5</answer>", "\\frac12"), ("<answer>1/2 or 0.5</answer>", "0.5"),
+    ("<answer>\\frac{\\sqrt2}{2} \\text{ or } \\frac{1}{\\sqrt2}</answer>", "\\frac{\\sqrt{2}}{2}"),
 ]))
 def test_sentences_boxes_and_lists(completion: str, ref: str) -> None:
     assert ok(completion, ref)
@@ -214,6 +217,9 @@ def test_wrong_answers_are_refused_in_every_style(answer: str, ref: str) -> None
     ("<answer></answer> \\boxed{\\frac{\\sqrt3}{2}}", SIN60),
     ("<answer>\\boxed{}</answer>", SIN60),
     ("The sum is $5$ and the product is $\\boxed{6}$.", "5"),
+    ("<answer>The answer is $\\frac{1}{2}$, not $\\frac{\\sqrt3}{2}$.</answer>", SIN60),
+    ("<answer>1/2 or 0.6</answer>", "0.5"),
+    ("<answer>\\frac{\\sqrt2}{2} \\text{ or } \\frac{1}{\\sqrt3}</answer>", "\\frac{\\sqrt2}{2}"),
 ]))
 def test_no_credit_for_drafts_hedges_negations_and_missing_answers(completion: str, ref: str) -> None:
     assert not ok(completion, ref)

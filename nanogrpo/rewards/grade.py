@@ -189,8 +189,10 @@ def _against(text: str, raw: str, region: str, completion: str, ref: Reference, 
             return not set(values).isdisjoint(ref.values)
         if what == "arithmetic":
             return _numbers(completion, ref, question)
-        if what == "symbolic" and len(split_top(text)) > 1 and all(plain_values(p) for p in split_top(text)):
-            return False  # numbers offered together ("42 or 56", "36, 42"): no one number, no math_verify
+        parts = split_top(text) if what == "symbolic" else []
+        if len(parts) > 1 and all(plain_values(p) for p in parts):
+            same = len({plain_values(p)[0] for p in parts}) == 1  # "1/2 (or 0.5)": one value, twice written
+            return same and not set(plain_values(parts[0])).isdisjoint(ref.values)
         if what == "prose":
             segments = math_segments(raw)
             if segments and kind(clean(segments[-1])) == "symbolic":
@@ -201,7 +203,14 @@ def _against(text: str, raw: str, region: str, completion: str, ref: Reference, 
         return _decimal_vs_exact(plain_values(text) or (), text, ref)
     if what == "prose":
         return _prose(raw, ref)
+    parts = split_top(text)
+    if 1 < len(parts) <= 3 and not _is_list(ref.latex) and all(verify.equal(p, parts[0]) for p in parts[1:]):
+        text = parts[0]  # one value written two ways ("\\frac12 or 0.5"), against a reference of one value
     return verify.equal(text, ref.latex)
+
+
+def _is_list(latex: str) -> bool:
+    return len(split_top(latex)) > 1 or "\\pm" in latex
 
 
 _COPULA_RE = re.compile(r"\b(?:is|are|was|were|equals?|be)\b|:", re.IGNORECASE)
@@ -214,10 +223,13 @@ def _prose(raw: str, ref: Reference) -> bool:
     joined lists, "answer is"), else what follows its last "is" / "are" / "=" when that is math;
     never a value the sentence negates ("not $\\frac12$")."""
     segments = math_segment_matches(raw)
-    if len(segments) == 1:
-        at = segments[0].start()
-        if _NOT_BEFORE_RE.search(raw, max(0, at - 30), at):
+    negated = [m for m in segments if _NOT_BEFORE_RE.search(raw, max(0, m.start() - 30), m.start())]
+    if negated:  # "$\\frac12$, not $\\frac13$": read without what it rules out
+        if len(negated) == len(segments):
             return False
+        for m in reversed(negated):
+            raw = raw[:m.start()] + " " * (m.end() - m.start()) + raw[m.end():]
+        segments = [m for m in segments if m not in negated]
     if segments and verify.region_equal(raw, ref.latex):
         return True
     cop = None
@@ -270,9 +282,13 @@ def final_answer(completion: str) -> str | None:
     """The final answer as a grader would write it down (cleaned LaTeX, or the number the number
     reader reads from a sentence), or None: what ``nanogrpo eval`` records and votes on."""
     span = final_span(completion)
-    if span is not None:
+    if span is not None and len(span.text) <= verify.MAX_REGION:
         text = clean(span.text)
-        if text and kind(text) not in ("prose", "arithmetic"):
+        what = kind(text) if text else ""
+        if what in ("number", "symbolic"):
             return text
+        segments = math_segments(span.text) if what == "prose" else []
+        if segments and clean(segments[-1]):
+            return clean(segments[-1])  # "The area is $9\\pi$ square units." -> 9\\pi
     answer: Answer | None = read_answer(completion)
     return answer.text if answer is not None else (clean(span.text) or None if span is not None else None)
