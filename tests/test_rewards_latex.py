@@ -13,6 +13,7 @@ import pytest
 
 from nanogrpo.bench.rewards import LATEX_DATA, load_set, math_verify_alone, pathological
 from nanogrpo.rewards import correctness, verify
+from nanogrpo.rewards.builtin import warm_up
 from nanogrpo.rewards.grade import final_answer, kind, reference
 from nanogrpo.rewards.latex import base_number, choice, clean, final_span, words
 
@@ -283,6 +284,7 @@ def test_plain_numbers_never_reach_math_verify(monkeypatch, completion: str, ref
 
 @pytest.mark.parametrize("ref", sampled([SIN60, "(2,3)", "\\text{(B)}", "\\text{odd}"]))
 def test_adversarial_completions_take_bounded_time_against_latex_references(ref: str) -> None:
+    warm_up()  # sympy's first use of a kind of comparison costs up to a second: workers warm up before work
     ok("<answer>0</answer>", ref)  # the reference is parsed once per group, before the completions
     worst = ("", 0.0)
     for name, text in pathological():

@@ -36,6 +36,7 @@ def warm_up() -> None:
     correctness("<answer>\\frac{1}{2}</answer>", {"answer": "0.5"})
     correctness("<answer>\\frac{\\sqrt{2}}{2}, (1, 2]</answer>", {"answer": "\\frac{1}{\\sqrt{2}}, [1,2)"})
     correctness("The answer is $x^2+1$.", {"answer": "\\sqrt{2}"})
+    correctness("<answer>\\{1, x\\}</answer>", {"answer": "(x+1)^2, \\frac{\\sqrt3}{2}"})
 
 
 def answers_match(pred: str, ref: str) -> bool:

@@ -78,9 +78,30 @@ def parse_region(text: str) -> tuple[Any, ...]:
 def _verify(gold: tuple[Any, ...], guess: tuple[Any, ...]) -> bool:
     from math_verify import verify
 
-    if not gold or not guess or _clearly_different(gold[0], guess[0]):
+    if not gold or not guess:
+        return False
+    g, p = _single(gold[0]), _single(guess[0])
+    if _one_against_many(g, p) or _one_against_many(p, g) or _clearly_different(g, p):
         return False
     return bool(verify(list(gold), list(guess), timeout_seconds=_timeout()))
+
+
+def _single(x: Any) -> Any:
+    """The element of a one-element set (``1, 1`` is ``{1}``), else ``x``."""
+    import sympy
+
+    if isinstance(x, sympy.FiniteSet) and len(x) == 1:
+        return next(iter(x))
+    return x
+
+
+def _one_against_many(one: Any, many: Any) -> bool:
+    """A single value against a set or tuple of several: never equal (math_verify would still compare
+    them as sets, slowly)."""
+    import sympy
+
+    return (isinstance(one, sympy.Expr) and not isinstance(one, sympy.Tuple)
+            and isinstance(many, (sympy.FiniteSet, sympy.Tuple)) and len(many) > 1)
 
 
 _POINTS = (0.7390851332, 1.3247179572)
