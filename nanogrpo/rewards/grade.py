@@ -167,8 +167,8 @@ def _decimal_vs_exact(values: tuple[Fraction, ...], written: str, ref: Reference
     return verify.equal(written, ref.latex)
 
 
-def _against(text: str, raw: str, region: str, completion: str, ref: Reference, question: str | None) -> bool:
-    """Whether the answer ``text`` (cleaned; ``raw`` as written, read from ``region``) equals ``ref``."""
+def _against(text: str, raw: str, completion: str, ref: Reference, question: str | None) -> bool:
+    """Whether the answer ``text`` (cleaned; ``raw`` as written) of ``completion`` equals ``ref``."""
     if ref.choice is not None:
         return choice(raw) == ref.choice or choice(text) == ref.choice
     if ref.choices is not None:
@@ -196,7 +196,7 @@ def _against(text: str, raw: str, region: str, completion: str, ref: Reference, 
         if what == "prose":
             segments = math_segments(raw)
             if segments and kind(clean(segments[-1])) == "symbolic":
-                return verify.region_equal(raw, ref.latex)
+                return _prose(raw, ref)  # "The area is $6\\sqrt{3}$.": no number picked out of the math
             return _numbers(completion, ref, question)
         return verify.equal(text, ref.latex)
     if what == "number":
@@ -267,7 +267,7 @@ def grade(completion: str, reference_text: str, question: str | None = None) -> 
     text = clean(span.text)
     if not text:
         return False
-    return _against(text, span.text, span.region, completion, ref, question)
+    return _against(text, span.text, completion, ref, question)
 
 
 def answer_equals(answer: str, reference_text: str) -> bool:
@@ -275,7 +275,7 @@ def answer_equals(answer: str, reference_text: str) -> bool:
     text = clean(answer)
     if not text:
         return False
-    return _against(text, answer, answer, f"<answer>{answer}</answer>", reference(reference_text), None)
+    return _against(text, answer, f"<answer>{answer}</answer>", reference(reference_text), None)
 
 
 def final_answer(completion: str) -> str | None:
@@ -291,4 +291,6 @@ def final_answer(completion: str) -> str | None:
         if segments and clean(segments[-1]):
             return clean(segments[-1])  # "The area is $9\\pi$ square units." -> 9\\pi
     answer: Answer | None = read_answer(completion)
-    return answer.text if answer is not None else (clean(span.text) or None if span is not None else None)
+    if answer is not None:
+        return answer.text
+    return (clean(span.text) or None) if span is not None else None

@@ -40,11 +40,10 @@ MAX_BOX = 1000
 
 @dataclass(frozen=True)
 class Span:
-    """Where the final answer is: ``text`` as written (a box's content, boxes of one sentence
-    joined by ", ", an announced value, or an answer block), and the ``region`` it was read from."""
+    """The final answer: ``text`` as written (a box's content, boxes of one sentence joined by ", ",
+    an announced value, or an answer block); ``boxed`` when it came from boxes."""
 
     text: str
-    region: str
     boxed: bool = False
 
 
@@ -90,7 +89,7 @@ def _in_region(region: str) -> Span:
     found = _announced(region)
     if found is not None:
         return found
-    return Span(region.strip(), region)
+    return Span(region.strip())
 
 
 def _announced(text: str) -> Span | None:
@@ -105,7 +104,7 @@ def _announced(text: str) -> Span | None:
         tail = _sentence(text, ann.end())
         if tail.strip():
             inner = _boxes_at_end(tail, _last_box_at(tail))
-            return inner if inner is not None else Span(tail.strip(), tail)
+            return inner if inner is not None else Span(tail.strip())
     if box is not None:
         return _boxes_at_end(text, box)
     return None
@@ -171,7 +170,7 @@ def _boxes_at_end(text: str, last: int | None) -> Span | None:
     commas, "x ="), as one list answer."""
     if last is None:
         return None
-    content, end = _box_content(text, last)  # type: ignore[misc]
+    content, _ = _box_content(text, last)  # type: ignore[misc]
     parts = [content]
     pos = last
     for _ in range(8):
@@ -186,7 +185,7 @@ def _boxes_at_end(text: str, last: int | None) -> Span | None:
             break
         parts.insert(0, found[0])
         pos = prev
-    return Span(", ".join(p.strip() for p in parts), text[max(0, pos - WINDOW):end], boxed=True)
+    return Span(", ".join(p.strip() for p in parts), boxed=True)
 
 
 def _sentence(text: str, start: int) -> str:
