@@ -220,6 +220,7 @@ def test_wrong_answers_are_refused_in_every_style(answer: str, ref: str) -> None
     ("The sum is $5$ and the product is $\\boxed{6}$.", "5"),
     ("<answer>The answer is $\\frac{1}{2}$, not $\\frac{\\sqrt3}{2}$.</answer>", SIN60),
     ("<answer>1/2 or 0.6</answer>", "0.5"),
+    ("I think the answer is $\\frac{14}{3}$, but it might be $\\frac{13}{3}$.", "\\frac{14}{3}"),
     ("<answer>\\frac{\\sqrt2}{2} \\text{ or } \\frac{1}{\\sqrt3}</answer>", "\\frac{\\sqrt2}{2}"),
 ]))
 def test_no_credit_for_drafts_hedges_negations_and_missing_answers(completion: str, ref: str) -> None:

@@ -194,6 +194,8 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
             same = len({plain_values(p)[0] for p in parts}) == 1  # "1/2 (or 0.5)": one value, twice written
             return same and not set(plain_values(parts[0])).isdisjoint(ref.values)
         if what == "prose":
+            if _hedged(raw):
+                return False
             segments = math_segments(raw)
             if segments and kind(clean(segments[-1])) == "symbolic":
                 return _prose(raw, ref)  # "The area is $6\\sqrt{3}$.": no number picked out of the math
@@ -213,9 +215,16 @@ def _is_list(latex: str) -> bool:
     return len(split_top(latex)) > 1 or "\\pm" in latex
 
 
+_HEDGE_RE = re.compile(r"\b(?:might|maybe|perhaps|possibly|could|either|unless)\b", re.IGNORECASE)
 _COPULA_RE = re.compile(r"\b(?:is|are|was|were|equals?|be)\b|:", re.IGNORECASE)
 _NOT_BEFORE_RE = re.compile(r"(?:\bnot|n't|\bnever|\bnor)\s*(?:equal\s+to\s+|be\s+)?[$\\(\[]*\s*$",
                             re.IGNORECASE)
+
+
+def _hedged(raw: str) -> bool:
+    """Whether a sentence offers two answers: "$\\frac{14}{3}$, but it might be $\\frac{13}{3}$"."""
+    segments = math_segment_matches(raw)
+    return any(_HEDGE_RE.search(raw, a.end(), b.start()) for a, b in zip(segments, segments[1:]))
 
 
 def _prose(raw: str, ref: Reference) -> bool:
@@ -230,6 +239,8 @@ def _prose(raw: str, ref: Reference) -> bool:
         for m in reversed(negated):
             raw = raw[:m.start()] + " " * (m.end() - m.start()) + raw[m.end():]
         segments = [m for m in segments if m not in negated]
+    if _hedged(raw):
+        return False
     if segments and verify.region_equal(raw, ref.latex):
         return True
     cop = None

@@ -12,8 +12,9 @@ delimiters, ``\\boxed``, ``\\left`` / ``\\right``, ``\\displaystyle``, ``\\dfrac
 (as ``\\frac``), spacing (``\\,``, ``\\!``, ``~``), thousands separators (``1{,}000``, ``1,\\!000``),
 degrees (``^\\circ``), ``\\$``, bold, units in ``\\text{}`` after a value, ``x \\in``, the
 variable of ``x = 5`` / ``f(x) = 3x - 1`` (one variable for all solutions), "or" / "and" between
-solutions (a list), a trailing period. :func:`choice` reads a multiple-choice letter,
-:func:`words` a word answer, :func:`base_number` a number with its base.
+solutions (a list), a trailing period. :func:`choice` / :func:`choices` read multiple-choice
+letters, :func:`words` a word answer, :func:`base_number` a number with its base, :func:`plain_values`
+a plain number.
 
 Every scan is bounded (:data:`WINDOW` characters around the answer, boxes of at most
 :data:`MAX_BOX` characters), and no pattern can backtrack without bound.
@@ -29,8 +30,8 @@ from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _l
 from nanogrpo.rewards.numbers import normalize, read_number
 
 __all__ = ["Span", "final_span", "clean", "plain_values", "choice", "choices", "words", "base_number",
-           "math_segments",
-           "math_segment_matches", "split_top", "MATH_NAMES", "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
+           "math_segments", "math_segment_matches", "split_top", "braced_end", "MATH_NAMES",
+           "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
 
 WINDOW = 600
 """Characters read after an announcement, and of a region handed to math_verify."""
@@ -51,9 +52,11 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)\s{0,2}\{")
 _HEADER_RE = re.compile(r"(?:^|\n)[ \t>]{0,4}(?:#{1,4}[ \t]{0,2})?(?:\*\*|__)?[ \t]{0,2}"
                         r"(?:final[ \t]{1,3})?answer[ \t]{0,2}:?[ \t]{0,2}(?:\*\*|__)?[ \t]{0,2}:?[ \t]{0,2}"
                         r"(?=\r?\n)", re.IGNORECASE)
-_JOIN_RE = re.compile(r"[\s$,;]*(?:\\[()\[\]][\s$,;]*)*"
-                      r"(?:(?:and|or|&)\b|\\text\s{0,2}\{\s{0,3}(?:and|or)\s{0,3}\}|\\q?quad)?[\s$,;]*(?:\\[()\[\]][\s$,;]*)*"
-                      r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s{0,3}=\s{0,3})?[\s$]*(?:\\[()\[\]]\s*)*")
+_DELIMS_GAP = r"[\s$,;]*(?:\\[()\[\]][\s$,;]*)*"
+_JOIN_RE = re.compile(_DELIMS_GAP + r"(?:(?:and|or|&)\b|\\text\s{0,2}\{\s{0,3}(?:and|or)\s{0,3}\}"
+                      r"|\\q?quad)?" + _DELIMS_GAP
+                      + r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s{0,3}=\s{0,3})?[\s$]*(?:\\[()\[\]]\s*)*")
+"""What may stand between two boxes of one answer: delimiters, commas, "and" / "or", ``x =``."""
 
 
 # ----------------------------------------------------------------------------- where the answer is
@@ -251,7 +254,7 @@ _UNIT_RE = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textrm|mathrm|operatorname)\s{0
                       r"\{\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
 _REPEATING_RE = re.compile(r"(-?)(\d{0,12})\.(\d{0,12})\\overline\s{0,2}\{(\d{1,12})\}")
 _COMMAS_RE = re.compile(r",\s*(?:,\s*)+")
-_TRAILING_WORDS_RE = re.compile(r"(?<=[0-9}\)\]A-Za-z])\s+(?:[A-Za-z]{2,}\.?\s*){1,4}$")
+_TRAILING_WORDS_RE = re.compile(r"(?<=[0-9}\)\]A-Za-z])(?:\s+[A-Za-z]{2,}\.?){1,4}\s*$")
 _IN_RE = re.compile(r"^\s*[A-Za-z]\s{0,2}\\in\s*")
 _LHS_RE = re.compile(r"^\s*([A-Za-z](?:_\{?\w{1,3}\}?)?|[A-Za-z]{1,2}\s{0,2}\(\s{0,2}[A-Za-z]\s{0,2}\))"
                      r"\s{0,3}=(?!=)\s*")
@@ -276,8 +279,6 @@ def plain_values(text: str) -> tuple[Fraction, ...] | None:
     if m is None or any(w.lower() in MATH_NAMES for w in rest.split()):
         return None
     return num.values
-
-
 
 
 def clean(text: str) -> str:
