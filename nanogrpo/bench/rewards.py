@@ -105,11 +105,13 @@ JUDGES: Judges = {
 LATEX_JUDGES: Judges = {k: JUDGES[k] for k in ("correct", "mv_correct")}
 
 
-def agreement(rows: list[dict[str, Any]], judges: Judges = JUDGES) -> dict[str, dict[str, Any]]:
-    """``{category: {"n": count, judge: agreeing count, ...}}`` plus an ``"all"`` entry."""
+def agreement(rows: list[dict[str, Any]], judges: Judges = JUDGES,
+              by: str = "category") -> dict[str, dict[str, Any]]:
+    """``{category: {"n": count, judge: agreeing count, ...}}`` plus an ``"all"`` entry (``by``: the row
+    field to group by, e.g. ``style``)."""
     table: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(int))
     for r in rows:
-        for cat in (r["category"], "all"):
+        for cat in (r[by], "all"):
             table[cat]["n"] += 1
             for name, judge in judges.items():
                 label = r["correct"] if "correct" in name else r["format"]
@@ -126,12 +128,12 @@ COLUMNS = {"correct": "correctness: nanogrpo", "seed_correct": "seed", "mv_corre
            "format": "format: nanogrpo", "seed_format": "seed"}
 
 
-def markdown(table: dict[str, dict[str, Any]], judges: Judges = JUDGES) -> str:
+def markdown(table: dict[str, dict[str, Any]], judges: Judges = JUDGES, by: str = "category") -> str:
     def pct(row: dict[str, Any], key: str) -> str:
         return f"{100 * row[key] / row['n']:.0f}%" if 100 * row[key] % row["n"] == 0 or row["n"] < 100 \
             else f"{100 * row[key] / row['n']:.1f}%"
 
-    lines = ["| category | n | " + " | ".join(COLUMNS[k] for k in judges) + " |",
+    lines = [f"| {by} | n | " + " | ".join(COLUMNS[k] for k in judges) + " |",
              "|---|---|" + "---|" * len(judges)]
     for cat in sorted(k for k in table if k != "all") + ["all"]:
         row = table[cat]
@@ -291,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if latex_table is not None:
             print()
             print(markdown(latex_table, LATEX_JUDGES))
+            print()
+            print(markdown(agreement(latex_rows, LATEX_JUDGES, by="style"), LATEX_JUDGES, by="style"))
     if a.show:
         for judge in ("correct", "format"):
             for r in disagreements(rows, judge):
