@@ -1,0 +1,114 @@
+"""The public API (nanogrpo.Config / train / evaluate / load_checkpoint / Run), used as a notebook
+or a script uses it; bad input fails at start with one line, before any weights are read."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+import nanogrpo
+from nanogrpo.errors import ConfigError, DataError, RewardError, ToolError
+
+ROWS = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(7) for b in range(7)]
+SMALL = {"rollout.prompts_per_step": 4, "grpo.group_size": 4, "rollout.max_new_tokens": 24,
+         "model.cpu_linear": "torch", "train.save_every": 0, "eval.n": 4}
+
+
+def test_the_package_exports_the_api_and_imports_no_torch():
+    assert set(nanogrpo.__all__) >= {"Config", "Run", "train", "evaluate", "load_checkpoint"}
+    for module in ("nanogrpo.evaluation", "nanogrpo.training.trainer"):  # modules do not shadow the functions
+        importlib.import_module(module)
+
+    assert callable(nanogrpo.train) and nanogrpo.train.__module__ == "nanogrpo.api"
+    assert callable(nanogrpo.evaluate) and nanogrpo.evaluate.__module__ == "nanogrpo.api"
+    assert "train" in dir(nanogrpo)
+
+
+def test_config_from_a_preset_a_file_a_dict_and_overrides(tmp_path):
+    C = nanogrpo.Config
+    assert C.load().train.steps == 80  # the demo preset, as `nanogrpo train` with no --config
+    assert C.load("demo", {"train.steps": 2}).train.steps == 2
+    assert C.load("demo", ["train.steps=2", "grpo.beta=0"]).grpo.beta == 0
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nsteps = 5\n")
+    assert C.load(f).train.steps == 5 and C.load(str(f)).data.source == "gsm8k"  # a file: over the defaults
+    d = C.from_dict({"train": {"steps": 3}, "grpo.beta": 0.0})  # sections, and dotted keys, over the defaults
+    assert (d.train.steps, d.grpo.beta, d.data.source) == (3, 0.0, "gsm8k")
+    e = d.with_overrides({"train.lr": 1e-4})
+    assert e.train.lr == 1e-4 and d.train.lr == 1e-6  # a new config; the old one is as it was
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.grop_size'.*did you mean 'group_size'"):
+        C.from_dict({"grpo": {"grop_size": 4}})
+    with pytest.raises(ConfigError, match="unknown config section 'trian'"):
+        C.load("demo", {"trian.steps": 2})
+    with pytest.raises(ConfigError, match="not the string"):
+        C.load("demo", "train.steps=2")
+    with pytest.raises(ConfigError, match="config file not found"):
+        C.load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("kwargs,error,says", [
+    ({"dataset": [{"question": "1+1?"}]}, DataError, "row 0 has no answer field 'answer'"),
+    ({"dataset": {"question": "1+1?", "answer": "2"}}, DataError, "a single dict: pass a list of dicts"),
+    ({"dataset": {"test": ROWS}}, DataError, "dataset has no split 'train'"),
+    ({"dataset": 42}, DataError, "expected rows"),
+    ({"eval_dataset": ROWS}, DataError, "eval_dataset without dataset"),
+    ({"rewards": [42]}, RewardError, "42 is not a reward"),
+    ({"tools": lambda call, sample: call}, ToolError, "imports it by name"),
+    ({"config": 42}, ConfigError, "config must be a Config"),
+    ({"config": {"model": {"path": "/nonexistent/model"}}}, nanogrpo.NanoGRPOError, "model path not found"),
+])
+def test_bad_input_fails_at_start_in_one_line(tmp_path, kwargs, error, says):
+    kwargs.setdefault("config", nanogrpo.Config.load("demo", {"train.out": str(tmp_path / "run"), **SMALL}))
+    with pytest.raises(error, match=says) as e:
+        nanogrpo.train(**kwargs)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_public_api_as_a_notebook_uses_it(tmp_path, capsys):
+    from nanogrpo.cli import main
+
+    out = tmp_path / "nb"
+    cfg = nanogrpo.Config.load("demo", {"train.steps": 2, "train.out": str(out), **SMALL})
+    run = nanogrpo.train(cfg, rewards=["correctness", "format"], dataset=ROWS)
+
+    assert isinstance(run, nanogrpo.Run) and run.root == out
+    assert [r["step"] for r in run.metrics] == [1, 2]  # no held-out rows given: no evaluation
+    assert all(r["num_completions"] == 16 for r in run.metrics)
+    assert [p.name for p in run.checkpoints] == ["step_0", "step_2"]
+    assert run.checkpoint == out / "checkpoints" / "step_2"
+    assert run.summary().startswith("nanogrpo: 2 steps")
+    # the run is whole on disk: its config names the rows it trained on, copied into it
+    assert run.config.data.source == str(out.resolve() / "data" / "{split}.jsonl")
+    assert [json.loads(x) for x in (out / "data" / "train.jsonl").read_text().splitlines()] == ROWS
+    assert run.config.rewards.functions == ["correctness", "format"] and run.config.eval.every == 0
+
+    summary = nanogrpo.evaluate(run, dataset=ROWS[:6])  # a Run means its newest checkpoint
+    assert summary["n"] == 6 and 0 <= summary["accuracy"] <= 1 and summary["k"] == 1
+
+    model, tok = nanogrpo.load_checkpoint(run)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(run.checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    assert tok.decode(tok("What is 2 plus 2?")["input_ids"], skip_special_tokens=True) == "What is 2 plus 2?"
+
+    capsys.readouterr()  # the command line reads the same run: its config, its copy of the rows
+    assert main(["eval", "--model", str(run.checkpoint), "--split", "train", "--n", "3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 3
+    resumed = nanogrpo.train(resume=out, config=run.config.with_overrides({"train.steps": 3}))
+    assert [r["step"] for r in resumed.metrics] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_dict_of_splits_gives_the_held_out_rows(tmp_path):
+    out = tmp_path / "splits"
+    cfg = nanogrpo.Config.load("demo", {"train.steps": 1, "train.out": str(out), "eval.every": 1, **SMALL})
+    run = nanogrpo.train(cfg, dataset={"train": ROWS[:20], "test": ROWS[20:30]})
+    assert [r["step"] for r in run.metrics] == [0, 1]
+    assert run.metrics[0]["eval/n"] == 4  # eval.n of the 10 held-out rows
+    assert len((out / "data" / "test.jsonl").read_text().splitlines()) == 10
