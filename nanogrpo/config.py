@@ -145,7 +145,9 @@ class GrpoConfig(_Strict):
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``, ``format_strict``) or ``module:function``."""
+    """Built-in names (``correctness``, ``format``, ``format_strict``), ``module:function`` or
+    ``path/to/file.py:function`` (per-completion or batched, ``nanogrpo.rewards.batching``). (Python's
+    API also takes callables: ``nanogrpo.rewards.entries``.)"""
     weights: list[float] | None = None
     """One weight per function; None means all 1.0."""
     timeout_s: float = Field(5.0, gt=0)
@@ -153,6 +155,12 @@ class RewardsConfig(_Strict):
     penalty: float = -1.0
     workers: int = Field(1, ge=0)
     """Reward worker processes (isolate hangs and crashes); 0 runs rewards in-process."""
+    chunk_size: int = Field(0, ge=0)
+    """Rows per call of a batched reward that names no ``chunk_size`` of its own; 0: the whole rollout
+    batch in one call. Chunks of one batch run in parallel over the workers."""
+    batch_timeout_s: float = Field(60.0, gt=0)
+    """A batched reward's call (one chunk) taking longer than this is abandoned and its rows scored
+    ``penalty`` (a function may name its own: ``@batched(timeout_s=...)``)."""
     truncated_correct: bool = True
     """Whether the built-in ``correctness`` credits a completion the token limit cut off
     (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
@@ -213,9 +221,20 @@ class ToolsConfig(_Strict):
     preload: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
     """Modules the sandbox imports once, before forking the calls (a call imports others itself,
     which fails where the sandbox cannot read them: add e.g. ``numpy``, ``sympy``)."""
+    sample_fields: list[str] = Field(default_factory=list)
+    """Fields of the prompt's dataset row a custom tool receives as its ``sample`` (default none:
+    the reference answer never enters the sandbox). The built-in ``python`` tool receives none. A
+    tool that runs the model's code in its own process hands that code all it was given."""
     require_isolation: bool = False
-    """Refuse to start unless the kernel isolates the network (namespace) and the filesystem
-    (Landlock); otherwise those rest on the audit hook (see ``nanogrpo.tools.sandbox``)."""
+    """Refuse to start unless the kernel gives the calls their own network and PID namespaces,
+    Landlock and the seccomp filter (see ``nanogrpo.tools.sandbox`` for what each layer holds)."""
+
+    @model_validator(mode="after")
+    def _fields_for_custom_tools(self) -> ToolsConfig:
+        if self.sample_fields and self.function.strip() == "python":
+            raise ValueError("tools.sample_fields is for a custom tool: the built-in python tool runs the "
+                             "model's code, which would read them (e.g. the answer); leave it empty")
+        return self
 
 
 class TrainConfig(_Strict):

@@ -53,3 +53,72 @@ def die(completion: str, sample: dict) -> float:
 def cut_off(completion: str, sample: dict) -> float:
     """1 for a completion the token limit cut off (``finish_reason == "length"``), 0 if the model ended it."""
     return {"length": 1.0, "stop": 0.0}[sample["finish_reason"]]
+
+
+# ----------------------------------------------------------------------------- batched rewards
+# (tests/test_rewards_batched.py). Batched functions mark themselves with nanogrpo.rewards.batched or
+# the attribute ``batched = True``; a sample's "log" key, when present, names a file each call appends
+# one line to (its pid and row count), so a test can count the calls made in a worker process.
+
+from nanogrpo.rewards import batched  # noqa: E402
+
+
+def _log_call(samples: list[dict]) -> None:
+    path = samples[0].get("log") if samples else None
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {len(samples)}\n")
+
+
+@batched
+def rows_in_call(completions: list[str], samples: list[dict]) -> list[float]:
+    """Each row scores the number of rows in its call (one call over N rows: N everywhere)."""
+    _log_call(samples)
+    return [float(len(completions))] * len(completions)
+
+
+@batched(chunk_size=3)
+def rows_in_call_of_3(completions: list[str], samples: list[dict]) -> list[float]:
+    """As rows_in_call, asking for chunks of 3 rows."""
+    _log_call(samples)
+    return [float(len(completions))] * len(completions)
+
+
+def length_batched(completions: list[str], samples: list[dict]):
+    """Length of each completion, as a numpy array (marked by attribute, not by the decorator)."""
+    import numpy as np
+
+    _log_call(samples)
+    return np.array([len(c) for c in completions], dtype=np.float64)
+
+
+length_batched.batched = True
+
+
+@batched
+def faulty_batch(completions: list[str], samples: list[dict]) -> list[float]:
+    """A chunk holding 'raise' raises, one holding 'short' returns one value too few, one holding
+    'hang' sleeps 100 s; otherwise 1.0 per row except NaN for 'nan' and a string for 'str'."""
+    if "raise" in completions:
+        raise RuntimeError("batch scorer failed")
+    if "hang" in completions:
+        time.sleep(100)
+    values: list = [float("nan") if c == "nan" else "x" if c == "str" else 1.0 for c in completions]
+    return values[:-1] if "short" in completions else values
+
+
+@batched
+def not_a_list(completions: list[str], samples: list[dict]) -> float:
+    return 1.0
+
+
+class Scorer:
+    """A callable object that is batched through its class attribute."""
+
+    batched = True
+
+    def __init__(self, bonus: float):
+        self.bonus = bonus
+
+    def __call__(self, completions: list[str], samples: list[dict]) -> list[float]:
+        return [self.bonus + len(c) for c in completions]

@@ -1,6 +1,7 @@
-"""Rewards: answer extraction, the built-in rewards, user rewards by spec, and the runner.
+"""Rewards: answer extraction, the built-in rewards, user rewards by spec or as callables, and the runner.
 
-A reward is a plain function ``fn(completion: str, sample: dict) -> float``. ``sample`` is the
+A reward is a plain function ``fn(completion: str, sample: dict) -> float``, or the same over lists
+(``fn(completions, samples) -> list[float]``, marked with :func:`batched`). ``sample`` is the
 completion's own dict: a copy of its dataset row (every column) plus the reserved key
 ``finish_reason`` (``"stop"``: the model ended the completion; ``"length"``: the token limit cut it
 off), which replaces a dataset column of that name.
@@ -8,10 +9,11 @@ off), which replaces a dataset column of that name.
 Importing this package has no side effects; math_verify loads on first use.
 """
 
+from nanogrpo.rewards.batching import batched
 from nanogrpo.rewards.builtin import correctness, format_reward, format_strict
 from nanogrpo.rewards.extract import Answer, extract_answer, read_answer
 from nanogrpo.rewards.registry import resolve
-from nanogrpo.rewards.runner import RewardResult, RewardRunner
+from nanogrpo.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "resolve", "RewardRunner", "RewardResult"]
+           "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem"]

@@ -1,11 +1,13 @@
 """Reward worker processes that bound every call by a deadline.
 
 Each worker is a ``spawn`` process (the trainer has torch and its threads loaded,
-so forking it is unsafe) that re-resolves the reward specs by name and then
-scores chunks of calls, answering one message per call. The parent tracks a
-deadline per call: a worker silent for ``timeout_s`` since its last answer is
-killed, the call it was on is scored as a timeout, the rest of its chunk goes
-back to the queue, and a replacement starts in the background. A worker that
+so forking it is unsafe) that loads the rewards again (a spec is resolved by name,
+a callable unpickled) and then scores chunks of calls, answering one message per
+call. A call is one completion, or for a batched reward a list of them (answered
+with one outcome per row, or one for them all). The parent tracks a deadline per
+call (each function has its own timeout): a worker silent past it since its last
+answer is killed, the call it was on is scored as a timeout, the rest of its chunk
+goes back to the queue, and a replacement starts in the background. A worker that
 dies mid-call costs that call only.
 
 Workers are daemons (they die with the parent) and exit when their pipe closes.
@@ -26,25 +28,43 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from nanogrpo.errors import RewardError
-from nanogrpo.rewards.calls import ERROR, TIMEOUT, Outcome, call_reward
+from nanogrpo.rewards.calls import ERROR, TIMEOUT, Outcome, call_batch, call_reward, one_line
 
 __all__ = ["Call", "WorkerPool"]
 
-Call = tuple[int, int, str, dict]
-"""``(call id, function index, completion, sample)``."""
+Call = tuple[int, int, Any, Any]
+"""``(call id, function index, completion, sample)``; for a batched function
+``(call id, function index, completions, samples)``."""
+
+Source = str | bytes
+"""What a worker loads: a reward spec (resolved by name) or a pickled callable."""
 
 
-def _worker_main(conn: Connection, specs: list[str], truncated_correct: bool = True) -> None:
-    """Worker process body: resolve the rewards, say ready, then score chunks until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from nanogrpo.rewards.registry import resolve_all
+def _load(source: Source, truncated_correct: bool) -> Any:
+    from nanogrpo.rewards.registry import resolve
+
+    if isinstance(source, str):
+        return resolve(source, truncated_correct)
+    import pickle
 
     try:
-        fns = [fn for _, fn in resolve_all(specs, truncated_correct)]
+        return pickle.loads(source)  # cloudpickle's output loads with plain pickle (cloudpickle installed)
+    except Exception as e:  # noqa: BLE001 - whatever unpickling a user object raises
+        raise RewardError(f"a reward callable could not be loaded in the worker process ({one_line(e)}); "
+                          "define it in an importable module, or set rewards.workers=0") from None
+
+
+def _worker_main(conn: Connection, sources: list[Source], truncated_correct: bool = True,
+                 batched: list[bool] | None = None) -> None:
+    """Worker process body: load the rewards, say ready, then score chunks until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    batched = batched or [False] * len(sources)
+    try:
+        fns = [_load(s, truncated_correct) for s in sources]
     except RewardError as e:
         conn.send(("init_error", str(e)))
         return
-    if "correctness" in specs:
+    if "correctness" in sources:
         # Import sympy/math_verify before saying ready, so the first call's deadline is not spent on it.
         from nanogrpo.rewards.builtin import warm_up
 
@@ -58,7 +78,10 @@ def _worker_main(conn: Connection, specs: list[str], truncated_correct: bool = T
         if chunk is None:
             return
         for call_id, k, completion, sample in chunk:
-            conn.send((call_id, *call_reward(fns[k], completion, sample)))
+            if batched[k]:
+                conn.send((call_id, call_batch(fns[k], completion, sample)))
+            else:
+                conn.send((call_id, call_reward(fns[k], completion, sample)))
 
 
 @dataclass
@@ -72,16 +95,23 @@ class _Worker:
 
 
 class WorkerPool:
-    """``n`` reward worker processes; :meth:`run` scores calls with a per-call deadline."""
+    """``n`` reward worker processes; :meth:`run` scores calls with a per-call deadline.
 
-    def __init__(self, specs: Sequence[str], n: int, timeout_s: float, startup_timeout_s: float = 120.0,
-                 truncated_correct: bool = True):
+    ``sources[k]`` is function ``k`` (a spec or a pickled callable); ``timeout_s`` one deadline for every
+    function or one per function; ``batched[k]``: function ``k`` takes lists."""
+
+    def __init__(self, sources: Sequence[Source], n: int, timeout_s: float | Sequence[float],
+                 startup_timeout_s: float = 120.0, truncated_correct: bool = True,
+                 batched: Sequence[bool] | None = None):
         if n < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {n}")
-        self.specs = list(specs)
+        self.sources = list(sources)
+        self.specs = [s if isinstance(s, str) else "<callable>" for s in self.sources]  # for messages
+        self.batched = list(batched) if batched is not None else [False] * len(self.sources)
         self.truncated_correct = truncated_correct
         self.n = n
-        self.timeout_s = timeout_s
+        self.timeouts = [float(timeout_s)] * len(self.sources) if isinstance(timeout_s, (int, float)) \
+            else [float(t) for t in timeout_s]
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
@@ -95,7 +125,8 @@ class WorkerPool:
         while len(self._workers) < self.n:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
-                target=_worker_main, args=(child_conn, self.specs, self.truncated_correct), daemon=True,
+                target=_worker_main, args=(child_conn, self.sources, self.truncated_correct, self.batched),
+                daemon=True,
                 name=f"nanogrpo-reward-{self._serial}",
             )
             self._serial += 1
@@ -124,8 +155,9 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ scoring
 
-    def run(self, calls: Sequence[Call]) -> dict[int, Outcome]:
-        """Score every call; returns ``{call id: outcome}``. Hung or crashed calls get TIMEOUT/ERROR."""
+    def run(self, calls: Sequence[Call]) -> dict[int, Outcome | list[Outcome]]:
+        """Score every call; returns ``{call id: outcome}`` (a batched call's: one outcome per row, or one
+        for them all). Hung or crashed calls get TIMEOUT/ERROR."""
         results: dict[int, Outcome] = {}
         pending: deque[Call] = deque(calls)
         self.start()
@@ -150,7 +182,7 @@ class WorkerPool:
             chunk = [pending.popleft() for _ in range(size)]
             w.calls.extend(chunk)
             w.conn.send(chunk)
-            w.deadline = time.monotonic() + self.timeout_s
+            w.deadline = time.monotonic() + self.timeouts[chunk[0][1]]
 
     def _drain(self, w: _Worker, results: dict[int, Outcome], pending: deque[Call]) -> None:
         """Read every message waiting from ``w``; handle its death or a failed start."""
@@ -164,11 +196,11 @@ class WorkerPool:
                         raise RewardError(f"reward worker could not start: {detail}")
                     w.ready = True
                     continue
-                call_id, kind, value = msg
+                call_id, outcome = msg
                 done = w.calls.popleft()
                 assert done[0] == call_id, "reward worker answered out of order"
-                results[call_id] = (kind, value)
-                w.deadline = time.monotonic() + self.timeout_s if w.calls else math.inf
+                results[call_id] = outcome
+                w.deadline = time.monotonic() + self.timeouts[w.calls[0][1]] if w.calls else math.inf
         except (EOFError, OSError):
             self._on_death(w, results, pending)
 
@@ -195,7 +227,7 @@ class WorkerPool:
                 )
             if w.calls and now > w.deadline:
                 hung = w.calls.popleft()
-                results[hung[0]] = (TIMEOUT, f"no answer within {self.timeout_s:g} s; worker killed")
+                results[hung[0]] = (TIMEOUT, f"no answer within {self.timeouts[hung[1]]:g} s; worker killed")
                 pending.extendleft(reversed(w.calls))
                 self._kill(w)
                 self.restarts += 1

@@ -1,39 +1,55 @@
-"""Score a batch of completions with several reward functions, never crashing the run.
+"""Score a batch of completions with several rewards, never crashing the run.
 
-:class:`RewardRunner` resolves every reward at construction (a bad spec fails at
-start), then :meth:`RewardRunner.score` calls each function on each completion.
-A call that raises, hangs past ``timeout_s``, or returns NaN/inf/a non-number is
-scored ``penalty``, counted in the :class:`RewardResult`, and logged on the
-``nanogrpo.rewards`` logger (the first few per function; a summary at
-:meth:`RewardRunner.close`).
+:class:`RewardRunner` takes a list of rewards (names, Python callables, model rewards: see
+:mod:`nanogrpo.rewards.entries`), resolves every one at construction (a bad one fails at start),
+then :meth:`RewardRunner.score` scores a batch with each:
 
-With ``workers >= 1`` the calls run in worker processes (:mod:`nanogrpo.rewards.pool`)
-and a hang is cut at ``timeout_s``. With ``workers == 0`` they run in this
-process with no isolation: a hanging user function hangs the run, and only
-math_verify's own signal timeout (main thread only) bounds the built-in
-``correctness``.
+- a per-completion function is called once per completion, ``fn(completion, sample)``;
+- a batched function (:mod:`nanogrpo.rewards.batching`) once per batch, or per chunk of
+  ``chunk_size`` rows, ``fn(completions, samples)``;
+- a model reward (``rm:``, ``judge:``) once per batch, in this process.
+
+A call that raises, hangs past its timeout, or returns NaN/inf/a non-number (a batched one: a result
+that is not one number per row) is scored ``penalty`` on the rows it covers, counted in the
+:class:`RewardResult`, and logged on the ``nanogrpo.rewards`` logger (the first few per function; a
+summary at :meth:`RewardRunner.close`). So is a judge's reply without a readable score.
+
+With ``workers >= 1`` functions run in worker processes (:mod:`nanogrpo.rewards.pool`) and a hang is
+cut at its timeout; a callable that cannot be pickled runs in this process on a thread with the same
+deadline (:mod:`nanogrpo.rewards.inline`). With ``workers == 0`` every function runs in this
+process, called directly: no isolation, and a hanging function hangs the run (only math_verify's own
+signal timeout, main thread only, bounds the built-in ``correctness``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nanogrpo.errors import RewardError
-from nanogrpo.rewards.calls import BAD, ERROR, OK, TIMEOUT, Outcome, call_reward
+from nanogrpo.rewards.calls import BAD, ERROR, OK, TIMEOUT, Outcome, call_batch, call_reward
+from nanogrpo.rewards.entries import INLINE, MODEL, POOL, Entry, ModelReward, build_entries
+from nanogrpo.rewards.inline import run_inline
 from nanogrpo.rewards.pool import Call, WorkerPool
-from nanogrpo.rewards.registry import resolve_all
 
-__all__ = ["RewardResult", "RewardRunner"]
+__all__ = ["RewardResult", "RewardRunner", "RewardItem"]
 
 log = logging.getLogger("nanogrpo.rewards")
 
+RewardItem = str | Callable[..., Any] | ModelReward
+"""One entry of a reward list: a name/spec, a Python callable, or a model reward object."""
+
 _WARN_LIMIT = 3
 """Problems logged per reward function per run; later ones are only counted."""
+
+SCALES = ("none", "zscore")
+"""``rewards.rm_scale``: what a reward model's scores go through before the weights apply."""
 
 
 @dataclass
@@ -43,13 +59,19 @@ class RewardResult:
     total: list[float]
     """Weighted sum over the functions, one per completion."""
     per_function: dict[str, list[float]]
-    """Unweighted value of each function (keyed by its spec), penalty where the call failed."""
+    """Each function's value (keyed by its name) as it enters the weighted sum: unweighted, after a
+    reward model's scaling (``rm_scale``), ``penalty`` where the call failed."""
     failures: int = 0
-    """Calls that raised (or whose worker process died)."""
+    """Rows scored the penalty because their call raised (or its worker process died, or a judge's
+    request failed)."""
     timeouts: int = 0
-    """Calls abandoned at the deadline."""
+    """Rows whose call was abandoned at its deadline."""
     non_finite: int = 0
-    """Calls that returned NaN, inf or something that is not a number."""
+    """Rows whose value was NaN, inf or not a number (a judge's reply without a readable score too)."""
+    failures_by_function: dict[str, int] = field(default_factory=dict)
+    """Rows scored the penalty, per function (any of the three reasons)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Model rewards' figures for this batch (``judge/latency_s``, ``rm/rows_per_s``, ...)."""
 
 
 @dataclass
@@ -57,65 +79,107 @@ class _Problems:
     by_kind: dict[str, Counter] = field(default_factory=lambda: {ERROR: Counter(), TIMEOUT: Counter(),
                                                                    BAD: Counter()})
 
-    def total(self, spec: str) -> int:
-        return sum(c[spec] for c in self.by_kind.values())
+    def total(self, name: str) -> int:
+        return sum(c[name] for c in self.by_kind.values())
+
+
+Task = tuple[int, int, list[int]]
+"""``(task id, entry index, rows it covers)``."""
 
 
 class RewardRunner:
-    """Runs reward functions over batches; see the module docstring for the failure policy."""
+    """Runs rewards over batches; see the module docstring for the failure policy.
 
-    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout_s: float = 5.0,
-                 penalty: float = -1.0, workers: int = 1, truncated_correct: bool = True):
-        specs = [s.strip() for s in specs]
-        if not specs:
+    ``rewards``: names (``"correctness"``, ``"module:function"``, ``"rm:PATH"``, ``"judge:URL"``),
+    Python callables (per-completion or batched) or model reward objects, in any mix; ``weights``
+    one per reward (None: all 1.0). Names in the breakdown: a spec is its own name, a callable its
+    ``__name__`` (``lambda``; a second of the same name gets ``_2``). ``make_model`` builds the
+    model reward a ``rm:`` / ``judge:`` spec names (:meth:`from_config` supplies it)."""
+
+    def __init__(self, rewards: Sequence[RewardItem], weights: Sequence[float] | None = None,
+                 timeout_s: float = 5.0, penalty: float = -1.0, workers: int = 1,
+                 truncated_correct: bool = True, *, chunk_size: int = 0, batch_timeout_s: float = 60.0,
+                 rm_scale: str = "none", make_model: Callable[[str], ModelReward] | None = None):
+        if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
+            raise RewardError(f"rewards must be a list of names or functions, got {type(rewards).__name__}")
+        if not rewards:
             raise RewardError("no reward functions given: name at least one")
-        dupes = sorted(s for s, c in Counter(specs).items() if c > 1)
-        if dupes:
-            raise RewardError(f"reward {dupes[0]!r} is listed more than once; list each reward once")
-        if weights is not None and len(weights) != len(specs):
-            raise RewardError(f"{len(weights)} reward weights for {len(specs)} reward functions")
-        if timeout_s <= 0 or workers < 0:
-            raise RewardError(f"reward timeout_s must be > 0 and workers >= 0 (got {timeout_s}, {workers})")
-        self.specs = specs
-        self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(specs)
+        if weights is not None and len(weights) != len(rewards):
+            raise RewardError(f"{len(weights)} reward weights for {len(rewards)} reward functions")
+        if timeout_s <= 0 or batch_timeout_s <= 0 or workers < 0 or chunk_size < 0:
+            raise RewardError(f"reward timeouts must be > 0, workers and chunk_size >= 0 (got timeout_s="
+                              f"{timeout_s}, batch_timeout_s={batch_timeout_s}, workers={workers}, "
+                              f"chunk_size={chunk_size})")
+        if rm_scale not in SCALES:
+            raise RewardError(f"rm_scale {rm_scale!r}: one of {', '.join(SCALES)}")
+        self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(rewards)
         self.timeout_s = float(timeout_s)
         self.penalty = float(penalty)
         self.workers = workers
         self.truncated_correct = truncated_correct
-        self._fns = [fn for _, fn in resolve_all(specs, truncated_correct)]  # fail at start on a bad spec
-        self._problems = _Problems()
+        self.rm_scale = rm_scale
         self._closed = False
         self._pool: WorkerPool | None = None
-        if workers:
-            self._pool = WorkerPool(specs, workers, self.timeout_s, truncated_correct=truncated_correct)
-            self._finalizer = weakref.finalize(self, self._pool.close)
+        self.entries: list[Entry] = build_entries(
+            rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
+            chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model)
+        self.specs = [e.name for e in self.entries]
+        """Each reward's name, in order (the keys of :attr:`RewardResult.per_function`)."""
+        self._problems = _Problems()
+        self._logged: Counter = Counter()
+        self.abandoned_threads = 0
+        in_pool = [e for e in self.entries if e.where == POOL]
+        self._pool_index = {id(e): k for k, e in enumerate(in_pool)}
+        models = [e.model for e in self.entries if e.model is not None]
+        self._finalizer = weakref.finalize(self, _shut_down, None, models)
+        if in_pool:
+            self._pool = WorkerPool([e.source for e in in_pool], workers, [e.timeout_s for e in in_pool],
+                                    truncated_correct=truncated_correct, batched=[e.batched for e in in_pool])
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.specs)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> RewardRunner:
-        """Build from a :class:`nanogrpo.config.RewardsConfig`."""
-        return cls(cfg.functions, cfg.resolved_weights(), cfg.timeout_s, cfg.penalty, cfg.workers,
-                   cfg.truncated_correct)
+    def from_config(cls, cfg: Any, rewards: Sequence[RewardItem] | None = None, *, device: str = "auto",
+                    run_dir: Any = None) -> RewardRunner:
+        """Build from a :class:`nanogrpo.config.RewardsConfig`; ``rewards`` (names, callables, model
+        rewards) replaces ``cfg.functions`` when given, with ``cfg.weights`` still one per entry.
+        ``device``: where a reward model goes when ``rm_device`` is ``auto`` (the trainer's device);
+        ``run_dir``: the run directory (a judge's persistent cache lives there)."""
+        items = list(rewards) if rewards is not None else list(cfg.functions)
+        weights = cfg.weights
+        if weights is not None and len(weights) != len(items):
+            raise RewardError(f"rewards.weights has {len(weights)} entries for {len(items)} rewards")
+        return cls(items, weights, cfg.timeout_s, cfg.penalty, cfg.workers, cfg.truncated_correct,
+                   chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
+                   rm_scale=getattr(cfg, "rm_scale", "none"), make_model=_model_factory(cfg, device, run_dir))
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> RewardRunner:
-        """Start the worker processes now (optional: :meth:`score` starts them when first needed)."""
+        """Start the worker processes and load model rewards now (optional: :meth:`score` does it)."""
         if self._pool is not None:
             self._pool.start()
+        for e in self.entries:
+            if e.model is not None:
+                e.model.start()
         return self
 
     def close(self) -> None:
-        """Stop the workers and log a summary of the run's reward problems, if any. Idempotent."""
+        """Stop the workers, release model rewards, and log a summary of the run's reward problems, if
+        any. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._finalizer()
-        for spec in self.specs:
-            if self._problems.total(spec) > _WARN_LIMIT:
+        self._finalizer()
+        for name in self.specs:
+            if self._problems.total(name) > _WARN_LIMIT:
                 c = self._problems.by_kind
                 log.warning("reward %r over the run: %d raised, %d timed out, %d non-finite (scored %g each)",
-                            spec, c[ERROR][spec], c[TIMEOUT][spec], c[BAD][spec], self.penalty)
+                            name, c[ERROR][name], c[TIMEOUT][name], c[BAD][name], self.penalty)
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -127,45 +191,132 @@ class RewardRunner:
 
     def score(self, completions: Sequence[str], samples: Sequence[dict]) -> RewardResult:
         """Score ``completions[i]`` against ``samples[i]`` (its sample dict: the dataset row, plus
-        ``finish_reason`` when the rollout sets it) with every function."""
+        ``finish_reason`` when the rollout sets it) with every reward."""
         if self._closed:
             raise RuntimeError("RewardRunner.score called after close()")
         if len(completions) != len(samples):
             raise ValueError(f"{len(completions)} completions but {len(samples)} samples")
-        nf = len(self._fns)
-        pairs = enumerate(zip(completions, samples, strict=True))
-        calls: list[Call] = [(i * nf + k, k, c, s) for i, (c, s) in pairs for k in range(nf)]
-        if self._pool is not None:
-            outcomes = self._pool.run(calls)
-        else:
-            outcomes = {cid: call_reward(self._fns[k], c, s) for cid, k, c, s in calls}
-        return self._collect(outcomes, len(completions))
+        completions, samples = list(completions), list(samples)
+        tasks = self._plan(len(completions))
+        results: dict[int, Any] = {}
+        pool_calls: list[Call] = []
+        inline: list[Task] = []
+        for task in tasks:
+            tid, k, rows = task
+            e = self.entries[k]
+            if e.where == POOL:
+                what = ([completions[r] for r in rows], [samples[r] for r in rows]) if e.batched \
+                    else (completions[rows[0]], samples[rows[0]])
+                pool_calls.append((tid, self._pool_index[id(e)], *what))
+            elif e.where == INLINE:
+                inline.append(task)
+        if pool_calls:
+            results.update(self._pool.run(pool_calls))
+        if inline:
+            results.update(self._run_inline(inline, completions, samples))
+        metrics: dict[str, float] = {}
+        for tid, k, _ in tasks:
+            e = self.entries[k]
+            if e.where == MODEL:
+                results[tid] = e.model.score(completions, samples)
+                metrics.update(e.model.metrics())
+        result = self._collect(tasks, results, len(completions))
+        result.metrics = metrics
+        return result
 
     def score_one(self, completion: str, sample: dict) -> float:
         """Weighted total reward of a single completion."""
         return self.score([completion], [sample]).total[0]
 
-    def _collect(self, outcomes: dict[int, Outcome], n: int) -> RewardResult:
-        nf = len(self._fns)
-        per = {spec: [0.0] * n for spec in self.specs}
-        counts: Counter = Counter()
-        for i in range(n):
-            for k, spec in enumerate(self.specs):
-                kind, value = outcomes[i * nf + k]
-                if kind != OK:
-                    counts[kind] += 1
-                    self._report(spec, i, kind, value)
-                    value = self.penalty
-                per[spec][i] = value
-        total = [sum(w * per[s][i] for s, w in zip(self.specs, self.weights, strict=True)) for i in range(n)]
-        return RewardResult(total, per, counts[ERROR], counts[TIMEOUT], counts[BAD])
+    def _plan(self, n: int) -> list[Task]:
+        tasks: list[Task] = []
+        for k, e in enumerate(self.entries):
+            if e.where == MODEL:
+                tasks.append((len(tasks), k, list(range(n))))
+                continue
+            size = (e.chunk_size or n) if e.batched else 1
+            for start in range(0, n, max(size, 1)):
+                tasks.append((len(tasks), k, list(range(start, min(start + size, n)))))
+        return tasks
 
-    def _report(self, spec: str, item: int, kind: str, reason: str) -> None:
-        self._problems.by_kind[kind][spec] += 1
-        seen = self._problems.total(spec)
-        if seen > _WARN_LIMIT:
-            return
-        what = {ERROR: "raised", TIMEOUT: "timed out", BAD: "gave a non-finite value"}[kind]
-        more = "; further problems with this reward are counted, not logged" if seen == _WARN_LIMIT else ""
-        log.warning("reward %r %s on batch item %d (%s): scored %g%s",
-                    spec, what, item, reason, self.penalty, more)
+    def _run_inline(self, tasks: list[Task], completions: list[str], samples: list[dict]) -> dict[int, Any]:
+        def thunk(e: Entry, rows: list[int]) -> Callable[[], Any]:
+            if e.batched:
+                return lambda: call_batch(e.fn, [completions[r] for r in rows], [samples[r] for r in rows])
+            return lambda: call_reward(e.fn, completions[rows[0]], samples[rows[0]])
+
+        calls = [(tid, thunk(self.entries[k], rows), self.entries[k].timeout_s) for tid, k, rows in tasks]
+        if not self.workers:  # rewards.workers=0: plain calls, no thread, no deadline
+            return {tid: fn() for tid, fn, _ in calls}
+        results, abandoned = run_inline(calls)
+        self.abandoned_threads += abandoned
+        return results
+
+    def _collect(self, tasks: list[Task], results: dict[int, Any], n: int) -> RewardResult:
+        per = {name: [0.0] * n for name in self.specs}
+        ok = {name: [False] * n for name in self.specs}
+        counts: Counter = Counter()
+        by_fn: Counter = Counter()
+        for tid, k, rows in tasks:
+            name = self.specs[k]
+            res = results[tid]
+            outs: list[Outcome] = res if isinstance(res, list) else [res] * len(rows)
+            failed: dict[str, list[tuple[int, str]]] = {}
+            for r, (kind, value) in zip(rows, outs, strict=True):
+                if kind == OK:
+                    per[name][r], ok[name][r] = value, True
+                else:
+                    failed.setdefault(kind, []).append((r, value))
+                    per[name][r] = self.penalty
+            for kind, bad in failed.items():
+                counts[kind] += len(bad)
+                by_fn[name] += len(bad)
+                self._report(name, kind, bad, whole=not isinstance(res, list) and len(rows) > 1)
+        for e in self.entries:
+            if e.where == MODEL and self.rm_scale == "zscore" and getattr(e.model, "scalable", False):
+                _zscore(per[e.name], ok[e.name])
+        total = [sum(w * per[s][i] for s, w in zip(self.specs, self.weights, strict=True)) for i in range(n)]
+        return RewardResult(total, per, counts[ERROR], counts[TIMEOUT], counts[BAD],
+                            {name: by_fn[name] for name in self.specs})
+
+    def _report(self, name: str, kind: str, bad: list[tuple[int, str]], whole: bool) -> None:
+        """Count ``bad`` (rows, reasons) of one call (``whole``: one batched call's failure covering its
+        rows) or of a batch's per-completion calls, and log the first few messages per reward."""
+        self._problems.by_kind[kind][name] += len(bad)
+        what = {ERROR: "raised", TIMEOUT: "timed out", BAD: "gave no finite number"}[kind]
+        if whole:
+            lines = [(f"on a call over batch items {bad[0][0]}-{bad[-1][0]} ({len(bad)} rows)", bad[0][1])]
+        else:
+            lines = [(f"on batch item {r}", reason) for r, reason in bad]
+        for where, reason in lines:
+            self._logged[name] += 1
+            if self._logged[name] > _WARN_LIMIT:
+                return
+            more = "; further problems with this reward are counted, not logged" \
+                if self._logged[name] == _WARN_LIMIT else ""
+            log.warning("reward %r %s %s (%s): scored %g%s", name, what, where, reason, self.penalty, more)
+
+
+def _zscore(values: list[float], ok: list[bool]) -> None:
+    """In place: the rows scored (``ok``) become ``(v - mean) / std`` over those rows (std 0: 0)."""
+    idx = [i for i, good in enumerate(ok) if good]
+    if not idx:
+        return
+    mean = statistics.fmean(values[i] for i in idx)
+    std = statistics.pstdev([values[i] for i in idx]) if len(idx) > 1 else 0.0
+    for i in idx:
+        values[i] = (values[i] - mean) / std if std > 1e-12 and math.isfinite(std) else 0.0
+
+
+def _shut_down(pool: WorkerPool | None, models: list[ModelReward]) -> None:
+    if pool is not None:
+        pool.close()
+    for m in models:
+        m.close()
+
+
+def _model_factory(cfg: Any, device: str, run_dir: Any) -> Callable[[str], ModelReward]:
+    def make(spec: str) -> ModelReward:
+        raise RewardError(f"reward {spec!r}: model rewards (rm:, judge:) are not available in this build")
+
+    return make

@@ -41,14 +41,21 @@ class RolloutStats:
     reward_timeouts: int = 0
     reward_non_finite: int = 0
     reward_by_function: dict[str, float] = field(default_factory=dict)
+    reward_failures_by_function: dict[str, int] = field(default_factory=dict)
+    """Rows each reward scored the penalty (raised, timed out, non-finite, unreadable judge reply)."""
+    reward_model_metrics: dict[str, float] = field(default_factory=dict)
+    """Model rewards' figures (``judge/…``, ``rm/…``), :attr:`nanogrpo.rewards.RewardResult.metrics`."""
     tool_metrics: dict[str, float] = field(default_factory=dict)
     """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         out = {k: v for k, v in self.__dict__.items()
-               if k not in ("examples", "reward_by_function", "tool_metrics")}
+               if k not in ("examples", "reward_by_function", "reward_failures_by_function",
+                            "reward_model_metrics", "tool_metrics")}
         out.update({f"reward/{k}": v for k, v in self.reward_by_function.items()})
+        out.update({f"reward/{k}/failures": v for k, v in self.reward_failures_by_function.items()})
+        out.update(self.reward_model_metrics)
         out.update(self.tool_metrics)
         return out
 
@@ -138,6 +145,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.reward_failures, stats.reward_timeouts = scored.failures, scored.timeouts
     stats.reward_non_finite = scored.non_finite
     stats.reward_by_function = {k: statistics.fmean(v) for k, v in scored.per_function.items()}
+    stats.reward_failures_by_function = dict(scored.failures_by_function)
+    stats.reward_model_metrics = dict(scored.metrics)
     stats.examples = [{"question": samples[i]["question"], "completion": texts[i], "reward": scored.total[i],
                        **{k: v[i] for k, v in scored.per_function.items()}}
                       for i in range(min(keep_examples, len(texts)))]
