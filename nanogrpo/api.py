@@ -18,7 +18,11 @@
   The rows are written into the run directory (``RUN/data/``) and ``data.source`` points there,
   so the run resumes, and evaluates, from the command line too.
 - ``rewards``: reward names (built-ins, ``module:function``) and Python callables
-  ``fn(completion, sample) -> float``.
+  ``fn(completion, sample) -> float`` (lambdas and closures too, batched ones too:
+  :mod:`nanogrpo.rewards.entries`): sent to the reward worker processes pickled, or, when they
+  cannot be pickled, run in this process with the same timeout and penalty, said in one line.
+  A script (not a notebook) puts its calls under ``if __name__ == "__main__":``: the workers
+  start by spawn, which runs the script again in each.
 - ``tools``: a tool (``"python"``, ``module:function``) or a dict of ``tools`` settings.
 
 Nothing here imports torch until a function runs (``import nanogrpo`` stays cheap), and a model
@@ -32,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +45,12 @@ from typing import Any
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, Overrides, config_from
 from nanogrpo.console import screen
-from nanogrpo.errors import ConfigError, DataError, RewardError, ToolError
+from nanogrpo.errors import ConfigError, DataError, ToolError
 
 __all__ = ["Config", "Run", "evaluate", "load_checkpoint", "train"]
 
 log = logging.getLogger("nanogrpo")
+
 
 @dataclass(frozen=True)
 class Run:
@@ -132,7 +138,7 @@ def _is_rows(value: Any) -> bool:
 
 def _raw_rows(data: Any, what: str) -> list[dict]:
     """The rows of an in-memory dataset, as a list (a DataFrame by records)."""
-    if hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame
+    if type(data).__module__.startswith("pandas") and hasattr(data, "to_dict"):  # a DataFrame: by rows
         data = data.to_dict("records")
     if not _is_rows(data):
         raise DataError(f"{what}: expected rows (a list of dicts, an HF Dataset), a dict of splits or a data "
@@ -216,17 +222,31 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
 # ----------------------------------------------------------------------------- rewards and tools
 
 
-def _rewards(cfg: Config, rewards: Any) -> tuple[Config, Any]:
-    """The config's ``rewards.functions`` replaced by ``rewards`` (names); the runner to use (None:
-    the config's)."""
+def _rewards(cfg: Config, rewards: Any, run_dir: Path | None = None) -> tuple[Config, Any]:
+    """The config's ``rewards.functions`` replaced by ``rewards`` (names and callables); the runner
+    to use when callables are among them (None: the trainer builds it from the config). The config
+    records each callable by its name (``__name__``; a lambda is ``lambda``)."""
     if rewards is None:
         return cfg, None
     items = [rewards] if isinstance(rewards, str) or callable(rewards) else list(rewards)
-    bad = [r for r in items if not isinstance(r, str)]
-    if bad:
-        raise RewardError(f"rewards: {bad[0]!r} is not a reward name ('correctness', 'module:function', "
-                          "'path/to/file.py:function')")
-    return cfg.with_overrides({"rewards.functions": items}), None
+    if all(isinstance(r, str) for r in items):
+        return cfg.with_overrides({"rewards.functions": items}), None
+    from nanogrpo.rewards import RewardRunner
+
+    runner = RewardRunner.from_config(cfg.rewards, rewards=items, run_dir=run_dir)  # one line per callable
+    return cfg.with_overrides({"rewards.functions": list(runner.specs)}), runner
+
+
+def _not_in_a_spawned_copy(what: str) -> None:
+    """Refuse to run from the top level of a script that a spawned process (a reward worker) is
+    running again: without ``if __name__ == "__main__":`` every worker would start a run of its own."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise SystemExit(f"nanogrpo: error: nanogrpo.{what}() called again in a process started by "
+                             "spawn (a reward worker): the script that calls it re-runs in each one; put the "
+                             "call under `if __name__ == \"__main__\":`")
+        frame = frame.f_back
 
 
 def _tools(cfg: Config, tools: Any) -> Config:
@@ -258,12 +278,13 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
     or with ``resume`` the run's own config). ``resume``: a run directory to continue from its last
     checkpoint (with the same ``rewards`` and ``dataset`` as it started with). See the module
     docstring for ``rewards``, ``dataset``, ``eval_dataset`` and ``tools``."""
+    _not_in_a_spawned_copy("train")
     with screen(verbose):
         cfg = run_config(resume) if config is None and resume is not None else as_config(config)
         cfg = _tools(cfg, tools)
         root = Path(resume or cfg.train.out)
         data = _data(cfg, dataset, eval_dataset, root)
-        cfg, runner = _rewards(data.cfg, rewards)
+        cfg, runner = _rewards(data.cfg, rewards, root)
         try:
             from nanogrpo.models.source import check_model_source
 
@@ -299,6 +320,7 @@ def evaluate(model: str | os.PathLike | Run, *,
     them (default: all the rows given, else ``eval.n``). ``out``: also write the summary JSON there,
     and per-sample records beside it.
     """
+    _not_in_a_spawned_copy("evaluate")
     with screen(verbose):
         path = _checkpoint_path(model)
         overrides = _override_list(overrides) + [f"model.path={json.dumps(str(path))}"]

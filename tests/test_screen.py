@@ -123,3 +123,12 @@ def test_the_demo_screen_is_quiet_and_v_brings_the_bars_back(tmp_path):
 
     loud = _lines((lambda o: o.stdout + o.stderr)(_train(tmp_path / "loud", "-v")))
     assert any("Loading weights" in ln for ln in loud) and any("Writing model shards" in ln for ln in loud)
+
+
+def test_v_before_or_after_the_subcommand():
+    from nanogrpo.cli import build_parser
+
+    ap = build_parser()
+    assert ap.parse_args(["-v", "train"]).verbose and ap.parse_args(["train", "-v"]).verbose
+    assert ap.parse_args(["eval", "--model", "m", "--verbose"]).verbose
+    assert not ap.parse_args(["train"]).verbose
