@@ -74,6 +74,7 @@ def test_bad_input_fails_at_start_in_one_line(tmp_path, kwargs, error, says):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # imports datasets and pandas
 def test_datasets_come_as_lists_hf_datasets_dataframes_and_splits(tmp_path):
     import datasets
     import pandas
