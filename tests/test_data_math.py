@@ -244,8 +244,8 @@ def _math_file(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_two_step_run_on_a_math_shaped_file_with_the_r1_prompt(tmp_path) -> None:
-    from nanogrpo.train.metrics import read_metrics
-    from nanogrpo.train.trainer import prepare, train
+    from nanogrpo.training.metrics import read_metrics
+    from nanogrpo.training.trainer import prepare, train
 
     cfg = load_config(preset="demo", overrides=[
         f"data.source={json.dumps(str(_math_file(tmp_path)))}", "data.question_field=problem",
@@ -289,7 +289,7 @@ def test_math_configs_train_on_competition_math_and_hold_out_math500() -> None:
 def test_math_config_trains_end_to_end_on_local_files(path, tmp_path) -> None:
     from nanogrpo.cli import main
     from nanogrpo.models.tiny import make_model, make_tokenizer
-    from nanogrpo.train.metrics import read_metrics
+    from nanogrpo.training.metrics import read_metrics
 
     tok = make_tokenizer()
     make_model("tiny", tok, seed=1).save_pretrained(tmp_path / "model")

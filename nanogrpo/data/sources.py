@@ -226,3 +226,10 @@ def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, 
     """The held-out problems: ``split`` (default ``cfg.eval_split``) of ``cfg.eval_source``, else of
     ``cfg.source``."""
     return load_rows(cfg, split or cfg.eval_split, cfg.eval_source)
+
+
+def samples_from(rows: list[dict[str, Any]], cfg: DataConfig, origin: str) -> list[dict[str, Any]]:
+    """Samples from rows already in memory (the public API's ``dataset``), checked as a file's are."""
+    return normalize_rows(rows, origin=origin, question_field=cfg.question_field,
+                          answer_field=cfg.answer_field, answer_delimiter=cfg.answer_delimiter,
+                          answer_from=cfg.answer_from)
