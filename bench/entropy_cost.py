@@ -1,6 +1,6 @@
 """What logging the policy's entropy costs the update step.
 
-The update step (``nanogrpo.train.step.policy_update``: lean log-probs, the GRPO loss, backward,
+The update step (``nanogrpo.training.step.policy_update``: lean log-probs, the GRPO loss, backward,
 AdamW) on a random-init model of a named shape, timed with the per-token entropy computed in the
 same chunked pass as the log-probs (what every step now does) and with it switched off (the pass
 as it was: ``token_stats(entropy="none")``), alternating A/B/A/B so that both see the same machine
@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    import nanogrpo.train.step as step
+    import nanogrpo.training.step as step
     from bench.backend_step import make_batch
     from nanogrpo.config import Config
     from nanogrpo.models.tiny import make_model
-    from nanogrpo.train.distributed import Backend
+    from nanogrpo.training.distributed import Backend
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

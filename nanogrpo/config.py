@@ -17,9 +17,10 @@ import difflib
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -48,6 +49,19 @@ SEED_SYSTEM_PROMPT = (
     "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
     "</think><answer> answer here </answer>."
 )
+
+
+R1_BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+PROMPT_TEMPLATES: dict[str, dict[str, str]] = {
+    "think_answer": {"system_prompt": SEED_SYSTEM_PROMPT, "user_template": "{question}"},
+    "r1_boxed": {"system_prompt": "", "user_template": "{question}\n" + R1_BOXED_INSTRUCTION},
+    "boxed_system": {"system_prompt": R1_BOXED_INSTRUCTION, "user_template": "{question}"},
+}
+"""Ready prompts (``data.prompt_template``): the seed's think/answer system prompt; DeepSeek-R1's
+recommendation (no system prompt, the instruction after the question; reward with ``format_boxed``);
+Qwen2.5-Math's (the same instruction as the system prompt)."""
+RUN_CONFIG_FILE = "config.yaml"
+"""A run directory's resolved config (written at start; ``--resume`` reads it back)."""
 
 
 class _Strict(BaseModel):
@@ -86,16 +100,33 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     source: str = "gsm8k"
-    """A preset (``gsm8k``, ``arithmetic``, ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or
-    ``hf:NAME``."""
+    """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
+    ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
     split: str = "train"
     eval_split: str = "test"
+    eval_source: str | None = None
+    """Where held-out problems come from, as ``source`` (e.g. train on ``math``, evaluate on
+    ``math500``); None: ``source``."""
     question_field: str = "question"
     answer_field: str = "answer"
+    """Fields of files and ``hf:`` datasets (presets know their own)."""
+    answer_from: Literal["auto", "column", "boxed", "delimiter"] = "auto"
+    """Where the reference is in the answer field: ``column``: all of it (MATH-500's ``answer``,
+    AIME's integer); ``boxed``: the last ``\\boxed{…}`` of a full solution (MATH's ``solution``);
+    ``delimiter``: after the last ``answer_delimiter`` (GSM8K's ``####``); ``auto``: ``boxed`` when
+    the field holds a ``\\boxed{``, else ``delimiter`` when it holds the delimiter, else ``column``.
+    A row without what the mode needs is an error naming the row, at start."""
     answer_delimiter: str | None = None
-    """When set, the reference answer is the text after the last occurrence (GSM8K: ``####``)."""
+    """The delimiter of ``answer_from=delimiter``; None: ``####``."""
     hf_config: str | None = None
+    prompt_template: str | None = None
+    """A ready prompt by name (``think_answer``, ``r1_boxed``, ``boxed_system``: see
+    ``PROMPT_TEMPLATES``); it sets ``system_prompt`` and ``user_template``, which then are not set
+    by hand."""
     system_prompt: str = SEED_SYSTEM_PROMPT
+    user_template: str = "{question}"
+    """The user turn: ``{question}`` is replaced by the question (``"{question}\\nPlease reason step by
+    step, and put your final answer within \\boxed{}."``; other braces are kept as written)."""
     few_shot: list[dict[str, str]] = Field(default_factory=list)
     """Worked examples (``question``/``answer``) rendered as earlier chat turns."""
     max_prompt_tokens: int = Field(400, gt=0)
@@ -103,6 +134,30 @@ class DataConfig(_Strict):
     arithmetic_train_size: int = Field(20000, gt=0)
     arithmetic_eval_size: int = Field(500, gt=0)
     """Rows of the synthetic tasks (``arithmetic``, ``multidigit``): the train split and the held-out one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_prompt_template(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("prompt_template") is None:
+            return data
+        name = data["prompt_template"]
+        if name not in PROMPT_TEMPLATES:
+            raise ValueError(f"unknown prompt template {name!r} (ready ones: {', '.join(PROMPT_TEMPLATES)})")
+        data = dict(data)
+        for key, value in PROMPT_TEMPLATES[name].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"data.prompt_template={name} sets data.{key}; drop one of the two")
+            data[key] = value
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if "{question}" not in self.user_template:
+            raise ValueError("data.user_template must contain {question}, where the question goes")
+        if self.answer_delimiter is not None and self.answer_from in ("column", "boxed"):
+            raise ValueError(f"data.answer_delimiter is read with data.answer_from=delimiter (or auto), "
+                             f"not {self.answer_from}")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -385,7 +440,7 @@ class TrainConfig(_Strict):
     share_prefix: bool = True
     """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
     samples read its keys/values); same log-probs and gradients. Not applied under gradient
-    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.train.distributed``)."""
+    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.training.distributed``)."""
     autocast: bool = False
     """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
     optimizer_offload: bool = False
@@ -498,6 +553,27 @@ class Config(_Strict):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def load(cls, source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+        """From a TOML/YAML/JSON file or the name of a shipped preset (``demo``, ``demo-tools``);
+        None: the demo preset, as ``nanogrpo train`` with no ``--config``. ``overrides`` as on the
+        command line (``["train.steps=2"]``) or as a dict (``{"train.steps": 2}``)."""
+        return config_from(source, overrides)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], overrides: Overrides = ()) -> Config:
+        """From nested sections (``{"train": {"steps": 2}}``; dotted keys, ``{"train.steps": 2}``, too)
+        over the defaults (the seed's), then ``overrides``; checked like a file (unknown keys and bad
+        values are a :class:`ConfigError`)."""
+        sections = _copy_sections({k: v for k, v in data.items() if "." not in str(k)}, "the dict")
+        _apply_overrides(sections, {k: v for k, v in data.items() if "." in str(k)})
+        return _validate(_apply_overrides(sections, overrides),
+                         "a dict" + (" + overrides" if overrides else ""))
+
+    def with_overrides(self, overrides: Overrides) -> Config:
+        """A new config: this one with ``overrides`` applied (this one is left as it is)."""
+        return Config.from_dict(self.to_dict(), overrides)
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -545,9 +621,15 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
 
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to a nested dict, in place."""
-    if "=" not in item:
+    if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
+    set_key(data, key, _parse_value(raw), item)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:
+    """Set ``section.key`` of a nested dict to ``value``, in place (``item`` names it in errors)."""
+    item = item if item is not None else f"{key}={value!r}"
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04)")
@@ -562,7 +644,34 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     data.setdefault(section, {})
     if not isinstance(data[section], dict):
         raise ConfigError(f"config section {section!r} must be a table")
-    data[section][name] = _parse_value(raw)
+    data[section][name] = value
+
+
+Overrides = Union[Sequence[str], Mapping[str, Any]]
+"""``["section.key=value", ...]`` (values read as YAML, as on the command line) or
+``{"section.key": value}`` (values taken as they are)."""
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Overrides | None) -> dict[str, Any]:
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(data, str(key), value)
+    elif isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a dict, not the "
+                          f"string {overrides!r}")
+    else:
+        for item in overrides or ():
+            apply_override(data, item)
+    return data
+
+
+def _copy_sections(data: Any, origin: str) -> dict[str, Any]:
+    """A copy of ``data`` deep enough that overrides do not write into the caller's dicts."""
+    if isinstance(data, Config):
+        return data.to_dict()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config from {origin}: expected a mapping of sections, got {type(data).__name__}")
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 def _format_validation_error(e: ValidationError, origin: str) -> str:
@@ -586,7 +695,7 @@ def _format_validation_error(e: ValidationError, origin: str) -> str:
     return f"bad config value for {loc!r} in {origin}: {msg}{more}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def load_config(path: str | Path | None = None, overrides: Overrides | None = None,
                 preset: str | None = None) -> Config:
     """Build a validated :class:`Config` from an optional preset, file and overrides."""
     data: dict[str, Any] = {}
@@ -602,15 +711,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 data[section] = values
         origins.append(str(path))
-    for item in overrides or []:
-        apply_override(data, item)
+    _apply_overrides(data, overrides)
     if overrides:
-        origins.append("command-line overrides")
-    origin = " + ".join(origins) or "defaults"
+        origins.append("overrides")
+    return _validate(data, " + ".join(origins) or "defaults")
+
+
+def _validate(data: dict[str, Any], origin: str) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, origin)) from None
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped inside the package."""
+    return sorted(p.name[:-5] for p in resources.files("nanogrpo").joinpath("presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+    """The config a command starts from: ``source`` is a TOML/YAML/JSON file or, when no such file
+    exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
+    if source is None:
+        return load_config(preset="demo", overrides=overrides)
+    if not Path(source).exists() and preset_path(str(source)).is_file():
+        return load_config(preset=str(source), overrides=overrides)
+    return load_config(source, overrides)
 
 
 def save_config(cfg: Config, path: Path) -> None:

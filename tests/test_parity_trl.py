@@ -15,7 +15,7 @@ and its gradient) is TRL's code. One case runs TRL's own kernel unchanged, withi
 precision (:func:`test_trls_own_float32_kernel_agrees_to_its_precision`). Likewise Qwen2's RMSNorm
 normalises in float32 whatever its input, which would leave every forward (TRL's and nanogrpo's, on
 different batch shapes) at float32 rounding: in this module it keeps its input's dtype.
-nanogrpo's :func:`~nanogrpo.train.step.policy_update` then runs on a model with the same weights
+nanogrpo's :func:`~nanogrpo.training.step.policy_update` then runs on a model with the same weights
 and a batch holding the same tensors (in two micro-batches, where TRL takes one); the loss and every
 parameter's gradient must agree within 1e-6 relative. Off-policy cases perturb the weights between
 generation and the update, so the ratio moves off 1 and the clip binds both ways (checked); one
@@ -51,8 +51,8 @@ from nanogrpo.batch import RolloutBatch  # noqa: E402
 from nanogrpo.config import load_config  # noqa: E402
 from nanogrpo.models.tiny import make_model, make_tokenizer  # noqa: E402
 from nanogrpo.rollout.collect import batch_advantages  # noqa: E402
-from nanogrpo.train.distributed import Backend  # noqa: E402
-from nanogrpo.train.step import batch_logprobs, policy_update  # noqa: E402
+from nanogrpo.training.distributed import Backend  # noqa: E402
+from nanogrpo.training.step import batch_logprobs, policy_update  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from nanogrpo.algo.losses import LOSSES
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import load_config
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.distributed import Backend
-from nanogrpo.train.step import batch_logprobs, policy_update, step_metrics
+from nanogrpo.training.distributed import Backend
+from nanogrpo.training.step import batch_logprobs, policy_update, step_metrics
 
 TOK = make_tokenizer()
 

@@ -208,7 +208,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                   entropy_coef: float | None = None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
-    ``backend`` (a :class:`nanogrpo.train.distributed.Backend`) owns the wrapped model, the
+    ``backend`` (a :class:`nanogrpo.training.distributed.Backend`) owns the wrapped model, the
     backward pass and the optimizer step; None means one process with ``model`` and ``optimizer``.
     Under several ranks ``batch`` is this rank's share (None if it has no rows).
     ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
@@ -222,7 +222,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     ``entropy_coef``: the entropy-bonus coefficient of this step (``EntropyControl.applied()``); None:
     ``grpo.entropy_coef``.
     """
-    from nanogrpo.train.distributed import SingleBackend
+    from nanogrpo.training.distributed import SingleBackend
 
     be = backend if backend is not None else SingleBackend(model, optimizer)
     fwd = be.model
