@@ -5,7 +5,8 @@ AdamW) on a random-init model of a named shape, timed with the per-token entropy
 same chunked pass as the log-probs (what every step now does) and with it switched off (the pass
 as it was: ``token_stats(entropy="none")``), alternating A/B/A/B so that both see the same machine
 load; then the same with the entropy bonus on (``grpo.entropy_coef``: the entropy's gradient too).
-Prints one JSON line: median step seconds of each, the overhead in percent.
+Prints one JSON line: median step seconds of each (wall clock, and the process's CPU time, which a
+shared machine's load disturbs far less at one thread), the overhead in percent.
 
     python bench/entropy_cost.py --shape qwen2.5-0.5b --rows 8 --len 128 --threads 2
     python bench/entropy_cost.py --shape small --rows 32 --len 64            # the demo-sized model
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     def no_entropy(*args, entropy="none", **kw):
         return stats(*args, entropy="none", **kw)
 
-    def run(variant: str) -> float:
+    def run(variant: str) -> tuple[float, float]:
         coef = 0.01 if variant == "bonus" else 0.0
         cfg = Config.model_validate({"grpo": {"beta": 0.04, "entropy_coef": coef},
                                      "rollout": {"max_new_tokens": a.len}})
@@ -64,26 +65,31 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step.policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True,
                                max_new_tokens=a.len, backend=be)
             if cuda:
                 torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
         finally:
             step.token_stats = stats
 
-    times: dict[str, list[float]] = {"off": [], "on": [], "bonus": []}
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": [], "bonus": []}
     for _ in range(a.rounds):
         for v in times:
             times[v].append(run(v))
-    med = {v: statistics.median(t[1:] or t) for v, t in times.items()}
+    med = {v: statistics.median(w for w, _ in t[1:] or t) for v, t in times.items()}
+    cpu = {v: statistics.median(c for _, c in t[1:] or t) for v, t in times.items()}
     print(json.dumps({
         "shape": a.shape, "rows": a.rows, "len": a.len, "prompt": a.prompt, "vocab": model.config.vocab_size,
         "step_s_median": {v: round(t, 4) for v, t in med.items()},
+        "step_cpu_s_median": {v: round(t, 4) for v, t in cpu.items()},
         "entropy_logging_overhead_pct": round(100 * (med["on"] / med["off"] - 1), 2),
         "entropy_bonus_overhead_pct": round(100 * (med["bonus"] / med["off"] - 1), 2),
-        "step_s": {v: [round(x, 4) for x in t] for v, t in times.items()},
+        "entropy_logging_overhead_cpu_pct": round(100 * (cpu["on"] / cpu["off"] - 1), 2),
+        "entropy_bonus_overhead_cpu_pct": round(100 * (cpu["bonus"] / cpu["off"] - 1), 2),
+        "step_s": {v: [round(w, 4) for w, _ in t] for v, t in times.items()},
+        "step_cpu_s": {v: [round(c, 4) for _, c in t] for v, t in times.items()},
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "date": datetime.date.today().isoformat()}))
