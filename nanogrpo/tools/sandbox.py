@@ -29,8 +29,8 @@ What is guaranteed (Linux), whatever the code does:
   ``file_mb``, 64 open files, no core dumps, and ``RLIMIT_NPROC = 0``: no new process or
   thread (a fork bomb stops at the first fork). Linux exempts root from ``RLIMIT_NPROC``, hence:
 - **privileges dropped**: when the trainer runs as root, each call's process switches to
-  uid/gid 65534 (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``; in a
-  user namespace (not root) it gives up the capabilities the namespace granted;
+  uid/gid 65534 (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``; and it
+  gives up every capability (those a user namespace grants its creator included);
 - **no environment**: ``os.environ`` holds only ``PATH``, ``LANG``, ``OMP_NUM_THREADS``,
   ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` (and ``HOME``/``TMPDIR``: its directory);
   ``python -I`` ignores ``PYTHON*`` variables and the user site directory; no descriptor but
