@@ -17,9 +17,10 @@ import difflib
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -38,6 +39,10 @@ SEED_SYSTEM_PROMPT = (
     "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
     "</think><answer> answer here </answer>."
 )
+
+
+RUN_CONFIG_FILE = "config.yaml"
+"""A run directory's resolved config (written at start; ``--resume`` reads it back)."""
 
 
 class _Strict(BaseModel):
@@ -254,7 +259,7 @@ class TrainConfig(_Strict):
     share_prefix: bool = True
     """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
     samples read its keys/values); same log-probs and gradients. Not applied under gradient
-    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.train.distributed``)."""
+    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.training.distributed``)."""
     autocast: bool = False
     """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
     optimizer_offload: bool = False
@@ -367,6 +372,27 @@ class Config(_Strict):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def load(cls, source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+        """From a TOML/YAML/JSON file or the name of a shipped preset (``demo``, ``demo-tools``);
+        None: the demo preset, as ``nanogrpo train`` with no ``--config``. ``overrides`` as on the
+        command line (``["train.steps=2"]``) or as a dict (``{"train.steps": 2}``)."""
+        return config_from(source, overrides)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], overrides: Overrides = ()) -> Config:
+        """From nested sections (``{"train": {"steps": 2}}``; dotted keys, ``{"train.steps": 2}``, too)
+        over the defaults (the seed's), then ``overrides``; checked like a file (unknown keys and bad
+        values are a :class:`ConfigError`)."""
+        sections = _copy_sections({k: v for k, v in data.items() if "." not in str(k)}, "the dict")
+        _apply_overrides(sections, {k: v for k, v in data.items() if "." in str(k)})
+        return _validate(_apply_overrides(sections, overrides),
+                         "a dict" + (" + overrides" if overrides else ""))
+
+    def with_overrides(self, overrides: Overrides) -> Config:
+        """A new config: this one with ``overrides`` applied (this one is left as it is)."""
+        return Config.from_dict(self.to_dict(), overrides)
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -414,9 +440,15 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
 
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to a nested dict, in place."""
-    if "=" not in item:
+    if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
+    set_key(data, key, _parse_value(raw), item)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:
+    """Set ``section.key`` of a nested dict to ``value``, in place (``item`` names it in errors)."""
+    item = item if item is not None else f"{key}={value!r}"
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04)")
@@ -431,7 +463,34 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     data.setdefault(section, {})
     if not isinstance(data[section], dict):
         raise ConfigError(f"config section {section!r} must be a table")
-    data[section][name] = _parse_value(raw)
+    data[section][name] = value
+
+
+Overrides = Union[Sequence[str], Mapping[str, Any]]
+"""``["section.key=value", ...]`` (values read as YAML, as on the command line) or
+``{"section.key": value}`` (values taken as they are)."""
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Overrides | None) -> dict[str, Any]:
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(data, str(key), value)
+    elif isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a dict, not the "
+                          f"string {overrides!r}")
+    else:
+        for item in overrides or ():
+            apply_override(data, item)
+    return data
+
+
+def _copy_sections(data: Any, origin: str) -> dict[str, Any]:
+    """A copy of ``data`` deep enough that overrides do not write into the caller's dicts."""
+    if isinstance(data, Config):
+        return data.to_dict()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config from {origin}: expected a mapping of sections, got {type(data).__name__}")
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 def _format_validation_error(e: ValidationError, origin: str) -> str:
@@ -453,7 +512,7 @@ def _format_validation_error(e: ValidationError, origin: str) -> str:
     return f"bad config value for {loc!r} in {origin}: {msg}{more}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def load_config(path: str | Path | None = None, overrides: Overrides | None = None,
                 preset: str | None = None) -> Config:
     """Build a validated :class:`Config` from an optional preset, file and overrides."""
     data: dict[str, Any] = {}
@@ -469,15 +528,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 data[section] = values
         origins.append(str(path))
-    for item in overrides or []:
-        apply_override(data, item)
+    _apply_overrides(data, overrides)
     if overrides:
-        origins.append("command-line overrides")
-    origin = " + ".join(origins) or "defaults"
+        origins.append("overrides")
+    return _validate(data, " + ".join(origins) or "defaults")
+
+
+def _validate(data: dict[str, Any], origin: str) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, origin)) from None
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped inside the package."""
+    return sorted(p.name[:-5] for p in resources.files("nanogrpo").joinpath("presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+    """The config a command starts from: ``source`` is a TOML/YAML/JSON file or, when no such file
+    exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
+    if source is None:
+        return load_config(preset="demo", overrides=overrides)
+    if not Path(source).exists() and preset_path(str(source)).is_file():
+        return load_config(preset=str(source), overrides=overrides)
+    return load_config(source, overrides)
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -66,8 +66,8 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["NANOGRPO_HANG_DUMP"]), exit=True)
-    from nanogrpo.train.distributed import close_distributed, init_distributed, make_backend
-    from nanogrpo.train.step import policy_update
+    from nanogrpo.training.distributed import close_distributed, init_distributed, make_backend
+    from nanogrpo.training.step import policy_update
 
     cfg = make_cfg(a.backend, a.stage)
     rank, world = init_distributed(a.backend)

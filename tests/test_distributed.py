@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.distributed import make_backend
-from nanogrpo.train.step import policy_update
+from nanogrpo.training.distributed import make_backend
+from nanogrpo.training.step import policy_update
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import make_batch, make_cfg  # noqa: E402
@@ -161,7 +161,7 @@ def test_token_budget_micro_batches_sum_to_full_batch_loss():
 
 
 def test_micro_batch_indices_respect_token_budget():
-    from nanogrpo.train.step import micro_batch_indices
+    from nanogrpo.training.step import micro_batch_indices
 
     batch = make_batch(103, n=16)
     mbs = micro_batch_indices(batch, 5, 40)
@@ -175,7 +175,7 @@ def test_micro_batch_indices_respect_token_budget():
 
 def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing():
     from nanogrpo.batch import RolloutBatch
-    from nanogrpo.train.step import _forward_tokens, micro_batch_indices
+    from nanogrpo.training.step import _forward_tokens, micro_batch_indices
 
     # 3 groups of 4 rows, a 40-token prompt each, completions 2..12 tokens spread inside every group
     n, p, c = 12, 40, 12
@@ -251,7 +251,7 @@ def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request)
 @pytest.mark.slow
 def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
     """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""
-    from nanogrpo.train.metrics import read_metrics
+    from nanogrpo.training.metrics import read_metrics
     from tests.run_fixtures import write_tiny_run_assets
 
     write_tiny_run_assets(tmp_path)

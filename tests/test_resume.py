@@ -60,7 +60,7 @@ def test_resume_in_halves_is_exact(assets, straight, capsys):
     out = assets / "halves"
     assert main(_args(assets, out, 3)) == 0
     assert main(_resume_args(out, 6)) == 0
-    assert "resuming" in capsys.readouterr().out
+    assert "resuming" in capsys.readouterr().err  # an INFO line
     assert _comparable(out) == straight
     samples = [json.loads(x)["step"] for x in (out / "samples.jsonl").read_text().splitlines()]
     assert samples == sorted(samples) and set(samples) == {1, 2, 3, 4, 5, 6}
@@ -72,7 +72,7 @@ def test_resume_of_finished_run_does_nothing(assets, straight, capsys):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     capsys.readouterr()
     assert main(_resume_args(out, 6)) == 0
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err  # an INFO line
     assert "already finished" in said and "nothing to do" in said
     assert (out / "metrics.jsonl").read_bytes() == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpts

@@ -172,3 +172,9 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
                         f"{'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
     return normalize_rows(read_file(path), origin=f"data file {path}", **fields,
                           answer_delimiter=cfg.answer_delimiter)
+
+
+def samples_from(rows: list[dict[str, Any]], cfg: DataConfig, origin: str) -> list[dict[str, Any]]:
+    """Samples from rows already in memory (the public API's ``dataset``), checked as a file's are."""
+    return normalize_rows(rows, origin=origin, question_field=cfg.question_field,
+                          answer_field=cfg.answer_field, answer_delimiter=cfg.answer_delimiter)

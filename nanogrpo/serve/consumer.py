@@ -8,7 +8,7 @@ One process, or N ranks under a launcher, as the single-process trainer runs the
 
 Per step, each rank takes its own batch from the server (N ranks consume N batches per step,
 so a step trains on N x ``rollout.prompts_per_step`` prompts), checks how stale it is, and
-all ranks run one :func:`~nanogrpo.train.step.policy_update` together (ranks with fewer
+all ranks run one :func:`~nanogrpo.training.step.policy_update` together (ranks with fewer
 micro-batches pad with empty ones; gradients are reduced over ranks). Rank 0 alone publishes
 the weights (every ``server.publish_every`` steps), writes metrics (merged over ranks, with the
 ids of the batches trained on and dropped) and checkpoints; ``--resume`` works as on one process.
@@ -123,12 +123,12 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient, ServerError
-    from nanogrpo.train.checkpoint import latest_checkpoint, load_state
-    from nanogrpo.train.distributed import init_distributed, make_backend
-    from nanogrpo.train.logging_sinks import RunLogger
-    from nanogrpo.train.metrics import merge_rank_metrics
-    from nanogrpo.train.step import policy_update
-    from nanogrpo.train.trainer import CONFIG_FILE, Run, _held_out_eval, lr_at
+    from nanogrpo.training.checkpoint import latest_checkpoint, load_state
+    from nanogrpo.training.distributed import init_distributed, make_backend
+    from nanogrpo.training.logging_sinks import RunLogger
+    from nanogrpo.training.metrics import merge_rank_metrics
+    from nanogrpo.training.step import policy_update
+    from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     if cfg.model.lora_r:
@@ -144,11 +144,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     ckpt_root = root / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if resume_dir else None
     if resume_dir is not None and resume_from is None:
-        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
+        log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
     start_step = load_state(resume_from)["step"] if resume_from is not None else 0
     if start_step >= cfg.train.steps:
-        print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
-              "nothing to do")
+        log.info("run %s already finished at step %d (train.steps=%d); nothing to do", root, start_step,
+                 cfg.train.steps)
         return 0
     rank, world = init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     main = rank == 0
@@ -176,11 +176,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         version = state.get("policy_version", start_step)
         if main:
             feed.counts.update(state.get("counts", {}))   # run totals live on rank 0
-            print(f"resuming {root} from {resume_from.name} (policy version {version})")
+            log.info("resuming %s from %s (policy version %d)", root, resume_from.name, version)
     settled = feed.inbox.settle_pending(client)
     feed.inbox.prune(start_step)
     if resume_from is not None and feed.inbox.last_step() > start_step:
-        log.warning("rank %d: replaying steps %d-%d from its inbox (%d settled hand-off(s))", rank,
+        log.info("rank %d: replaying steps %d-%d from its inbox (%d settled hand-off(s))", rank,
                     start_step + 1, feed.inbox.last_step(), settled)
     logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None) if main else None
     evaluation = None
@@ -192,7 +192,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
 
         if main:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
-            evaluation = (Run(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from, eval_rows),
+            evaluation = (PreparedRun(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from,
+                                      eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
                               cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]

@@ -142,20 +142,25 @@ def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 
 
 def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
-             engine=None) -> dict[str, Any]:
-    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
-    rows = load_rows(cfg.data, split)[:n]
+             engine=None, rows: list[dict] | None = None,
+             rewards: RewardRunner | None = None) -> dict[str, Any]:
+    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``);
+    ``rows``: samples to take them from instead, ``rewards``: a runner instead of ``cfg.rewards``'."""
+    rows = (rows if rows is not None else load_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
+    runner = rewards if rewards is not None else RewardRunner.from_config(cfg.rewards)
     try:
-        with RewardRunner.from_config(cfg.rewards) as rewards, torch.no_grad():
-            summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new,
+        with torch.no_grad():
+            summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,
                                              tools=tools)
     finally:
+        if rewards is None:
+            runner.close()
         if tools is not None:
             tools.close()
     summary["split"] = split

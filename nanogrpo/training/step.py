@@ -143,14 +143,14 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                   logprob_temperature: float = 1.0) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
-    ``backend`` (a :class:`nanogrpo.train.distributed.Backend`) owns the wrapped model, the
+    ``backend`` (a :class:`nanogrpo.training.distributed.Backend`) owns the wrapped model, the
     backward pass and the optimizer step; None means one process with ``model`` and ``optimizer``.
     Under several ranks ``batch`` is this rank's share (None if it has no rows).
     ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
     (``RolloutConfig.logprob_temperature()``: the convention the behaviour and reference
     log-probs were computed with).
     """
-    from nanogrpo.train.distributed import SingleBackend
+    from nanogrpo.training.distributed import SingleBackend
 
     be = backend if backend is not None else SingleBackend(model, optimizer)
     fwd = be.model

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanogrpo.config import Config, load_config, save_config
+from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
+from nanogrpo.config import Config, save_config
 from nanogrpo.data import PromptSampler, load_rows
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
@@ -24,17 +25,18 @@ from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
-from nanogrpo.train.checkpoint import latest_checkpoint, load_state
-from nanogrpo.train.logging_sinks import RunLogger, run_summary
-from nanogrpo.train.metrics import merge_rank_metrics
-from nanogrpo.train.step import policy_update, reference_logprobs
+from nanogrpo.training.checkpoint import latest_checkpoint, load_state
+from nanogrpo.training.logging_sinks import RunLogger, run_summary
+from nanogrpo.training.metrics import merge_rank_metrics
+from nanogrpo.training.step import policy_update, reference_logprobs
 
 log = logging.getLogger("nanogrpo.train")
-CONFIG_FILE = "config.yaml"
 
 
 @dataclass
-class Run:
+class PreparedRun:
+    """A run checked and ready to start (:func:`prepare`); :func:`train` runs it."""
+
     cfg: Config
     root: Path
     rewards: RewardRunner
@@ -45,20 +47,37 @@ class Run:
     tools: ToolRunner | None = None
     """The run's tool (``tools.enabled``); built from ``cfg.tools`` when not given (its sandbox
     starts on first use and stops at :meth:`ToolRunner.close` or when the object goes)."""
+    model_path: str | None = None
+    """Where ``cfg.model.path`` loads from (:func:`~nanogrpo.models.source.check_model_source`:
+    a hub id, a local directory, the HF cache's copy offline); None: resolved at load."""
 
     def __post_init__(self) -> None:
         if self.tools is None:
             self.tools = ToolRunner.from_config(self.cfg.tools)
 
 
-def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
-    """Validate everything cheap first: rewards import, data fields, model path, run directory."""
-    rewards = RewardRunner.from_config(cfg.rewards)
+_UNSET: Any = object()
+
+
+def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunner | None = None,
+            rows: list[dict] | None = None, eval_rows: list[dict] | None = _UNSET,
+            tools: ToolRunner | None = _UNSET, model_path: str | None = None) -> PreparedRun:
+    """Validate everything cheap first: rewards import, data fields, model path, run directory.
+
+    The keywords stand in for what the config would build (the public :func:`nanogrpo.train`
+    passes the caller's own): ``rewards`` a runner, ``rows`` / ``eval_rows`` samples already
+    normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
+    ``model_path`` the model's resolved source."""
+    rewards = rewards if rewards is not None else RewardRunner.from_config(cfg.rewards)
     try:
-        tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
-        rows = load_rows(cfg.data, cfg.data.split)
-        eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
-        check_model_source(cfg.model)
+        if tools is _UNSET:
+            tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
+        if rows is None:
+            rows = load_rows(cfg.data, cfg.data.split)
+        if eval_rows is _UNSET:
+            eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
+        if model_path is None:
+            model_path = check_model_source(cfg.model)
         if cfg.rollout.engine == "vllm":
             from nanogrpo.rollout.vllm_engine import import_vllm
 
@@ -70,15 +89,8 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     resume_from = latest_checkpoint(root / "checkpoints") if resume_dir else None
     if resume_dir is not None and resume_from is None:
         # killed before its first checkpoint was complete: nothing to continue, so start over
-        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
-    return Run(cfg, root, rewards, rows, resume_from, eval_rows, tools)
-
-
-def load_resume_config(run_dir: Path, overrides: list[str]) -> Config:
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
-    return load_config(path, overrides)
+        log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
+    return PreparedRun(cfg, root, rewards, rows, resume_from, eval_rows or None, tools, model_path)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -91,7 +103,7 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
-def train(run: Run) -> Path:
+def train(run: PreparedRun) -> Path:
     cfg = run.cfg
     root = run.root
     root.mkdir(parents=True, exist_ok=True)
@@ -100,18 +112,18 @@ def train(run: Run) -> Path:
     if run.resume_from is not None:
         start_step = load_state(run.resume_from)["step"]
         if start_step >= cfg.train.steps:
-            print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
-                  "nothing to do")
+            log.info("run %s already finished at step %d (train.steps=%d); nothing to do", root, start_step,
+                     cfg.train.steps)
             run.rewards.close()
             return root
-    from nanogrpo.train.distributed import dist_env, init_distributed, make_backend
+    from nanogrpo.training.distributed import dist_env, init_distributed, make_backend
 
     if dist_env()[0] == 0:  # rank 0 writes the run's files; the others may be reading this one
         save_config(cfg, root / CONFIG_FILE)
     torch.manual_seed(cfg.train.seed)
 
     init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
-    model, tok, device = load_policy(cfg.model)
+    model, tok, device = load_policy(cfg.model, run.model_path)
     adapter = check_resume_kind(run.resume_from, cfg.model.lora_r)
     if run.resume_from is not None and not adapter:
         resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
@@ -138,7 +150,7 @@ def train(run: Run) -> Path:
         from nanogrpo.models.lora import reference_for
 
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
-    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
+    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed)
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
@@ -151,7 +163,7 @@ def train(run: Run) -> Path:
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
         if backend.is_main:
-            print(f"resuming {root} from {run.resume_from.name}")
+            log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
     logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None) if backend.is_main \
         else None
@@ -194,7 +206,7 @@ def train(run: Run) -> Path:
         if run.tools is not None:
             run.tools.close()
     if backend.is_main:
-        print(run_summary(root))
+        log.info(run_summary(root))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
     # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
@@ -216,9 +228,9 @@ def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
     return adapter
 
 
-def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict[str, Any]:
+def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int) -> dict[str, Any]:
     """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``."""
-    from nanogrpo.evaluate import evaluate_rows, write_results
+    from nanogrpo.evaluation import evaluate_rows, write_results
 
     model.eval()
     with torch.no_grad():
@@ -287,4 +299,4 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     return row
 
 
-__all__ = ["prepare", "train", "load_resume_config", "resolve_device"]
+__all__ = ["PreparedRun", "prepare", "train", "resolve_device"]

@@ -71,7 +71,7 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     slowest rank's, ``tokens_per_s`` follows from those; the update's metrics (loss, kl, grad norm)
     are already global. A rank without completions weighs nothing.
 
-    ``all_reduce(values, ops)`` is :meth:`nanogrpo.train.distributed.Backend.all_reduce`."""
+    ``all_reduce(values, ops)`` is :meth:`nanogrpo.training.distributed.Backend.all_reduce`."""
     tools = {k: op for k, op in TOOL_KEYS.items() if k in row}
     means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
     counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]

@@ -8,7 +8,7 @@
 
 A :class:`Backend` holds the wrapped model (what forward is called on), the bare
 HF module (generation, saving), and does backward, clip + step, collectives and
-checkpoints. The update step (:mod:`nanogrpo.train.step`) is written once
+checkpoints. The update step (:mod:`nanogrpo.training.step`) is written once
 against it; ``single`` is a pass-through.
 
 Data: ``rollout.prompts_per_step`` is the *global* number of prompts per step;
@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import datetime
 import inspect
+import logging
 import math
 import os
 from pathlib import Path
@@ -44,7 +45,9 @@ import torch.distributed as dist
 
 from nanogrpo.algo.logprobs import lean_head
 from nanogrpo.config import Config
-from nanogrpo.train.optim import MasterAdamW
+from nanogrpo.training.optim import MasterAdamW
+
+log = logging.getLogger("nanogrpo.train")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -192,7 +195,7 @@ class Backend:
     def save(self, ckpt_root: Path, step: int, tokenizer, state: dict[str, Any] | None = None,
              save_merged: bool = False) -> Path:
         """An HF checkpoint written by rank 0 (atomic), after every rank has given its part."""
-        from nanogrpo.train.checkpoint import save_checkpoint
+        from nanogrpo.training.checkpoint import save_checkpoint
 
         sd = self.full_state_dict()
         opt = self.optimizer_state()
@@ -202,6 +205,7 @@ class Backend:
             final = save_checkpoint(Path(ckpt_root), step, self.module, tokenizer, None, state,
                                     state_dict=sd, optimizer_state=opt, extra=extra,
                                     save_merged=save_merged)
+            log.info("checkpoint %s", final)
         self.barrier()
         return final
 
@@ -210,7 +214,7 @@ class Backend:
 
     def restore(self, ckpt: Path) -> dict[str, Any]:
         """Optimizer + RNG state from ``ckpt`` (model weights are loaded before wrapping)."""
-        from nanogrpo.train.checkpoint import restore
+        from nanogrpo.training.checkpoint import restore
 
         self.load_optimizer_state(Path(ckpt))
         return restore(Path(ckpt), None)
