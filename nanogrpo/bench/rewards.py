@@ -9,8 +9,9 @@ label ``correct``, and ``format`` in the first): GSM8K-style answers (``--data``
 what TRL's and open-r1's accuracy rewards do) agree with the labels; then the time of one
 ``correctness`` call over each set (median and p99 of all calls over ``--repeats`` passes, in
 this process, after a warm-up, each call with math_verify's caches emptied, the reference's kept,
-as within a group; and the p99 over rows of each row's median, which a busy machine's preemptions
-do not reach), and the slowest of the :func:`pathological` 100,000-character completions, against
+as within a group; the p99 over rows of each row's median and the p99 of each call's CPU time,
+which a busy machine's preemptions do not reach; and these for the rows that never reach
+math_verify, counted), and the slowest of the :func:`pathological` 100,000-character completions, against
 a number reference and against a LaTeX one.
 
     python -m nanogrpo.bench.rewards [--data FILE] [--latex FILE] [--repeats 20] [--markdown]
@@ -151,18 +152,25 @@ def _cold(ref: str) -> None:
     verify.parse_latex(reference(ref).latex)
 
 
-def call_times(rows: list[dict[str, Any]], repeats: int) -> list[float]:
+def timed_calls(rows: list[dict[str, Any]], repeats: int) -> tuple[list[float], list[float]]:
     """Seconds of each ``correctness`` call, every row ``repeats`` times, each with math_verify's caches
-    emptied but its reference's parse kept (:func:`_cold`)."""
+    emptied but its reference's parse kept (:func:`_cold`): wall time, and this thread's CPU time (what
+    the call itself costs, without the time other jobs on a shared machine take from it)."""
     samples = [sample_of(r) for r in rows]
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
         for r, s in zip(rows, samples):
             _cold(s["answer"])
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             correctness(r["completion"], s)
-            times.append(time.perf_counter() - t0)
-    return times
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+    return wall, cpu
+
+
+def call_times(rows: list[dict[str, Any]], repeats: int) -> list[float]:
+    """Wall seconds of each ``correctness`` call (:func:`timed_calls`)."""
+    return timed_calls(rows, repeats)[0]
 
 
 def pathological(n: int = 100_000) -> Iterator[tuple[str, str]]:
@@ -227,26 +235,28 @@ def pathological_times(repeats: int = 3, ref: str = "5") -> list[tuple[str, floa
 
 def reaches_math_verify(rows: list[dict[str, Any]]) -> list[bool]:
     """Whether grading each row calls math_verify at all (beyond its reference's parse): MEASUREMENT
-    ONLY, by wrapping ``math_verify.parse`` for the duration."""
+    ONLY, by wrapping ``math_verify.parse`` and ``math_verify.verify`` for the duration."""
     import math_verify
 
-    real, calls = math_verify.parse, [0]
+    real, calls = {"parse": math_verify.parse, "verify": math_verify.verify}, [0]
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return real[name](*args, **kwargs)
+        return call
 
     out = []
     try:
         for r in rows:
             _cold(r["reference"])
             calls[0] = 0
-            math_verify.parse = counting
+            math_verify.parse, math_verify.verify = counting("parse"), counting("verify")
             correctness(r["completion"], sample_of(r))
-            math_verify.parse = real
+            math_verify.parse, math_verify.verify = real["parse"], real["verify"]
             out.append(calls[0] > 0)
     finally:
-        math_verify.parse = real
+        math_verify.parse, math_verify.verify = real["parse"], real["verify"]
     return out
 
 
@@ -256,12 +266,13 @@ def _p99(times: list[float]) -> float:
 
 
 def _speed(rows: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
-    raw = call_times(rows, repeats)
+    raw, cpu = timed_calls(rows, repeats)
     per_row = [statistics.median(raw[i::len(rows)]) for i in range(len(rows))]
     mv = reaches_math_verify(rows)
     plain = [t for i, t in enumerate(raw) if not mv[i % len(rows)]]
     return {"median_ms": round(1000 * statistics.median(raw), 4), "p99_ms": _p99(raw),
-            "max_ms": round(1000 * max(raw), 3), "row_median_p99_ms": _p99(per_row),
+            "max_ms": round(1000 * max(raw), 3), "row_median_p99_ms": _p99(per_row), "cpu_p99_ms": _p99(cpu),
+            "without_math_verify_cpu_p99_ms": _p99([t for i, t in enumerate(cpu) if not mv[i % len(rows)]]),
             "rows_reaching_math_verify": sum(mv), "without_math_verify_p99_ms": _p99(plain),
             "without_math_verify_row_median_p99_ms": _p99([t for t, m in zip(per_row, mv) if not m])}
 

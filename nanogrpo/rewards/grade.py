@@ -201,6 +201,8 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
                 return _prose(raw, ref)  # "The area is $6\\sqrt{3}$.": no number picked out of the math
             return _numbers(completion, ref, question)
         return verify.equal(text, ref.latex)
+    if "".join(text.split()) == "".join(ref.latex.split()):
+        return True  # written as the reference is
     if what == "number":
         return _decimal_vs_exact(plain_values(text) or (), text, ref)
     if what == "prose":
