@@ -346,6 +346,40 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True,
     return loss_err, grad_err
 
 
+@pytest.mark.parametrize("target", [9.0, 1.0], ids=["below_target", "above_target"])
+def test_adaptive_entropy_control_equals_trls(model_dir, target):
+    """TRL's use_adaptive_entropy over three optimizer steps on the same batch (weights not stepped): the
+    coefficient each step applies, its update, and the loss, against nanogrpo's EntropyControl."""
+    from nanogrpo.algo.entropy import EntropyControl
+
+    kw = dict(use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=target, entropy_coef_delta=0.01,
+              entropy_coef_min=0.0, entropy_coef_max=0.035)
+    tr = _trainer(model_dir, **kw)
+    _perturb(tr.ref_model, seed=11, scale=0.05)
+    inputs = _generate_and_score(tr, False)
+    model = make_model("tiny", TOK, seed=1, dtype=torch.float64)
+    model.load_state_dict(tr.model.state_dict())
+    over = ["grpo.group_size=4", "grpo.beta=0.04", "grpo.entropy_coef=0.02", f"grpo.entropy_target={target}",
+            "grpo.entropy_coef_step=0.01", "grpo.entropy_coef_max=0.035", "train.micro_batch_size=5"]
+    cfg = load_config(overrides=over)
+    control = EntropyControl.from_config(cfg.grpo)
+    be = _GradTap(model, lr=1e-3)
+    behaviour = batch_logprobs(model, _batch(inputs, torch.zeros(len(LENGTHS), C)), cfg.train, True)[0]
+    for step in range(3):
+        tr.model.zero_grad()
+        with _float64():
+            theirs = tr._compute_loss(tr.model, inputs)
+        applied = control.applied()
+        res = policy_update(model, be.optimizer, _batch(inputs, behaviour.double()), cfg.grpo, cfg.train,
+                            on_policy=True, max_new_tokens=C, backend=be, rollout=cfg.rollout,
+                            entropy_coef=applied)
+        control.update(res.bonus_entropy)
+        _close(_t(res.loss), theirs.detach(), f"adaptive step {step} loss", 1e-10)
+        assert control.coef == pytest.approx(tr.entropy_coef, rel=1e-12), step
+        assert control.last_entropy == pytest.approx(tr._last_world_entropy, rel=1e-10), step
+    assert (applied > 0) == (target > res.bonus_entropy)          # below the target the bonus applies
+
+
 ADVANTAGE_CASES = [
     ({"scale_rewards": "group"}, "group", "sum_then_normalize"),
     ({"scale_rewards": "batch"}, "batch_std", "sum_then_normalize"),

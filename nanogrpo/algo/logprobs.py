@@ -61,7 +61,7 @@ def _mm_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+def acc_dtype(dt: torch.dtype) -> torch.dtype:
     """The dtype log-softmax runs in: float32, or float64 for a float64 model (exact parity tests)."""
     return torch.float64 if dt == torch.float64 else torch.float32
 
@@ -90,7 +90,7 @@ class LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0, entropy=0):
         dt = _mm_dtype(h)
-        acc = _acc_dtype(dt)
+        acc = acc_dtype(dt)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dt)                                                 # (V, H)
             b = None if bias is None else bias.to(dt)                         # (V,)
@@ -126,7 +126,7 @@ class LinearLogprob(torch.autograd.Function):
     def backward(ctx, g):                                                      # g: (T,) or (T, 2)
         h, weight, bias, targets, lse, ent = ctx.saved_tensors
         dt, chunk, temp = ctx.dt, ctx.chunk, ctx.temperature
-        acc = _acc_dtype(dt)
+        acc = acc_dtype(dt)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.to(acc)
         g_h = g[:, 1] if ctx.entropy == 2 else None                           # (T,) dL/dH
@@ -335,7 +335,7 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperatur
     for i in range(input_ids.shape[0]):  # one row at a time bounds the (L, V) logits
         logits = model(input_ids=input_ids[i:i + 1], attention_mask=attention_mask[i:i + 1],
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
-        logits = logits.to(_acc_dtype(logits.dtype))
+        logits = logits.to(acc_dtype(logits.dtype))
         lp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)  # (C, V)
         rows.append(lp.gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))       # (C,)
         if entropy != "none":

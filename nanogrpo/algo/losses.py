@@ -231,7 +231,8 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
     for the mismatch stats. entropy: (N, T) per-token policy entropy (with gradient when
     ``entropy_coef`` != 0), entropy_mask: (N, T) bool, the top-ρ tokens the policy term keeps.
 
-    ``spec`` may be a preset name (then ``beta``, ``eps_low``, ``eps_high`` fill it in).
+    ``spec`` may be a preset name (then ``beta``, ``eps_low``, ``eps_high`` fill it in; with a
+    :class:`LossSpec` they are ignored).
     Stats are detached 0-dim tensors (no device sync here): sums over this micro-batch's masked tokens
     (``*_sum``), minima and maxima, which the caller totals across micro-batches and ranks as
     :data:`STAT_OPS` says.
@@ -265,7 +266,7 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
             stats.update(correction_stats(old.detach(), beh, m, corr))
         if corr[0] is not None:
             loss_t = loss_t * corr[0]                                  # (N, T|1) weight, no gradient
-    if (spec.beta if beta is None else beta) > 0:
+    if spec.beta > 0:
         if ref is None:
             raise ValueError("beta > 0 needs reference log-probs")
         ref = torch.where(m, ref.to(logp.dtype), logp.detach())         # (N, T) 0 KL off the mask

@@ -43,7 +43,7 @@ import torch
 
 from nanogrpo.algo.corrections import anchor
 from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
-from nanogrpo.algo.logprobs import _acc_dtype, token_logprobs, token_stats
+from nanogrpo.algo.logprobs import acc_dtype, token_logprobs, token_stats
 from nanogrpo.algo.losses import STAT_OPS, BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import GrpoConfig, RolloutConfig, TrainConfig
@@ -158,7 +158,7 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConf
     convention).
     The reference forward, the top-ρ entropy threshold, and the trainer's log-probs before an update."""
     mask = batch.trained_mask if mask is None else mask
-    dt = _acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
+    dt = acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
     out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)    # (N, C)
     ent = torch.zeros_like(out) if entropy else None                                           # (N, C)
     for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
@@ -242,7 +242,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens,
                          entropy_tokens=n_ent)
     ent_mode = "grad" if coef != 0.0 else "value"
-    acc_dt = _acc_dtype(next(iter(be.module.parameters())).dtype)
+    acc_dt = acc_dtype(next(iter(be.module.parameters())).dtype)
     kept = None if batch is None else torch.zeros(batch.completion_mask.shape, dtype=acc_dt,
                                                   device=batch.input_ids.device)  # (N, C)
     be.zero_grad()
