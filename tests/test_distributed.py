@@ -142,11 +142,13 @@ ALGO = {"grpo": {"loss": "gspo", "top_entropy_quantile": 0.5, "entropy_coef": 0.
 
 
 @pytest.mark.slow
-def test_two_ranks_match_single_process_for_whole_batch_variants(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_two_ranks_match_single_process_for_whole_batch_variants(tmp_path, monkeypatch, backend):
     """Every rank's share in the entropy quantile, the entropy bonus's token count, the sequence ratio, the
-    correction stats and the metrics' minima and maxima: 2 DDP ranks == one process."""
+    correction stats and the metrics' minima and maxima: 2 ranks == one process (under FSDP2 the ranks'
+    forwards gather parameters: the entropy pre-pass must match their counts too)."""
     monkeypatch.setenv("NANOGRPO_TEST_ALGO", json.dumps(ALGO))
-    res = _launch(tmp_path, "ddp")
+    res = _launch(tmp_path, backend)
     assert "entropy_threshold" in res["metrics"] and "is_weight_max" in res["metrics"]
     _check(tmp_path, res)
 

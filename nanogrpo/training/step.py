@@ -177,19 +177,35 @@ def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainCo
     return batch_logprobs(ref, batch, train, share_prefix, temperature)[0].float()
 
 
-def entropy_threshold_pass(model, batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
+@torch.no_grad()
+def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
                            share_prefix: bool, temperature: float) -> tuple[float, int]:
     """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
-    rank, and how many tokens reach it), from one forward without gradients (a collective)."""
-    local = torch.zeros(0, dtype=torch.float64)
-    if batch is not None:
-        mask = trained_mask(batch, grpo)                                     # (N, C)
-        was = be.model.training
-        be.model.eval()
-        _, ent = batch_logprobs(be.model, batch, train, share_prefix, temperature, entropy=True, mask=mask)
-        be.model.train(was)
-        local = ent[mask].double().cpu()                                     # (T,)
-    values = be.all_gather_values(local)                                     # (T_all,)
+    rank, and how many tokens reach it), from one forward without gradients over the update's
+    micro-batches (a collective: ranks with fewer micro-batches pad with empty forwards, as the update
+    does, so sharded backends' gathers match)."""
+    fwd = be.model
+    mask = None if batch is None else trained_mask(batch, grpo)              # (N, C)
+    mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
+                                                       train.micro_batch_tokens, share_prefix)
+    n_mb = int(be.all_reduce([len(mbs)], ["max"])[0])
+    parts = [torch.zeros(0, dtype=torch.float64)]
+    was = fwd.training
+    fwd.eval()
+    try:
+        for k in range(n_mb):
+            with _autocast(be.module, train.autocast):
+                if k < len(mbs):
+                    ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
+                    _, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
+                                         share_prefix=share_prefix, temperature=temperature,
+                                         entropy="value")                    # (n, c)
+                    parts.append(ent[lm.bool()].double().cpu())              # (t,)
+                else:
+                    _zero_loss(fwd, be.device, train.logprob_chunk)
+    finally:
+        fwd.train(was)
+    values = be.all_gather_values(torch.cat(parts))                          # (T_all,)
     thr = entropy_threshold(values, grpo.top_entropy_quantile)
     return thr, int((values >= thr).sum())
 
@@ -231,7 +247,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     share = train.share_prefix and be.prefix_sharing
     thr, n_ent = None, None
     if grpo.top_entropy_quantile < 1.0:
-        thr, n_ent = entropy_threshold_pass(fwd, batch, grpo, train, be, share, logprob_temperature)
+        thr, n_ent = entropy_threshold_pass(batch, grpo, train, be, share, logprob_temperature)
     fwd.train()
     mask_all = None if batch is None else trained_mask(batch, grpo)          # (N, C)
     n_local = 0 if batch is None else batch.num_seqs
