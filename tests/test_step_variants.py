@@ -165,3 +165,12 @@ def test_entropy_bonus_moves_the_gradient_and_is_logged():
     zero, g2 = _update(["grpo.entropy_coef=0.5"], 8, on_policy=True, coef=0.0)
     assert zero.loss == pytest.approx(plain.loss, rel=1e-12)
     assert math.isfinite(zero.bonus_entropy)
+
+
+def test_a_batch_cut_off_entirely_trains_nothing_and_says_so():
+    b = _batch()
+    b.truncated = torch.ones(b.num_seqs, dtype=torch.bool)
+    res, grads = _update(["grpo.mask_truncated=true", "grpo.top_entropy_quantile=0.5"], 3, batch=b)
+    assert not res.skipped_nonfinite and res.loss == 0.0
+    assert all(not g.any() for g in grads.values())
+    assert math.isnan(res.metrics["ratio_mean"]) and math.isnan(res.metrics["ratio_max"])

@@ -334,7 +334,8 @@ def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: f
     n = max(totals.num_tokens, 1)
     nr = max(tot["ratio_count"], 1.0)  # tokens, or sequences for a sequence-level ratio
     out = {"entropy": tot["entropy_sum"] / n, "clip_frac_low": tot["clip_low_sum"] / nr,
-           "clip_frac_high": tot["clip_high_sum"] / nr, "ratio_mean": tot["ratio_sum"] / nr,
+           "clip_frac_high": tot["clip_high_sum"] / nr,
+           "ratio_mean": tot["ratio_sum"] / nr if tot["ratio_count"] else math.nan,
            "ratio_min": tot["ratio_min"], "ratio_max": tot["ratio_max"]}
     if spec.clip_ratio_c is not None or spec.clip_delta is not None:
         out["clip_frac_dual"] = tot["clip_dual_sum"] / nr
@@ -365,8 +366,8 @@ def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
         for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean"):
             if k in done[0].metrics:
                 out[k] = sum(r.metrics[k] for r in done) / len(done)
-        out["ratio_min"] = min(r.metrics["ratio_min"] for r in done)
-        out["ratio_max"] = max(r.metrics["ratio_max"] for r in done)
+        for k, pick in (("ratio_min", min), ("ratio_max", max)):
+            out[k] = pick((r.metrics[k] for r in done if not math.isnan(r.metrics[k])), default=math.nan)
     return out
 
 
