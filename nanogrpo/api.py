@@ -342,8 +342,10 @@ def evaluate(model: str | os.PathLike | Run, *,
 
     ``model``: a checkpoint directory, a run (directory or :class:`Run`: its newest checkpoint), a
     model directory or hub id. ``config``: as for :func:`train`; None: the config of the run the
-    checkpoint belongs to, else the demo preset. ``dataset``: problems to evaluate (rows, or a
-    ``data.source``), else the config's ``split`` (default ``data.eval_split``); the first ``n`` of
+    checkpoint belongs to, else the demo preset (the seed's defaults for a model of your own on a
+    dataset preset such as ``math500``). ``dataset``: problems to evaluate (rows, or a ``data.source``:
+    its held-out split), else the config's ``split`` (default ``data.eval_split``) of ``data.eval_source``
+    (else ``data.source``); the first ``n`` of
     them (default: all the rows given, else ``eval.n``). ``out``: also write the summary JSON there,
     and per-sample records beside it.
     """
@@ -354,6 +356,8 @@ def evaluate(model: str | os.PathLike | Run, *,
         run_cfg = _run_of(path)
         if config is None and run_cfg is not None:
             cfg = run_config(run_cfg, overrides)
+        elif config is None and _is_preset(dataset) and str(path) != "embedded":
+            cfg = as_config({}, overrides)  # your model on a dataset preset: the demo's lengths do not fit
         else:
             cfg = as_config(config, overrides)
         if k is not None and k < 1:
@@ -361,8 +365,8 @@ def evaluate(model: str | os.PathLike | Run, *,
         if n is not None and n < 1:
             raise ConfigError(f"n must be at least 1, got {n}")
         split = split or cfg.data.eval_split
-        if isinstance(dataset, (str, os.PathLike)):
-            cfg = cfg.with_overrides({"data.source": str(dataset)})
+        if isinstance(dataset, (str, os.PathLike)):  # the held-out problems of that source
+            cfg = cfg.with_overrides({"data.source": str(dataset), "data.eval_source": str(dataset)})
             dataset = None
         if rewards is None and isinstance(model, Run) and model.rewards:
             rewards = list(model.rewards)
@@ -388,9 +392,9 @@ def evaluate(model: str | os.PathLike | Run, *,
                     raise DataError(f"dataset has no split {split!r}")
                 rows = samples_from(raw, cfg.data, "dataset")
             else:
-                from nanogrpo.data import load_rows
+                from nanogrpo.data import load_eval_rows
 
-                rows = load_rows(cfg.data, split)  # bad data fails before any weights are read
+                rows = load_eval_rows(cfg.data, split)  # bad data fails before any weights are read
             from nanogrpo.models.source import check_model_source
 
             model_path = check_model_source(cfg.model)
@@ -447,6 +451,12 @@ def _load_adapter_checkpoint(where: Path, device: str, dtype: str):
                                                                 "cpu_linear": "torch"})
     model, tok, _ = load_policy(base_cfg)
     return load_adapter(model, where, trainable=False).merge_and_unload().eval(), tok
+
+
+def _is_preset(dataset: Any) -> bool:
+    from nanogrpo.data.sources import PRESETS
+
+    return isinstance(dataset, str) and dataset in PRESETS
 
 
 def _checkpoint_path(model: str | os.PathLike | Run) -> Path | str:

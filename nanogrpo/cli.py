@@ -36,7 +36,8 @@ def _train_parser(sub) -> None:
                                    "flags and key=value overrides apply on top.")
     p.add_argument("--config", help="TOML/YAML config file, or the name of a shipped preset (demo)")
     p.add_argument("--model", help="local HF model directory or hub id (model.path)")
-    p.add_argument("--data", help="dataset file, preset (gsm8k, arithmetic) or hf:NAME (data.source)")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, arithmetic, ...) or hf:NAME "
+                                  "(data.source)")
     p.add_argument("--out", help="run directory (train.out)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, help="random seed (train.seed)")
@@ -57,11 +58,14 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="greedy pass@1, or pass@k/maj@k, of a checkpoint", description=(
         "Greedy pass@1 with the training rewards, or with --k K sampled pass@K and maj@K (temperature: "
         "eval.temperature, else rollout.temperature). Prints one JSON object (accuracy, format_rate, n, "
-        "pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the run the "
-        "checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task)."))
+        "pass@1, pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the "
+        "run the checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task); "
+        "with a dataset preset (--data math500) and a model of your own, from the defaults (key=value "
+        "overrides on top, e.g. data.prompt_template=r1_boxed rollout.max_new_tokens=4096)."))
     p.add_argument("--model", required=True, help="checkpoint directory (HF format) or hub id")
     p.add_argument("--config", help="config file or preset name")
-    p.add_argument("--data", help="dataset file, preset or hf:NAME")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, math500, aime24, ...) or hf:NAME "
+                                  "(default: data.eval_source, else data.source)")
     p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
     p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
     p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")

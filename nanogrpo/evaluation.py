@@ -8,12 +8,15 @@ Summary fields:
 
 - ``accuracy``: share of completions whose extracted answer verifies against the
   reference (the built-in ``correctness``); with ``k > 1`` the mean over all
-  samples, i.e. the unbiased estimate of sampled pass@1;
-- ``format_rate``: share matching the seed's ``<think>…</think><answer>…</answer>``;
+  samples, i.e. the unbiased estimate of sampled pass@1, also reported as ``pass@1``;
+- ``format_rate``: share well formed by the run's format reward (``format_boxed`` when
+  the run uses it, ``format_strict`` likewise, else the seed's ``<think>…</think><answer>…</answer>``);
 - ``reward_mean``: mean of the configured weighted reward;
 - ``pass@k``: share of problems with at least one correct completion among k;
-- ``maj@k``: share of problems whose most frequent extracted answer (ties: the
-  one seen first) is correct;
+- ``maj@k``: share of problems whose most frequent final answer (ties: the one
+  seen first) is correct; answers are compared as written down by a grader
+  (:func:`~nanogrpo.rewards.grade.final_answer`: ``\\dfrac{1}{2}`` and ``\\frac12``, ``$1,234`` and
+  ``1234.0`` vote together);
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
 - with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
   once) and ``tool_calls_mean`` (calls per completion).
@@ -34,9 +37,11 @@ from typing import Any
 import torch
 
 from nanogrpo.config import Config
-from nanogrpo.data import encode_prompts, load_rows
-from nanogrpo.rewards import RewardRunner, correctness, format_reward
-from nanogrpo.rewards.extract import extract_answer
+from nanogrpo.data import encode_prompts, load_eval_rows
+from nanogrpo.rewards import RewardRunner, correctness
+from nanogrpo.rewards.builtin import BUILTIN, format_name
+from nanogrpo.rewards.grade import final_answer
+from nanogrpo.rewards.latex import clean, plain_values
 from nanogrpo.rollout.collect import generate
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
@@ -45,15 +50,15 @@ from nanogrpo.tools.registry import ToolRunner
 
 
 def vote_key(answer: str | None) -> str | None:
-    """Normalised answer for majority voting: ``$1,234.0`` -> ``1234``; other text lower-cased."""
+    """Normalised answer for majority voting: a plain number by its exact value (``$1,234.0`` ->
+    ``1234``, ``\\frac{1}{2}`` -> ``1/2``); LaTeX without its spacing (``\\frac{1}{2}`` ->
+    ``\\frac{1}{2}``, ``( 2, 3 )`` -> ``(2,3)``); other text lower-cased."""
     if answer is None:
         return None
-    text = answer.strip().replace(",", "").replace("$", "").rstrip(".%")
-    try:
-        value = float(text)
-    except ValueError:
-        return " ".join(answer.split()).lower()
-    return str(int(value)) if value.is_integer() else repr(value)
+    values = plain_values(answer.replace("$", "").rstrip(".%"))
+    if values is not None:
+        return str(values[0])
+    return "".join(clean(answer).split()).lower() or None
 
 
 def majority_index(answers: list[str | None]) -> int | None:
@@ -93,18 +98,19 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
         if tools is not None:
             samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
         scored = rewards.score(texts, samples)
+        well_formed = BUILTIN[format_name(cfg.rewards.functions)]
         for p, r in enumerate(kept):
             sl = slice(p * k, (p + 1) * k)
             comps = texts[sl]
             correct = [correctness(t, r) > 0 for t in comps]
-            answers = [extract_answer(t) for t in comps]
+            answers = [final_answer(t) for t in comps]
             maj = majority_index(answers)
             records.append({
                 "id": r.get("id"), "question": r["question"], "answer": r["answer"],
                 "completions": comps, "rewards": scored.total[sl],
                 "reward_breakdown": {name: vals[sl] for name, vals in scored.per_function.items()},
                 "extracted": answers, "correct": correct,
-                "formatted": [format_reward(t, r) > 0 for t in comps],
+                "formatted": [well_formed(t, r) > 0 for t in comps],
                 "majority": answers[maj] if maj is not None else None,
                 "majority_correct": bool(maj is not None and correct[maj]),
                 "tool_calls": calls[sl],
@@ -119,6 +125,7 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
         "format_rate": sum(fmt) / len(fmt) if fmt else nan,
         "reward_mean": statistics.fmean(rew) if rew else nan,
         "n": n, "k": k, "temperature": temp,
+        "pass@1": sum(flat) / len(flat) if flat else nan,
         f"pass@{k}": sum(any(x["correct"]) for x in records) / n if n else nan,
         f"maj@{k}": sum(x["majority_correct"] for x in records) / n if n else nan,
         "completion_len_mean": statistics.fmean(len(tokenizer.encode(c, add_special_tokens=False))
@@ -144,9 +151,10 @@ def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
              engine=None, rows: list[dict] | None = None,
              rewards: RewardRunner | None = None) -> dict[str, Any]:
-    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``);
-    ``rows``: samples to take them from instead, ``rewards``: a runner instead of ``cfg.rewards``'."""
-    rows = (rows if rows is not None else load_rows(cfg.data, split))[:n]
+    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``; the
+    problems come from ``data.eval_source``, else ``data.source``); ``rows``: samples to take them from
+    instead, ``rewards``: a runner instead of ``cfg.rewards``'."""
+    rows = (rows if rows is not None else load_eval_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
     model.eval()

@@ -152,6 +152,9 @@ def attacks(t: dict) -> dict[str, tuple[str, tuple[str, ...]]]:
                       ("ok",)),
         "renice_user": (f"os.setpriority(os.PRIO_USER, {uid}, 19)", ("denied", "ok")),   # ok: itself only
         "renice_group": (f"os.setpriority(os.PRIO_PGRP, {pg}, 19)", deny),
+        "join_trainer_group": (f"os.setpgid(0, {pg})", deny),
+        "proc_parent_mem": ("f = open(f'/proc/{os.getppid()}/mem', 'rb')\nf.seek(1 << 22)\nprint(f.read(64))",
+                            hidden),
         "sched_idle_trainer": (f"os.sched_setscheduler({T}, os.SCHED_IDLE, os.sched_param(0))", deny),
         "ioprio_trainer": (f"sys_call(NR['ioprio_set'], 1, {T}, 3 << 13)", deny),       # IOPRIO_CLASS_IDLE
         "ioprio_user": (f"sys_call(NR['ioprio_set'], 3, {uid}, 3 << 13)", ("denied", "ok")),

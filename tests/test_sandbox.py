@@ -233,3 +233,16 @@ def test_tool_metrics_count_denied_calls():
     trajs = [_Trajectory(calls=2, errors=2, denied=1), _Trajectory(calls=1, timeouts=1)]
     m = tool_metrics(trajs, 0.5)
     assert (m["tools/calls"], m["tools/errors"], m["tools/denied"], m["tools/timeouts"]) == (3, 2, 1, 1)
+
+
+def test_the_start_up_line_names_the_layers_off():
+    from nanogrpo.tools.sandbox import describe
+
+    every = {"network_namespace": True, "pid_namespace": True, "private_root": True, "seccomp": True,
+             "landlock": 7, "drop_privileges": True, "audit_hook": True, "rlimits": True}
+    text, missing = describe(every)
+    assert not missing and "OFF" not in text and "Landlock ABI 7" in text
+    text, missing = describe({**every, "pid_namespace": False, "landlock": 4, "private_root": False,
+                              "private_root_error": "mount /x: EPERM"})
+    assert missing and text.endswith("OFF: PID namespace, private root (mount /x: EPERM)")
+    assert "Landlock ABI 4 (signals not scoped)" in text

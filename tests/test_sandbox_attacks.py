@@ -87,10 +87,11 @@ def run_stand_in(disable: tuple[str, ...], as_user: bool, *extra: str) -> dict:
     preexec = None
     if as_user and os.geteuid() == 0:
         paths = [sys.executable, sys.prefix, sys.base_prefix, str(REPO), *[p for p in sys.path if p]]
-        paths = [p for p in paths if os.path.exists(p)]
+        paths = [p for p in paths if os.path.exists(p) and _closed_ancestor(p)]
 
         def preexec():
-            _expose(paths)
+            if paths:
+                _expose(paths)
             os.setgroups([])
             os.setgid(USER)
             os.setuid(USER)

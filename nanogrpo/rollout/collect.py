@@ -20,7 +20,8 @@ from nanogrpo.algo.losses import LOSSES
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
-from nanogrpo.rewards import RewardRunner, correctness, format_reward
+from nanogrpo.rewards import RewardRunner, correctness
+from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
 
 
@@ -132,7 +133,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     scored = rewards.score(texts, samples)
     r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
     acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)
-    fmt = _metric_column("format", format_reward, scored.per_function, texts, samples)
+    fmt_name = format_name(list(scored.per_function))  # the run's own format reward (format_boxed, ...)
+    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], scored.per_function, texts, samples)
     lens = [len(c) for c in gen.completion_ids]
     stats.reward_mean = float(r.mean())
     stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0

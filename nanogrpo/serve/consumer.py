@@ -185,13 +185,13 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None) if main else None
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
-        from nanogrpo.data import load_rows
+        from nanogrpo.data import load_eval_rows
         from nanogrpo.rewards import RewardRunner
         from nanogrpo.rollout.factory import engine_for
         from nanogrpo.rollout.turns import longest_context
 
         if main:
-            eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
+            eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n]
             evaluation = (PreparedRun(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from,
                                       eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(

@@ -18,12 +18,15 @@ socket ``FD``, one JSON object per message:
 3. ``{"done": id, "why": null | "timeout" | "killed", "exit": code | null, "signal": name | null}``
    from the server when a call's process is gone (it is killed at the wall-clock deadline).
 
-Each call's process: its own PID namespace (it is pid 1 and sees no other process), its own
-session; stdin/stdout/stderr on /dev/null, no other descriptor but its result pipe; a fresh
-working directory; Landlock; privileges dropped to nobody when root, every capability dropped in
-a user namespace; not dumpable; parent-death signal; rlimits (address space, CPU seconds, no new
-processes, file size, open files, no core dumps); the seccomp filter (``_seccomp.py``); an audit
-hook; then ``tool(call, sample)`` with ``sys.stdout``/``sys.stderr`` captured up to a byte cap.
+The server itself: not dumpable; in new network and mount namespaces (inside a user namespace when
+not root), pivoted into its private root; pid 1 of a PID namespace, under an outer process that
+only waits for it. Each call's process: its own PID namespace (it is pid 1 and sees no other
+process), its own session; stdin/stdout/stderr on /dev/null, no other descriptor but its result
+pipe; an empty working directory (a tmpfs of its own under the private root, reused once
+emptied); Landlock; privileges dropped to nobody when root, every capability dropped; not
+dumpable; parent-death signal; rlimits (address space, CPU seconds, no new processes, file size,
+open files, no core dumps); the seccomp filter (``_seccomp.py``); an audit hook; then
+``tool(call, sample)`` with ``sys.stdout``/``sys.stderr`` captured up to a byte cap.
 """
 
 from __future__ import annotations
@@ -218,9 +221,9 @@ def child(fn, in_fd: int, out_fd: int, work: str, limits: dict, prot: dict, read
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        if prot.get("user_namespace"):  # its creator's capabilities over the namespaces: gone
+        if linux:  # every capability: those a user namespace grants, root's where nobody is not an option
             kernel.drop_capabilities()
-        if linux:  # after the uid change, which resets both
+            # after the uid change, which resets both:
             kernel.prctl(kernel.PR_SET_DUMPABLE, 0)       # no process of this uid reads or traces it
             kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)
             if not prot.get("pid_namespace") and os.getppid() != server_pid:

@@ -29,8 +29,8 @@ What is guaranteed (Linux), whatever the code does:
   ``file_mb``, 64 open files, no core dumps, and ``RLIMIT_NPROC = 0``: no new process or
   thread (a fork bomb stops at the first fork). Linux exempts root from ``RLIMIT_NPROC``, hence:
 - **privileges dropped**: when the trainer runs as root, each call's process switches to
-  uid/gid 65534 (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``; in a
-  user namespace (not root) it gives up the capabilities the namespace granted;
+  uid/gid 65534 (``nobody``) with no supplementary groups, after ``PR_SET_NO_NEW_PRIVS``; and it
+  gives up every capability (those a user namespace grants its creator included);
 - **no environment**: ``os.environ`` holds only ``PATH``, ``LANG``, ``OMP_NUM_THREADS``,
   ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` (and ``HOME``/``TMPDIR``: its directory);
   ``python -I`` ignores ``PYTHON*`` variables and the user site directory; no descriptor but
@@ -74,7 +74,7 @@ are kept out only by dropping to ``nobody`` (root) and the audit hook; without b
 namespaces and seccomp, other processes of the uid are reachable. Modules that are not
 preloaded are imported by the call itself from the read-only directories (as ``nobody``
 without the private root, only world-readable installations: list what the tool's code imports
-in ``preload``). Needs Linux (or another POSIX system, with fewer layers); not Windows.
+in ``preload``). Needs Linux.
 """
 
 from __future__ import annotations
@@ -151,9 +151,8 @@ class Sandbox:
     def __init__(self, tool: str, *, timeout_s: float = 5.0, memory_mb: int = 512, file_mb: int = 8,
                  output_bytes: int = 16384, workers: int = 2, preload: list[str] | tuple[str, ...] = (),
                  require_isolation: bool = False, disable: tuple[str, ...] = ()):
-        if os.name != "posix":
-            raise ToolError("the tool sandbox needs a POSIX system (Linux for every protection); "
-                            f"this is {sys.platform}")
+        if not sys.platform.startswith("linux"):
+            raise ToolError(f"the tool sandbox needs Linux (its layers are Linux's); this is {sys.platform}")
         unknown = sorted(set(disable) - set(LAYERS))
         if unknown:
             raise ToolError(f"unknown sandbox layer(s) {unknown}; known: {', '.join(LAYERS)}")
@@ -291,8 +290,7 @@ class Sandbox:
 
     def _spawn(self, i: int, call: str, sample: dict) -> _Call:
         payload = json.dumps({"call": call, "sample": _jsonable(sample)}).encode("utf-8")
-        src = os.memfd_create("nanogrpo-call", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else \
-            os.dup(tempfile.TemporaryFile().fileno())
+        src = os.memfd_create("nanogrpo-call", os.MFD_CLOEXEC)
         r, w = os.pipe()
         try:
             view = memoryview(payload)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, save_config
-from nanogrpo.data import PromptSampler, load_rows
+from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
 from nanogrpo.rewards import RewardRunner
@@ -75,7 +75,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
         if rows is None:
             rows = load_rows(cfg.data, cfg.data.split)
         if eval_rows is _UNSET:
-            eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
+            eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         if model_path is None:
             model_path = check_model_source(cfg.model)
         if cfg.rollout.engine == "vllm":
