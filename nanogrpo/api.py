@@ -208,29 +208,31 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
         raw_eval = _split_rows(dataset, d.eval_split, "dataset") if isinstance(dataset, Mapping) else None
     given: dict[str, Any] = {"rows": samples_from(raw_train, d, "dataset")}
     files = [(raw_train, root / "data" / f"{d.split}.jsonl")]
+    source = {"data.source": str((root / "data").resolve() / "{split}.jsonl")}
     if raw_eval is not None:
         eval_rows = samples_from(raw_eval, d, "eval_dataset")
         given["eval_rows"] = eval_rows[:cfg.eval.n] if cfg.eval.every else None
         files.append((raw_eval, root / "data" / f"{d.eval_split}.jsonl"))
-    else:
+        source["data.eval_source"] = None  # held out beside the training rows
+    elif d.eval_source is None:
         if cfg.eval.every:
-            log.info("no held-out rows (eval_dataset, or a %r split of dataset): no evaluation during "
-                     "training (eval.every=%d set to 0)", d.eval_split, cfg.eval.every)
+            log.info("no held-out rows (eval_dataset, a %r split of dataset, or data.eval_source): no "
+                     "evaluation during training (eval.every=%d set to 0)", d.eval_split, cfg.eval.every)
             cfg = cfg.with_overrides({"eval.every": 0})
         given["eval_rows"] = None
-    cfg = cfg.with_overrides({"data.source": str((root / "data").resolve() / "{split}.jsonl")})
-    return _Data(cfg, given, files)
+    # else: held out from data.eval_source, loaded with the config's own rows (_config_rows)
+    return _Data(cfg.with_overrides(source), given, files)
 
 
 def _config_rows(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
     """``given`` with the config's own rows loaded where the caller gave none (before torch loads)."""
-    from nanogrpo.data import load_rows
+    from nanogrpo.data import load_eval_rows, load_rows
 
     out = dict(given)
     if "rows" not in out:
         out["rows"] = load_rows(cfg.data, cfg.data.split)
     if "eval_rows" not in out:
-        out["eval_rows"] = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
+        out["eval_rows"] = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
     return out
 
 

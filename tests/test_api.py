@@ -97,6 +97,9 @@ def test_datasets_come_as_lists_hf_datasets_dataframes_and_splits(tmp_path):
     renamed = [{"problem": r["question"], "solution": r["answer"]} for r in ROWS]
     named = cfg.with_overrides({"data.question_field": "problem", "data.answer_field": "solution"})
     assert _data(named, renamed, None, tmp_path / "run").given["rows"][0]["question"] == ROWS[0]["question"]
+    held = _data(cfg.with_overrides({"data.eval_source": "arithmetic"}), ROWS, None, tmp_path / "run")
+    assert "eval_rows" not in held.given and held.cfg.eval.every == 20  # held out from data.eval_source
+    assert held.cfg.data.eval_source == "arithmetic"
     assert not (tmp_path / "run").exists()  # written when the run starts, not before
 
 

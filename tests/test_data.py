@@ -197,7 +197,6 @@ def test_hf_source_errors_are_data_errors(monkeypatch):
         raise ConnectionError("Couldn't reach 'nobody/nothing' on the Hub\nsecond line")
 
     monkeypatch.setattr(datasets, "load_dataset", boom)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nanogrpo asks the hub nothing first (test_hub_source)
     with pytest.raises(DataError, match=r"nothing.*unreachable: Couldn't reach .* on the Hub$"):
         load_rows(_cfg("hf:nobody/nothing"), "train")
 
@@ -211,7 +210,6 @@ def test_hf_source_rows(monkeypatch):
         return datasets.Dataset.from_list([{"question": "q", "answer": "work #### 7"}])
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nanogrpo asks the hub nothing first
     s = load_rows(_cfg("gsm8k"), "test")[0]
     assert seen == {"name": "openai/gsm8k", "config": "main", "split": "test"}
     assert s["answer"] == "7"
