@@ -19,7 +19,10 @@ Summary fields:
   ``1234.0`` vote together);
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
 - with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
-  once) and ``tool_calls_mean`` (calls per completion).
+  once) and ``tool_calls_mean`` (calls per completion);
+- given the policy model (``policy``): ``entropy``, the policy's mean per-token entropy over the
+  completions' tokens (the sampled ones: tool output left out), at the run's log-prob temperature,
+  from the same chunked pass the trainer uses (:func:`nanogrpo.algo.logprobs.token_stats`).
 
 Generation goes through the rollout engine (``make_engine``: the fast engine for the
 families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
@@ -42,7 +45,7 @@ from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rewards.grade import final_answer
 from nanogrpo.rewards.latex import clean, plain_values
-from nanogrpo.rollout.collect import generate
+from nanogrpo.rollout.collect import generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
@@ -71,13 +74,41 @@ def majority_index(answers: list[str | None]) -> int | None:
     return next(i for i, k in enumerate(keys) if k is not None and counts[k] == best)
 
 
+@torch.no_grad()
+def completion_entropy(model, prompts: list[list[int]], completions: list[list[int]],
+                       masks: list[list[bool]] | None, pad_id: int, temperature: float = 1.0,
+                       micro_batch: int = 16, chunk: int = 1024) -> tuple[float, int]:
+    """(sum of the policy's per-token entropies over the completions' tokens, their count); ``masks``: the
+    tokens that count (multi-turn: the sampled ones), None: all. No (N, L, V) tensor is formed."""
+    from nanogrpo.algo.logprobs import token_stats
+
+    dev = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(completions), micro_batch):
+        comps = completions[i:i + micro_batch]
+        if not any(comps):
+            continue
+        zeros = [[0.0] * len(c) for c in comps]
+        ids, am, cm, _, p = pad_batch(prompts[i:i + micro_batch], comps, zeros, pad_id)
+        if masks is not None:
+            for j, m in enumerate(masks[i:i + micro_batch]):
+                cm[j, :len(m)] &= torch.tensor(m, dtype=torch.bool)
+        _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk,
+                             temperature=temperature, entropy="value")         # (n, C)
+        total += float(ent[cm.to(dev)].double().sum())
+        count += int(cm.sum())
+    return total, count
+
+
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                   max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
-                  seed: int = 0, tools=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  seed: int = 0, tools=None, policy=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
-    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None."""
+    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None.
+    ``policy``: the model whose entropy over the completions is reported (``entropy``), or None."""
     records: list[dict[str, Any]] = []
     skipped = 0
+    ent_sum, ent_n = 0.0, 0
     t0 = time.perf_counter()
     temp = 0.0 if k == 1 else (temperature or cfg.rollout.temperature)
     for b, i in enumerate(range(0, len(rows), batch_size)):
@@ -92,6 +123,12 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                 top_k=cfg.rollout.top_k if k > 1 else 0,
                                 seed=None if k == 1 else seed * 1_000_003 + b)
         gen = generate(engine, tokenizer, ids, kept, params, tools)
+        if policy is not None:
+            s_, n_ = completion_entropy(policy, [x for x in ids for _ in range(k)], gen.completion_ids,
+                                        gen.loss_masks if tools is not None else None, tokenizer.pad_token_id,
+                                        cfg.rollout.logprob_temperature(), cfg.train.micro_batch_size,
+                                        cfg.train.logprob_chunk)
+            ent_sum, ent_n = ent_sum + s_, ent_n + n_
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
         samples = [r for r in kept for _ in range(k)]
         calls = [info["tool_calls"] for info in gen.infos] if tools is not None else [0] * len(texts)
@@ -132,6 +169,8 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                                 for x in records for c in x["completions"]) if n else nan,
         "skipped_long_prompts": skipped, "time_s": round(time.perf_counter() - t0, 3),
     }
+    if policy is not None:
+        summary["entropy"] = ent_sum / ent_n if ent_n else nan
     if tools is not None:
         used = [c for x in records for c in x["tool_calls"]]
         summary["tool_use_rate"] = sum(c > 0 for c in used) / len(used) if used else nan
@@ -165,7 +204,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
             summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,
-                                             tools=tools)
+                                             tools=tools, policy=model)
     finally:
         if rewards is None:
             runner.close()

@@ -120,6 +120,7 @@ class _Feed:
 
 
 def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> int:
+    from nanogrpo.algo.entropy import EntropyControl
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient, ServerError
@@ -127,7 +128,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     from nanogrpo.training.distributed import init_distributed, make_backend
     from nanogrpo.training.logging_sinks import RunLogger
     from nanogrpo.training.metrics import merge_rank_metrics
-    from nanogrpo.training.step import policy_update
+    from nanogrpo.training.step import policy_update, step_metrics
     from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
@@ -170,10 +171,12 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     vocab = model.get_input_embeddings().num_embeddings
     backend = make_backend(cfg, model, rollout_copy=bool(cfg.eval.every))
     version = 0
+    control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
     feed = _Feed(cfg, client, Inbox(root / "inbox", rank, fresh=resume_from is None), vocab)
     if resume_from is not None:
         state = backend.restore(resume_from)
         version = state.get("policy_version", start_step)
+        control.load_state_dict(state.get("entropy_control"))
         if main:
             feed.counts.update(state.get("counts", {}))   # run totals live on rank 0
             log.info("resuming %s from %s (policy version %d)", root, resume_from.name, version)
@@ -228,6 +231,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     def save(step: int) -> None:
         totals = backend.all_reduce([float(feed.counts[k]) for k in ("dropped_stale", "dropped_invalid")])
         backend.save(ckpt_root, step, tok, {"policy_version": version, "mode": "server",
+                                            "entropy_control": control.state_dict(),
                                             "counts": {"dropped_stale": int(totals[0]),
                                                        "dropped_invalid": int(totals[1])} if main else {}})
         feed.inbox.prune(step)  # the checkpoint (written by rank 0 before the save's barrier) covers them
@@ -266,8 +270,9 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             batch = batch.to(device)
             t1 = time.perf_counter()
             backend.set_lr(lr_at(step, cfg))
-            loss = kl = clip = grad_norm = float("nan")
             updates = skipped = 0
+            results = []
+            anchor = None  # the trainer's log-probs before the batch's first update (rollout corrections)
             for it in range(cfg.grpo.updates_per_batch):
                 # a worker whose engine's numerics differ from ours (vllm) asks for the clipped ratio
                 # against its log-probs even when the batch is fresh
@@ -275,11 +280,16 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
                                     on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                    logprob_temperature=cfg.rollout.logprob_temperature())
+                                    logprob_temperature=cfg.rollout.logprob_temperature(),
+                                    rollout=cfg.rollout,
+                                    old_logprobs=anchor, entropy_coef=control.applied())
+                control.update(res.bonus_entropy)
+                anchor = res.logprobs if anchor is None else anchor
+                results.append(res)
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
-                if it == 0:
-                    loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
+            upd = step_metrics(results)
+            loss = upd["loss"]
             version += updates
             if live and step % cfg.server.publish_every == 0 and version > published:
                 publish()
@@ -287,8 +297,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             roll = batch.meta.get("rollout") if isinstance(batch.meta.get("rollout"), dict) else {}
             row: dict[str, Any] = {
                 **{k: v for k, v in roll.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                "step": step, "loss": loss, "kl": kl, "clip_frac": clip, "grad_norm": grad_norm,
-                "lr": backend.optimizer.lr, "skipped_nonfinite": skipped, "policy_version": version,
+                "step": step, **upd, "lr": backend.optimizer.lr, "skipped_nonfinite": skipped,
+                "policy_version": version,
                 "wait_time_s": wait_s, "train_time_s": train_s,
             }
             mine = {"id": entry["id"], "worker": str(batch.meta.get("worker", "?")), "lag": lag,
@@ -316,7 +326,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 if evaluation is not None:
                     if getattr(evaluation[1], "owns_weights", False):
                         evaluation[1].load_from(backend.rollout_model())  # vllm evaluates with its own copy
-                    row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step))
+                    row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step,
+                                              backend.rollout_model()))
             if logger is not None:
                 examples = batch.meta.get("examples")
                 logger.log_step(row, examples if isinstance(examples, list) else None)

@@ -49,7 +49,7 @@ from nanogrpo.training.optim import MasterAdamW
 
 log = logging.getLogger("nanogrpo.train")
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -137,6 +137,19 @@ class Backend:
             dist.all_reduce(part, op=_OPS[op])
             out[idx] = part
         return out.tolist()
+
+    def all_gather_values(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D float tensor, concatenated in rank order (lengths may differ)."""
+        if self.world_size == 1:
+            return t
+        n = int(self.all_reduce([float(t.numel())], ["max"])[0])
+        dev = self._coll_device()
+        pad = torch.full((n + 1,), float("nan"), dtype=torch.float64, device=dev)
+        pad[0] = t.numel()
+        pad[1:1 + t.numel()] = t.to(dev, torch.float64)
+        parts = [torch.empty_like(pad) for _ in range(self.world_size)]
+        dist.all_gather(parts, pad)
+        return torch.cat([q[1:1 + int(q[0])] for q in parts]).to(t)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -13,6 +13,18 @@ rank's loss is multiplied by N before backward because DDP, FSDP2 and DeepSpeed
 *average* gradients over ranks; ranks pad their micro-batch count to the
 largest with zero-weight micro-batches so that every collective is matched.
 
+Whole-batch quantities: besides the token and sequence counts (:class:`BatchTotals`), the
+``grpo.top_entropy_quantile`` threshold is the quantile over every trained token of the batch (all
+ranks), from one forward without gradients before the update (:func:`entropy_threshold_pass`);
+sequence-level quantities (GSPO's ratio, the off-policy mask, sequence corrections) are per row
+and micro-batches hold whole rows.
+
+Which log-probs the ratio is anchored on (``old``) and which the correction compares them with
+(``behaviour``) is :func:`nanogrpo.algo.corrections.anchor`'s rule: without a correction, the
+recorded behaviour log-probs whenever the update is off-policy (the seed's); with one, the
+trainer's own log-probs before the batch's first update (``old_logprobs``, e.g. the first
+update's :attr:`UpdateResult.logprobs`), against the engine's as behaviour.
+
 A non-finite loss or gradient norm skips the whole update (gradients dropped,
 weights untouched) and is reported, so one bad batch never corrupts the model.
 
@@ -25,14 +37,16 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo.algo.logprobs import token_logprobs
-from nanogrpo.algo.losses import BatchTotals, policy_loss
+from nanogrpo.algo.corrections import anchor
+from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
+from nanogrpo.algo.logprobs import _acc_dtype, token_logprobs, token_stats
+from nanogrpo.algo.losses import STAT_OPS, BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
-from nanogrpo.config import GrpoConfig, TrainConfig
+from nanogrpo.config import GrpoConfig, RolloutConfig, TrainConfig
 
 
 @dataclass
@@ -42,6 +56,15 @@ class UpdateResult:
     clip_frac: float
     grad_norm: float
     skipped_nonfinite: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-update metrics over the whole batch: ``entropy``, ``clip_frac_low`` / ``_high`` / ``_dual``,
+    ``ratio_min`` / ``_mean`` / ``_max``, and where they apply ``is_weight_*``, ``is_corrected_frac``,
+    ``is_kl``, ``off_policy_masked_frac``, ``entropy_coef``, ``entropy_threshold``."""
+    logprobs: torch.Tensor | None = None
+    """(N, C) this rank's policy log-probs from this update's forward (before its optimizer step), 0 off
+    the trained tokens: the anchor (``old_logprobs``) for later updates on the same batch."""
+    bonus_entropy: float = float("nan")
+    """Mean entropy over the tokens the entropy bonus acts on (adaptive entropy control's measurement)."""
 
 
 def micro_batch_indices(batch: RolloutBatch, size: int, tokens: int = 0,
@@ -96,9 +119,18 @@ def _forward_tokens(mbs: list[list[int]], gid: list[int], plen: list[int], clen:
                for mb in mbs)
 
 
-def _trim(batch: RolloutBatch, rows: torch.Tensor):
+def trained_mask(batch: RolloutBatch, grpo: GrpoConfig | None = None) -> torch.Tensor:
+    """(N, C) bool: the tokens the loss trains on: ``batch.trained_mask`` less, under
+    ``grpo.mask_truncated``, the completions the token limit cut off."""
+    m = batch.trained_mask                                                   # (N, C)
+    if grpo is not None and grpo.mask_truncated and batch.truncated is not None:
+        m = m & ~batch.truncated.to(m.device)[:, None]                       # (N, C)
+    return m
+
+
+def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = None):
     """Slice rows and drop columns that are padding for every selected row. The mask returned is
-    the trained one (``loss_mask`` when the batch has one): tool output stays in the attention
+    the trained one (``mask``, by default ``batch.trained_mask``): tool output stays in the attention
     mask as context but gets no log-prob, loss, KL or share of the length normalisation."""
     am = batch.attention_mask[rows]                                          # (n, P + C)
     cm = batch.completion_mask[rows]                                         # (n, C)
@@ -106,29 +138,60 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor):
     real_prompt = am[:, :p].bool().any(0)                                    # (P,)
     lead = int(torch.nonzero(real_prompt)[0])                                # leading all-pad columns
     c = max(int(cm.sum(1).max()), 1)                                         # longest completion here
+    mask = batch.trained_mask if mask is None else mask
 
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[rows][:, :c]
 
-    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cut(batch.trained_mask),
+    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cut(mask),
             cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
 
 
 @torch.no_grad()
+def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
+                   temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N, C) float32 (float64 for a float64 model) of the trained tokens (0 elsewhere), and with
+    ``entropy`` the policy's entropies there, without gradients, over the micro-batches the update packs
+    (length-sorted rows, all-padding columns dropped), so long-tailed completion lengths (multi-turn
+    trajectories) cost little padding and tool output no log-prob; of ``logits / temperature`` (the run's
+    convention).
+    The reference forward, the top-ρ entropy threshold, and the trainer's log-probs before an update."""
+    mask = batch.trained_mask if mask is None else mask
+    dt = _acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
+    out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)    # (N, C)
+    ent = torch.zeros_like(out) if entropy else None                                           # (N, C)
+    for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
+        ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
+        lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
+                            temperature=temperature, entropy="value" if entropy else "none")  # (n, c)
+        out[rows, :lp.shape[1]] = lp.to(dt)
+        if entropy:
+            ent[rows, :h.shape[1]] = h.to(dt)
+    return out, ent
+
+
 def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
                        share_prefix: bool, temperature: float = 1.0) -> torch.Tensor:
-    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere), over the micro-batches
-    the update packs (length-sorted rows, all-padding columns dropped), so long-tailed completion
-    lengths (multi-turn trajectories) cost little padding and tool output no log-prob; of
-    ``logits / temperature`` (the run's log-prob convention)."""
-    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32,
-                      device=batch.input_ids.device)                                   # (N, C)
-    for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
-        ids, am, p, lm, _, _, _ = _trim(batch, rows)
-        lp = token_logprobs(ref, ids, am, p, lm, chunk=train.logprob_chunk,
-                            share_prefix=share_prefix, temperature=temperature)        # (n, c)
-        out[rows, :lp.shape[1]] = lp.float()
-    return out
+    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere): :func:`batch_logprobs`."""
+    return batch_logprobs(ref, batch, train, share_prefix, temperature)[0].float()
+
+
+def entropy_threshold_pass(model, batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
+                           share_prefix: bool, temperature: float) -> tuple[float, int]:
+    """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
+    rank, and how many tokens reach it), from one forward without gradients (a collective)."""
+    local = torch.zeros(0, dtype=torch.float64)
+    if batch is not None:
+        mask = trained_mask(batch, grpo)                                     # (N, C)
+        was = be.model.training
+        be.model.eval()
+        _, ent = batch_logprobs(be.model, batch, train, share_prefix, temperature, entropy=True, mask=mask)
+        be.model.train(was)
+        local = ent[mask].double().cpu()                                     # (T,)
+    values = be.all_gather_values(local)                                     # (T_all,)
+    thr = entropy_threshold(values, grpo.top_entropy_quantile)
+    return thr, int((values >= thr).sum())
 
 
 def _autocast(model, enabled: bool):
@@ -140,7 +203,9 @@ def _autocast(model, enabled: bool):
 
 def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None, grpo: GrpoConfig,
                   train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None,
-                  logprob_temperature: float = 1.0) -> UpdateResult:
+                  logprob_temperature: float = 1.0, rollout: RolloutConfig | None = None,
+                  old_logprobs: torch.Tensor | None = None,
+                  entropy_coef: float | None = None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
     ``backend`` (a :class:`nanogrpo.training.distributed.Backend`) owns the wrapped model, the
@@ -149,34 +214,58 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
     (``RolloutConfig.logprob_temperature()``: the convention the behaviour and reference
     log-probs were computed with).
+    ``on_policy``: the weights are those that generated the batch (first update, exact engine).
+    ``rollout``: its ``correction`` settings (None: no correction).
+    ``old_logprobs``: (N, C) the trainer's log-probs of this rank's rows before the batch's first
+    update (the first update's :attr:`UpdateResult.logprobs`), for the later updates on a batch;
+    None on the first.
+    ``entropy_coef``: the entropy-bonus coefficient of this step (``EntropyControl.applied()``); None:
+    ``grpo.entropy_coef``.
     """
     from nanogrpo.training.distributed import SingleBackend
 
     be = backend if backend is not None else SingleBackend(model, optimizer)
     fwd = be.model
-    fwd.train()
-    n_local = 0 if batch is None else batch.num_seqs
-    t_local = 0 if batch is None else int(batch.trained_mask.sum())
+    spec = LossSpec.from_config(grpo, rollout)
+    coef = grpo.entropy_coef if entropy_coef is None else entropy_coef
     share = train.share_prefix and be.prefix_sharing
+    thr, n_ent = None, None
+    if grpo.top_entropy_quantile < 1.0:
+        thr, n_ent = entropy_threshold_pass(fwd, batch, grpo, train, be, share, logprob_temperature)
+    fwd.train()
+    mask_all = None if batch is None else trained_mask(batch, grpo)          # (N, C)
+    n_local = 0 if batch is None else batch.num_seqs
+    t_local = 0 if batch is None else int(mask_all.sum())
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share)
     n_seqs, n_tok, n_mb = be.all_reduce([n_local, t_local, len(mbs)], ops=["sum", "sum", "max"])
-    totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens)
+    totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens,
+                         entropy_tokens=n_ent)
+    ent_mode = "grad" if coef != 0.0 else "value"
+    acc_dt = _acc_dtype(next(iter(be.module.parameters())).dtype)
+    kept = None if batch is None else torch.zeros(batch.completion_mask.shape, dtype=acc_dt,
+                                                  device=batch.input_ids.device)  # (N, C)
     be.zero_grad()
-    loss_sum, kl_sum, clip_sum, bad = 0.0, 0.0, 0.0, 0.0
-    use_ref = grpo.beta > 0
+    loss_sum, bad = 0.0, 0.0
+    acc: dict[str, torch.Tensor] = {}
     for k in range(int(n_mb)):
         last = k == int(n_mb) - 1
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
-                ids, am, p, lm, old, ref, adv = _trim(batch, mbs[k])
-                logp = token_logprobs(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
-                                      temperature=logprob_temperature)           # (n, c), 0 off lm
-                loss, stats = policy_loss(grpo.loss, logp, None if on_policy else old,
-                                          ref if use_ref else None, adv, lm, totals, beta=grpo.beta,
-                                          eps_low=grpo.clip_eps_low, eps_high=grpo.clip_eps_high)
+                rows = mbs[k]
+                ids, am, p, lm, beh, ref, adv = _trim(batch, rows, mask_all)
+                logp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
+                                        temperature=logprob_temperature, entropy=ent_mode)  # (n, c) each
+                trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
+                old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
+                loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
+                                          behaviour=beh, entropy=ent,
+                                          entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
+                                          entropy_coef=coef)
+                kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
+                _accumulate(acc, stats)
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
-                loss, stats = _zero_loss(fwd, be.device, train.logprob_chunk), {"clipped_sum": 0.0}
+                loss = _zero_loss(fwd, be.device, train.logprob_chunk)
         if not torch.isfinite(loss):
             bad = 1.0
             if be.world_size == 1:
@@ -184,17 +273,85 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                 return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
         be.backward(loss * be.world_size, last=last)
         loss_sum += float(loss.detach())
-        kl_sum += stats.get("kl_sum", 0.0)
-        clip_sum += stats["clipped_sum"]
-    loss_sum, kl_sum, clip_sum, bad = be.all_reduce([loss_sum, kl_sum, clip_sum, bad])
-    if bad > 0:
+    keys = list(STAT_OPS)
+    local = [loss_sum, bad] + _stat_values(acc, keys)
+    ops = ["sum", "max"] + [STAT_OPS[k] for k in keys]
+    tot = dict(zip(["loss", "bad"] + keys, be.all_reduce(local, ops)))
+    if tot["bad"] > 0:
         be.zero_grad()
         return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
     grad_norm = be.clip_and_step(train.max_grad_norm)
+    metrics = _metrics(tot, totals, spec, coef, thr, grpo)
+    bonus = tot["entropy_masked_sum"] / max(n_ent, 1) if thr is not None else metrics.get("entropy", math.nan)
     if not math.isfinite(grad_norm):
-        return UpdateResult(loss_sum, float("nan"), float("nan"), grad_norm, True)
-    ntok = max(totals.num_tokens, 1)
-    return UpdateResult(loss_sum, kl_sum / ntok, clip_sum / ntok, grad_norm, False)
+        return UpdateResult(tot["loss"], float("nan"), float("nan"), grad_norm, True, metrics, kept, bonus)
+    clip = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    kl = tot["kl_sum"] / max(totals.num_tokens, 1)
+    return UpdateResult(tot["loss"], kl, clip, grad_norm, False, metrics, kept, bonus)
+
+
+_IDENTITY = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+
+
+def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+    """Fold one micro-batch's stats (0-dim tensors, still on the device) into ``acc``."""
+    for k, v in stats.items():
+        v = v.detach().double()
+        if k not in acc:
+            acc[k] = v
+        elif STAT_OPS[k] == "sum":
+            acc[k] = acc[k] + v
+        else:
+            acc[k] = torch.minimum(acc[k], v) if STAT_OPS[k] == "min" else torch.maximum(acc[k], v)
+
+
+def _stat_values(acc: dict[str, torch.Tensor], keys: list[str]) -> list[float]:
+    """The accumulated stats as floats in ``keys`` order (one device transfer); identities where absent."""
+    present = [k for k in keys if k in acc]
+    vals = dict(zip(present, torch.stack([acc[k] for k in present]).tolist())) if present else {}
+    return [vals.get(k, _IDENTITY[STAT_OPS[k]]) for k in keys]
+
+
+def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: float, thr: float | None,
+             grpo: GrpoConfig) -> dict[str, float]:
+    """The update's logged metrics from the whole-batch stat totals."""
+    n = max(totals.num_tokens, 1)
+    nr = max(tot["ratio_count"], 1.0)  # tokens, or sequences for a sequence-level ratio
+    out = {"entropy": tot["entropy_sum"] / n, "clip_frac_low": tot["clip_low_sum"] / nr,
+           "clip_frac_high": tot["clip_high_sum"] / nr, "ratio_mean": tot["ratio_sum"] / nr,
+           "ratio_min": tot["ratio_min"], "ratio_max": tot["ratio_max"]}
+    if spec.clip_ratio_c is not None or spec.clip_delta is not None:
+        out["clip_frac_dual"] = tot["clip_dual_sum"] / nr
+    is_n = tot["is_tokens"] + tot["is_seqs"]
+    if is_n > 0:
+        out.update({"is_weight_min": tot["is_weight_min"], "is_weight_mean": tot["is_weight_sum"] / is_n,
+                    "is_weight_max": tot["is_weight_max"], "is_kl": tot["is_kl_sum"] / n})
+        if spec.correction != "none":
+            out["is_corrected_frac"] = tot["is_corrected"] / is_n
+    if spec.off_policy_mask_kl is not None:
+        out["off_policy_masked_frac"] = tot["off_policy_masked_seqs"] / max(totals.num_seqs, 1)
+    if coef != 0.0 or grpo.entropy_target is not None:
+        out["entropy_coef"] = coef
+    if thr is not None:
+        out["entropy_threshold"] = thr
+    return {k: (v if math.isfinite(v) else math.nan) for k, v in out.items()}
+
+
+def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
+    """One step's metrics from its updates: loss, kl, grad norm, entropy and the correction stats of the
+    first (the batch as generated); clip fractions averaged and ratio extremes over all of them."""
+    first = results[0]
+    out = {"loss": first.loss, "kl": first.kl, "clip_frac": first.clip_frac, "grad_norm": first.grad_norm,
+           **first.metrics}
+    done = [r for r in results if not r.skipped_nonfinite and r.metrics]
+    if len(done) > 1:
+        out["clip_frac"] = sum(r.clip_frac for r in done) / len(done)
+        for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean"):
+            if k in done[0].metrics:
+                out[k] = sum(r.metrics[k] for r in done) / len(done)
+        out["ratio_min"] = min(r.metrics["ratio_min"] for r in done)
+        out["ratio_max"] = max(r.metrics["ratio_max"] for r in done)
+    return out
 
 
 def _zero_loss(fwd, device, chunk: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ model path) is checked in :func:`prepare` before any weights are read.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from nanogrpo.algo.entropy import EntropyControl
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, save_config
 from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
@@ -28,7 +30,7 @@ from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint, load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary
 from nanogrpo.training.metrics import merge_rank_metrics
-from nanogrpo.training.step import policy_update, reference_logprobs
+from nanogrpo.training.step import policy_update, reference_logprobs, step_metrics
 
 log = logging.getLogger("nanogrpo.train")
 
@@ -158,10 +160,12 @@ def train(run: PreparedRun) -> Path:
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
+    control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
     if run.resume_from is not None:
         state = backend.restore(run.resume_from)
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
+        control.load_state_dict(state.get("entropy_control"))
         if backend.is_main:
             log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
@@ -169,7 +173,8 @@ def train(run: PreparedRun) -> Path:
         else None
 
     def save(step: int) -> None:
-        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict()},
+        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict(),
+                                            "entropy_control": control.state_dict()},
                      save_merged=cfg.model.lora_save_merged)
 
     if run.resume_from is None:
@@ -178,20 +183,21 @@ def train(run: PreparedRun) -> Path:
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
-                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0)})
+                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0,
+                                                             backend.rollout_model())})
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:
         for step in bar:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend, tools=run.tools)
+                             device, backend=backend, tools=run.tools, control=control)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 if backend.world_size > 1:
                     backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
                 if backend.is_main:
-                    row.update(_held_out_eval(cfg, model, tok, engine, run, step))
+                    row.update(_held_out_eval(cfg, model, tok, engine, run, step, backend.rollout_model()))
             if logger is not None:
                 logger.log_step(row, examples)
             bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
@@ -228,8 +234,11 @@ def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
     return adapter
 
 
-def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int) -> dict[str, Any]:
-    """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``."""
+def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
+                   policy=None) -> dict[str, Any]:
+    """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``.
+    ``policy``: a full-weight copy of the policy this rank may run alone (``Backend.rollout_model()``),
+    whose entropy over the evaluation's completions is reported (``eval/entropy``)."""
     from nanogrpo.evaluation import evaluate_rows, write_results
 
     model.eval()
@@ -237,15 +246,19 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int)
         summary, records = evaluate_rows(engine, tok, run.eval_rows, cfg, run.rewards,
                                          cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                          cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                                         seed=cfg.eval.seed, tools=run.tools)
+                                         seed=cfg.eval.seed, tools=run.tools, policy=policy)
     summary["split"] = cfg.data.eval_split
     write_results(summary, records, run.root / "eval" / f"step_{step}.json")
     return {f"eval/{k}": v for k, v in summary.items() if not isinstance(v, str)}
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device, backend=None, tools=None) -> dict[str, Any]:
+               device: torch.device, backend=None, tools=None, control: EntropyControl | None = None
+               ) -> dict[str, Any]:
+    """One step: rollout, reference log-probs, ``grpo.updates_per_batch`` updates, the step's metrics.
+    ``control``: the run's entropy-bonus coefficient (updated after each optimizer step)."""
     t0 = time.perf_counter()
+    control = control if control is not None else EntropyControl.from_config(cfg.grpo)
     rows = sampler.next_batch()
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     share_ok = backend is None or backend.prefix_sharing
@@ -255,9 +268,10 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     model.eval()
     batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                             template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step) + rank,
-                            policy_version=version, tools=tools)
+                            policy_version=version, tools=tools,
+                            reduce=backend.all_reduce if world > 1 else None)
     t_roll = time.perf_counter()
-    loss = kl = clip = grad_norm = float("nan")
+    results = []
     skipped = 0
     updates = 0
     if batch is not None or world > 1:  # a rank without rows still joins the update's collectives
@@ -271,22 +285,28 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
         exact = not getattr(engine, "behaviour_logprobs", False)
+        anchor = None  # the trainer's log-probs before the batch's first update (rollout corrections)
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0 and exact),
                                 max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                logprob_temperature=cfg.rollout.logprob_temperature())
+                                logprob_temperature=cfg.rollout.logprob_temperature(), rollout=cfg.rollout,
+                                old_logprobs=anchor, entropy_coef=control.applied())
+            control.update(res.bonus_entropy)
+            anchor = res.logprobs if anchor is None else anchor
+            results.append(res)
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
-            if it == 0:
-                loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
         if updates and getattr(engine, "owns_weights", False):
             engine.load_from(model)  # vllm keeps its own copy of the weights: push this step's update
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_end = time.perf_counter()
     step_time = t_end - t0
-    row: dict[str, Any] = {"step": step, "loss": loss, **rstats.metrics(), "kl": kl, "clip_frac": clip,
-                           "grad_norm": grad_norm, "lr": optimizer.lr, "skipped_nonfinite": skipped,
+    upd = step_metrics(results) if results else \
+        dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
+    row: dict[str, Any] = {"step": step, "loss": upd.pop("loss"), **rstats.metrics(), "kl": upd.pop("kl"),
+                           "clip_frac": upd.pop("clip_frac"), "grad_norm": upd.pop("grad_norm"), **upd,
+                           "lr": optimizer.lr, "skipped_nonfinite": skipped,
                            "rollout_time_s": t_roll - t0, "train_time_s": t_end - t_roll,
                            "step_time_s": step_time,
                            "tokens_per_s": rstats.completion_tokens / step_time if step_time > 0 else 0.0,
