@@ -38,7 +38,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,9 @@ class Run:
     """A run directory and what it holds; :func:`train` returns one, ``Run("runs/demo")`` opens any."""
 
     root: Path
+    rewards: tuple = field(default=(), repr=False, compare=False)
+    """The rewards :func:`train` was given (names and callables), which :func:`evaluate` reuses; a
+    run opened from its directory has its config's names only."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -205,18 +208,32 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
         raw_eval = _split_rows(dataset, d.eval_split, "dataset") if isinstance(dataset, Mapping) else None
     given: dict[str, Any] = {"rows": samples_from(raw_train, d, "dataset")}
     files = [(raw_train, root / "data" / f"{d.split}.jsonl")]
+    source = {"data.source": str((root / "data").resolve() / "{split}.jsonl")}
     if raw_eval is not None:
         eval_rows = samples_from(raw_eval, d, "eval_dataset")
         given["eval_rows"] = eval_rows[:cfg.eval.n] if cfg.eval.every else None
         files.append((raw_eval, root / "data" / f"{d.eval_split}.jsonl"))
-    else:
+        source["data.eval_source"] = None  # held out beside the training rows
+    elif d.eval_source is None:
         if cfg.eval.every:
-            log.info("no held-out rows (eval_dataset, or a %r split of dataset): no evaluation during "
-                     "training (eval.every=%d set to 0)", d.eval_split, cfg.eval.every)
+            log.info("no held-out rows (eval_dataset, a %r split of dataset, or data.eval_source): no "
+                     "evaluation during training (eval.every=%d set to 0)", d.eval_split, cfg.eval.every)
             cfg = cfg.with_overrides({"eval.every": 0})
         given["eval_rows"] = None
-    cfg = cfg.with_overrides({"data.source": str((root / "data").resolve() / "{split}.jsonl")})
-    return _Data(cfg, given, files)
+    # else: held out from data.eval_source, loaded with the config's own rows (_config_rows)
+    return _Data(cfg.with_overrides(source), given, files)
+
+
+def _config_rows(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the config's own rows loaded where the caller gave none (before torch loads)."""
+    from nanogrpo.data import load_eval_rows, load_rows
+
+    out = dict(given)
+    if "rows" not in out:
+        out["rows"] = load_rows(cfg.data, cfg.data.split)
+    if "eval_rows" not in out:
+        out["eval_rows"] = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
+    return out
 
 
 # ----------------------------------------------------------------------------- rewards and tools
@@ -225,7 +242,8 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
 def _rewards(cfg: Config, rewards: Any, run_dir: Path | None = None) -> tuple[Config, Any]:
     """The config's ``rewards.functions`` replaced by ``rewards`` (names and callables); the runner
     to use when callables are among them (None: the trainer builds it from the config). The config
-    records each callable by its name (``__name__``; a lambda is ``lambda``)."""
+    records a callable as ``<name>`` (its ``__name__``; ``<lambda>``): a run's record, which no
+    command line can load, said so when one tries (:func:`_callables_in`)."""
     if rewards is None:
         return cfg, None
     items = [rewards] if isinstance(rewards, str) or callable(rewards) else list(rewards)
@@ -234,7 +252,13 @@ def _rewards(cfg: Config, rewards: Any, run_dir: Path | None = None) -> tuple[Co
     from nanogrpo.rewards import RewardRunner
 
     runner = RewardRunner.from_config(cfg.rewards, rewards=items, run_dir=run_dir)  # one line per callable
-    return cfg.with_overrides({"rewards.functions": list(runner.specs)}), runner
+    names = [item if isinstance(item, str) else f"<{name}>" for item, name in zip(items, runner.specs)]
+    return cfg.with_overrides({"rewards.functions": names}), runner
+
+
+def _callables_in(cfg: Config) -> list[str]:
+    """The rewards a run's config records as Python callables (``<name>``)."""
+    return [f for f in cfg.rewards.functions if f.startswith("<") and f.endswith(">")]
 
 
 def _not_in_a_spawned_copy(what: str) -> None:
@@ -284,23 +308,28 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
         cfg = _tools(cfg, tools)
         root = Path(resume or cfg.train.out)
         data = _data(cfg, dataset, eval_dataset, root)
+        if rewards is None and _callables_in(data.cfg):
+            raise ConfigError(f"rewards {', '.join(_callables_in(data.cfg))} of this run were Python "
+                              "callables given to nanogrpo.train: give them again (rewards=[...])")
         cfg, runner = _rewards(data.cfg, rewards, root)
         try:
             from nanogrpo.models.source import check_model_source
 
             model_path = check_model_source(cfg.model)  # a missing model or network: said before torch loads
+            given = _config_rows(cfg, data.given)  # a dataset's mistakes too
             from nanogrpo.training.trainer import prepare
             from nanogrpo.training.trainer import train as run_training
 
             prepared = prepare(cfg, Path(resume) if resume is not None else None, rewards=runner,
-                               model_path=model_path, **data.given)
+                               model_path=model_path, **given)
         except BaseException:
             if runner is not None:
                 runner.close()
             raise
         if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 writes the run's files
             data.write()
-        return Run(run_training(prepared))
+        return Run(run_training(prepared), tuple(rewards) if _is_rows(rewards) else
+                   (rewards,) if rewards is not None else ())
 
 
 def evaluate(model: str | os.PathLike | Run, *,
@@ -341,7 +370,21 @@ def evaluate(model: str | os.PathLike | Run, *,
         if isinstance(dataset, (str, os.PathLike)):  # the held-out problems of that source
             cfg = cfg.with_overrides({"data.source": str(dataset), "data.eval_source": str(dataset)})
             dataset = None
+        if rewards is None and isinstance(model, Run) and model.rewards:
+            rewards = list(model.rewards)
+        if rewards is None and _callables_in(cfg):
+            marks = _callables_in(cfg)
+            kept = [(f, w) for f, w in zip(cfg.rewards.functions, cfg.rewards.resolved_weights())
+                    if f not in marks] or [("correctness", 1.0)]
+            log.info("rewards %s of the run were Python callables: reward_mean is over %s (pass "
+                     "rewards=[...] for them all)", ", ".join(marks), ", ".join(f for f, _ in kept))
+            cfg = cfg.with_overrides({"rewards.functions": [f for f, _ in kept],
+                                      "rewards.weights": [w for _, w in kept]})
         cfg, runner = _rewards(cfg, rewards)
+        if runner is None:  # built now: a reward that does not resolve fails before any weights are read
+            from nanogrpo.rewards import RewardRunner
+
+            runner = RewardRunner.from_config(cfg.rewards)
         try:
             if dataset is not None:
                 from nanogrpo.data.sources import samples_from
@@ -362,7 +405,8 @@ def evaluate(model: str | os.PathLike | Run, *,
 
             policy, tok, _ = load_policy(cfg.model, model_path)
             n = n or (len(rows) if dataset is not None else cfg.eval.n)
-            return run_eval(cfg, policy, tok, split, n, Path(out) if out is not None else None, k=k,
+            label = split if dataset is None or isinstance(dataset, Mapping) else "dataset"
+            return run_eval(cfg, policy, tok, label, n, Path(out) if out is not None else None, k=k,
                             rows=rows, rewards=runner)
         finally:
             if runner is not None:

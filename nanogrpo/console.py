@@ -45,6 +45,8 @@ class LineHandler(logging.Handler):
 
 def _quiet_third_party() -> list[Callable[[], None]]:
     """Turn off third-party progress bars and huggingface_hub's retry warnings; the undo steps."""
+    import huggingface_hub  # noqa: F401 - first: importing it sets its logger's level (to WARNING)
+
     undo: list[Callable[[], None]] = []
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level

@@ -97,6 +97,9 @@ def test_datasets_come_as_lists_hf_datasets_dataframes_and_splits(tmp_path):
     renamed = [{"problem": r["question"], "solution": r["answer"]} for r in ROWS]
     named = cfg.with_overrides({"data.question_field": "problem", "data.answer_field": "solution"})
     assert _data(named, renamed, None, tmp_path / "run").given["rows"][0]["question"] == ROWS[0]["question"]
+    held = _data(cfg.with_overrides({"data.eval_source": "arithmetic"}), ROWS, None, tmp_path / "run")
+    assert "eval_rows" not in held.given and held.cfg.eval.every == 20  # held out from data.eval_source
+    assert held.cfg.data.eval_source == "arithmetic"
     assert not (tmp_path / "run").exists()  # written when the run starts, not before
 
 
@@ -142,11 +145,18 @@ def test_the_public_api_as_a_notebook_uses_it(tmp_path, capsys, caplog):
     # the run is whole on disk: its config names the rows it trained on, copied into it
     assert run.config.data.source == str(out.resolve() / "data" / "{split}.jsonl")
     assert [json.loads(x) for x in (out / "data" / "train.jsonl").read_text().splitlines()] == ROWS
-    assert run.config.rewards.functions == ["correctness", "lambda", "knows_the_answer", "guarded"]
+    assert run.config.rewards.functions == ["correctness", "<lambda>", "<knows_the_answer>", "<guarded>"]
     assert run.config.eval.every == 0
 
-    summary = nanogrpo.evaluate(run, dataset=ROWS[:6], rewards=[knows_the_answer])  # a Run: its newest
+    ran_here.clear()
+    summary = nanogrpo.evaluate(run, dataset=ROWS[:6])  # a Run: its newest checkpoint, its rewards
     assert summary["n"] == 6 and 0 <= summary["accuracy"] <= 1 and summary["k"] == 1
+    assert ran_here  # the callables of the run scored the evaluation too
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nanogrpo"):
+        again = nanogrpo.evaluate(str(out), dataset=ROWS[:6])  # from its directory: names only
+    assert again["accuracy"] == summary["accuracy"]
+    assert "rewards <lambda>, <knows_the_answer>, <guarded> of the run were Python callables" in caplog.text
 
     model, tok = nanogrpo.load_checkpoint(run)
     import torch
@@ -157,9 +167,10 @@ def test_the_public_api_as_a_notebook_uses_it(tmp_path, capsys, caplog):
     assert tok.decode(tok("What is 2 plus 2?")["input_ids"], skip_special_tokens=True) == "What is 2 plus 2?"
 
     capsys.readouterr()  # the command line reads the same run (its config, its copy of the rows)
-    assert main(["eval", "--model", str(run.checkpoint), "--split", "train", "--n", "3",
-                 'rewards.functions=["correctness"]']) == 0
+    assert main(["eval", "--model", str(run.checkpoint), "--split", "train", "--n", "3"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 3
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2  # the callables are not in the config
+    assert "were Python callables given to nanogrpo.train: give them again" in capsys.readouterr().err
     resumed = nanogrpo.train(resume=out, config=run.config.with_overrides({"train.steps": 3}),
                              rewards=["correctness", lambda c, s: 0.5, knows_the_answer, guarded])
     assert [r["step"] for r in resumed.metrics] == [1, 2, 3]

@@ -115,6 +115,24 @@ def test_refused_connection_is_said_in_seconds(tmp_path):
     _assert_offline_line(out, elapsed, tmp_path)
 
 
+@pytest.mark.slow  # imports datasets (twice)
+def test_an_hf_dataset_without_network_is_said_in_seconds(tmp_path):
+    pytest.importorskip("datasets")
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    cmd = [sys.executable, "-m", "nanogrpo.cli", "train", "--data", "gsm8k", "--out", str(tmp_path / "run")]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=_env(tmp_path, endpoint), capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    said = out.stdout + out.stderr
+    assert out.returncode == 2, said
+    assert out.stderr.strip().splitlines() == [
+        f"nanogrpo: error: HF dataset openai/gsm8k: the HF hub ({endpoint}) cannot be reached ([Errno 111] "
+        "Connection refused): point data.source at a local .jsonl/.parquet copy, or set HF_HUB_OFFLINE=1 to "
+        "read the datasets cache"], said
+    assert "Retry" not in said and "WARNING" not in said
+    assert elapsed < 10, f"{elapsed:.1f} s"
+
+
 @pytest.mark.slow
 def test_black_hole_is_said_in_seconds(tmp_path):
     with _BlackHole() as endpoint:

@@ -11,7 +11,7 @@ The layers, lowest first (README, "The source tree"):
     errors
     algo, batch                              the algorithm's pure functions, the wire record
     config                                   (which names the algorithm's variants)
-    console, rewards, tools                  the screen, rewards, the tool sandbox
+    console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
     data                                     datasets and prompts (may read answers with rewards)
     models                                   loading, the embedded models and their warm starts
     rollout                                  engines and rollouts
@@ -43,7 +43,7 @@ LAYERS = [
     {"errors"},
     {"algo", "batch"},
     {"config"},
-    {"console", "rewards", "tools"},
+    {"console", "hub", "rewards", "tools"},
     {"data"},
     {"models"},
     {"rollout"},

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanogrpo import hub
 from nanogrpo.config import DataConfig
 from nanogrpo.data import arithmetic, multidigit
 from nanogrpo.data.samples import normalize_rows
@@ -164,12 +165,32 @@ def read_hf(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
     except ImportError:
         raise DataError(f"HF dataset {name}: needs the 'datasets' package (pip install 'nanogrpo[data]'), "
                         f"or point data.source at a local .jsonl/.parquet copy") from None
+    _reachable(name)
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # any failure here (network, auth, bad name or split) is the user's to fix
         raise DataError(f"HF dataset {name} (config {config}, split {split}) unreachable: "
                         f"{_first_line(e)}") from None
     return [dict(r) for r in ds]
+
+
+def _reachable(name: str) -> None:
+    """A DataError in seconds when the hub cannot be reached for dataset ``name`` (``datasets`` would
+    retry for about a minute first). Not asked offline (``HF_HUB_OFFLINE``: the datasets cache) nor
+    for a local directory; any answer from the hub, even a refusal, is left to ``datasets``."""
+    if Path(name).exists() or hub.offline():
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError
+
+    try:
+        hub.ask(lambda: HfApi().dataset_info(name, timeout=hub.TIMEOUT_S))
+    except HfHubHTTPError:
+        return
+    except hub.network_errors() as e:
+        raise DataError(f"HF dataset {name}: the HF hub ({hub.endpoint()}) cannot be reached "
+                        f"({hub.reason(e)}): point data.source at a local .jsonl/.parquet copy, or set "
+                        "HF_HUB_OFFLINE=1 to read the datasets cache") from None
 
 
 # ----------------------------------------------------------------------------- dispatch

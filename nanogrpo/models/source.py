@@ -14,25 +14,19 @@ hub is not asked at all.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
-import threading
 from pathlib import Path
 
+from nanogrpo import hub
 from nanogrpo.errors import ModelError
 
-__all__ = ["EMBEDDED", "EMBEDDED_TOOLS", "HUB_TIMEOUT_S", "check_model_source", "hub_source",
-           "resolve_model_path"]
+__all__ = ["EMBEDDED", "EMBEDDED_TOOLS", "check_model_source", "hub_source", "resolve_model_path"]
 
 log = logging.getLogger("nanogrpo.models")
 
 EMBEDDED = "embedded"
 EMBEDDED_TOOLS = "embedded-tools"
 """The tool demo's warm start (:mod:`nanogrpo.models.warmstart_tools`), same shape and tokenizer."""
-HUB_TIMEOUT_S = 5.0
-"""How long the hub has to answer whether a model exists, all included (name lookup, connecting, and
-whatever huggingface_hub asks the hub first)."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -74,13 +68,6 @@ def check_model_source(cfg) -> str | None:
     return resolve_model_path(cfg.path)
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
-    return bool(constants.HF_HUB_OFFLINE) or any(f and f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
-
-
 def _cached_snapshot(repo_id: str) -> tuple[str | None, bool]:
     """(the snapshot directory of ``repo_id`` in the HF cache or None, whether it holds weights)."""
     from huggingface_hub import try_to_load_from_cache
@@ -95,51 +82,11 @@ def _cached_snapshot(repo_id: str) -> tuple[str | None, bool]:
     return str(snap), any((snap / f).is_file() for f in WEIGHT_FILES)
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """What a failed connection raises: OSError (requests' errors are OSErrors), and the transport
-    errors of the HTTP client this huggingface_hub uses (httpx, or its fork httpx2)."""
-    errs: list[type[BaseException]] = [OSError, TimeoutError]
-    for name in ("httpx", "httpx2"):
-        mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "TransportError"):
-            errs.append(mod.TransportError)
-    return tuple(errs)
-
-
-def _ask(url: str, timeout_s: float) -> None:
-    """HEAD ``url`` on the hub, answered within ``timeout_s`` all told (a name lookup that hangs, or
-    the request huggingface_hub may make first, included): raises what the request raised, or
-    TimeoutError. The request runs on a daemon thread, left behind if it outlasts the deadline."""
-    from huggingface_hub import get_hf_file_metadata
-
-    outcome: list[BaseException | None] = []
-
-    def ask() -> None:
-        try:
-            get_hf_file_metadata(url, timeout=timeout_s)
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
-            outcome.append(e)
-
-    thread = threading.Thread(target=ask, name="nanogrpo-hub-check", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
-        raise TimeoutError(f"no answer within {timeout_s:g} s")
-    if outcome[0] is not None:
-        raise outcome[0]
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0][:200] if text else type(e).__name__).rstrip(".")
-
-
-def hub_source(repo_id: str, timeout_s: float = HUB_TIMEOUT_S, endpoint: str | None = None) -> str:
+def hub_source(repo_id: str, timeout_s: float = hub.TIMEOUT_S, endpoint: str | None = None) -> str:
     """``repo_id`` when the hub has it; its HF cache directory when the hub cannot be reached (or
     ``HF_HUB_OFFLINE`` is set) and the cache holds it; otherwise a one-line ModelError.
     ``endpoint``: the hub's address (default: ``HF_ENDPOINT``, else huggingface.co)."""
-    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import (
         EntryNotFoundError,
         GatedRepoError,
@@ -149,8 +96,8 @@ def hub_source(repo_id: str, timeout_s: float = HUB_TIMEOUT_S, endpoint: str | N
 
     snap, complete = _cached_snapshot(repo_id)
     cache = constants.HF_HUB_CACHE
-    endpoint = endpoint or constants.ENDPOINT
-    if _offline():
+    endpoint = endpoint or hub.endpoint()
+    if hub.offline():
         if snap is not None and complete:
             return snap
         what = "has no weights of it" if snap is not None else "does not hold it"
@@ -158,7 +105,8 @@ def hub_source(repo_id: str, timeout_s: float = HUB_TIMEOUT_S, endpoint: str | N
                          f"download it where there is network (`hf download {repo_id}`), or pass a local "
                          "model directory")
     try:
-        _ask(hf_hub_url(repo_id, "config.json", endpoint=endpoint), timeout_s)
+        url = hf_hub_url(repo_id, "config.json", endpoint=endpoint)
+        hub.ask(lambda: get_hf_file_metadata(url, timeout=timeout_s), timeout_s)
     except GatedRepoError:
         raise ModelError(f"model {repo_id!r} is gated on the HF hub: accept its terms on its page and log in "
                          "(`hf auth login`, or set HF_TOKEN), or pass a local model directory") from None
@@ -171,14 +119,14 @@ def hub_source(repo_id: str, timeout_s: float = HUB_TIMEOUT_S, endpoint: str | N
                          "model") from None
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
-        problem = f"the HF hub answered {status}" if status else f"the HF hub failed ({_reason(e)})"
+        problem = f"the HF hub answered {status}" if status else f"the HF hub failed ({hub.reason(e)})"
         if snap is not None and complete:
             log.info("%s; using the copy of %s in the HF cache (%s)", problem, repo_id, snap)
             return snap
         raise ModelError(f"model {repo_id!r}: {problem}; try again later, or pass a local model "
                          "directory") from None
-    except _network_errors() as e:
-        problem = f"the HF hub ({endpoint}) cannot be reached ({_reason(e)})"
+    except hub.network_errors() as e:
+        problem = f"the HF hub ({endpoint}) cannot be reached ({hub.reason(e)})"
         if snap is not None and complete:
             log.info("%s; using the copy of %s in the HF cache (%s)", problem, repo_id, snap)
             return snap
