@@ -1,6 +1,6 @@
 """One GRPO update step through a training backend, timed, under that backend's launcher.
 
-The same step as the trainer's (``nanogrpo.train.step.policy_update``: lean log-probs,
+The same step as the trainer's (``nanogrpo.training.step.policy_update``: lean log-probs,
 token-budget micro-batches, clipping, AdamW) on a random-init model of a named shape,
 wrapped by the backend the config names: ``single``, ``ddp``, ``fsdp2`` or ``deepspeed``
 (ZeRO 1-3, optionally with the optimizer on the CPU, the seed's setup). Each rank
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanogrpo.config import Config
     from nanogrpo.models.tiny import make_model
-    from nanogrpo.train.distributed import init_distributed, make_backend
-    from nanogrpo.train.step import policy_update
+    from nanogrpo.training.distributed import init_distributed, make_backend
+    from nanogrpo.training.step import policy_update
 
     init_distributed(a.backend)
     cuda = torch.cuda.is_available()

@@ -43,8 +43,8 @@ def main() -> int:
     from nanogrpo.batch import RolloutBatch
     from nanogrpo.config import Config
     from nanogrpo.models.tiny import make_model
-    from nanogrpo.train.distributed import Backend
-    from nanogrpo.train.step import policy_update
+    from nanogrpo.training.distributed import Backend
+    from nanogrpo.training.step import policy_update
 
     total = torch.cuda.get_device_properties(0).total_memory
     frac = min(1.0, a.limit_gb * 2**30 / total)

@@ -8,12 +8,17 @@ variant runs in its own subprocess so one's peak cannot hide the other's:
     seed   logits = h @ W.T (N, L, V); per row log_softmax + gather (the seed's get_per_token_logps)
     lean   nanogrpo.algo.logprobs.linear_logprobs over the completion tokens, ``--chunk`` at a time
 
+With ``--entropy value`` (what every training step now computes: the policy's per-token entropy in
+the same chunked pass, for the logs) or ``--entropy grad`` (the entropy bonus: its gradient too) the
+lean variant also runs with that, so the cost of the entropy in memory shows beside it.
+
 Peak: on CUDA ``torch.cuda.max_memory_allocated`` above the inputs; on the CPU
 the process's peak RSS (``ru_maxrss``) above its RSS once the inputs exist.
 
     python bench/loss_memory.py                       # 64 x 512 tokens, H 896, V 151936 (seed: ~45 GB)
     python bench/loss_memory.py --n 8 --device cpu    # what fits a 24 GB CPU machine
     python bench/loss_memory.py --device cpu --seed-fit 4,8,16   # 64 x 512 on a 24 GB machine
+    python bench/loss_memory.py --n 8 --device cpu --lean-only --entropy value,grad   # the entropy's cost
 
 ``--seed-fit N1,N2,..``: the seed's path runs at those batch sizes only and its peak at
 ``--n`` is the least-squares line through them (its memory is linear in the batch: the
@@ -70,8 +75,11 @@ def run_variant(a) -> dict:
         rows = [lr.log_softmax(-1).gather(-1, tr[:, None]).squeeze(-1) for lr, tr in zip(logits, tgt)]
         logp = torch.stack(rows).float()                                 # (N, L)
     else:
-        logp = linear_logprobs(h.reshape(-1, a.hidden), w, None, tgt.reshape(-1), a.chunk).view(a.n, a.len)
+        out = linear_logprobs(h.reshape(-1, a.hidden), w, None, tgt.reshape(-1), a.chunk, entropy=a.entropy)
+        logp = (out if a.entropy == "none" else out[:, 0]).view(a.n, a.len)
     loss = _grpo_loss(logp, ref, adv)
+    if a.variant == "lean" and a.entropy == "grad":
+        loss = loss - 0.01 * out[:, 1].mean()                            # the entropy bonus
     loss.backward()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -92,24 +100,31 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--seed-fit", default="", help="comma-separated batch sizes: extrapolate the seed's peak")
+    p.add_argument("--entropy", default="", help="comma-separated: value, grad (lean also runs with them)")
+    p.add_argument("--lean-only", action="store_true", help="skip the seed's path (e.g. with --entropy)")
     p.add_argument("--variant", choices=["seed", "lean"], help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     if a.variant:
+        a.entropy = a.entropy or "none"
         print(json.dumps(run_variant(a)))
         return
-    def run(v: str, n: int) -> dict:
+    def run(v: str, n: int, entropy: str = "none") -> dict:
         cmd = [sys.executable, __file__, "--variant", v, "--n", str(n), "--len", str(a.len),
                "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--chunk", str(a.chunk),
-               "--device", a.device, "--dtype", a.dtype]
+               "--device", a.device, "--dtype", a.dtype, "--entropy", entropy]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             return {"variant": v, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     res = {"lean": run("lean", a.n)}
+    for e in [x.strip() for x in a.entropy.split(",") if x.strip()]:
+        res[f"lean+H {e}"] = run("lean", a.n, e)
     fit = [int(x) for x in a.seed_fit.split(",") if x.strip()]
-    if len(fit) >= 2:
+    if a.lean_only:
+        pass
+    elif len(fit) >= 2:
         pts = [(n, run("seed", n)) for n in fit]
         bad = [r for _, r in pts if "error" in r]
         if bad:
@@ -126,17 +141,17 @@ def main() -> None:
         res["seed"] = run("seed", a.n)
     shape = f"{a.n} x {a.len} tokens, H {a.hidden}, V {a.vocab}, {a.dtype} on {a.device}"
     print(f"loss-path peak memory ({shape}; lean chunk {a.chunk})")
-    print(f"{'variant':8} {'peak GiB':>10} {'seconds':>9}")
+    print(f"{'variant':14} {'peak GiB':>10} {'seconds':>9}")
     for v, r in res.items():
         if v == "seed" and "extrapolated_from" in r:
             print(f"{'seed':8} {r['peak_bytes'] / 2**30:10.3f}   (line through the seed@N rows, N = {a.n})")
             continue
         if "error" in r:
-            print(f"{v:8} failed: {r['error']}")
+            print(f"{v:14} failed: {r['error']}")
         else:
-            print(f"{v:8} {r['peak_bytes'] / 2**30:10.3f} {r['seconds']:9.2f}")
+            print(f"{v:14} {r['peak_bytes'] / 2**30:10.3f} {r['seconds']:9.2f}")
     ok = all("error" not in r for r in res.values())
-    if ok:
+    if ok and "seed" in res:
         ratio = res["lean"]["peak_bytes"] / max(res["seed"]["peak_bytes"], 1)
         diff = ("the seed's peak extrapolated" if "extrapolated_from" in res["seed"]
                 else f"loss diff {abs(res['lean']['loss'] - res['seed']['loss']):.2e}")

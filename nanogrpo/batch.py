@@ -16,6 +16,8 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
     loss_mask        bool    (N, C)      tokens the loss trains on, optional (absent: = completion_mask);
                                          a subset of completion_mask: multi-turn rollouts leave tool
                                          output out (context the model reads, never trained on)
+    truncated        bool    (N,)        the token limit cut the completion off (finish reason "length");
+                                         optional (absent: unknown; grpo.mask_truncated then masks nothing)
 
 Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
 breakdown, question ids, ...), JSON-serialisable. Keys the split-mode trainer and server read:
@@ -49,8 +51,9 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "old_logprobs": (torch.float32, "NC"),
     "ref_logprobs": (torch.float32, "NC"),
     "loss_mask": (torch.bool, "NC"),
+    "truncated": (torch.bool, "N"),
 }
-_OPTIONAL = {"ref_logprobs", "loss_mask"}
+_OPTIONAL = {"ref_logprobs", "loss_mask", "truncated"}
 
 
 class BatchError(ValueError):
@@ -71,6 +74,7 @@ class RolloutBatch:
     policy_version: int = 0
     ref_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape helpers

@@ -1,7 +1,10 @@
 """Command line: ``nanogrpo train | eval | serve | rollout | bench | report``.
 
-Each sub-command imports its machinery lazily, so ``nanogrpo --help`` is fast
-and a GPU-less machine never imports GPU-only code. Errors the user can fix
+``train`` and ``eval`` are a thin layer over the public functions (:mod:`nanogrpo.api`): flags
+become config overrides, the rest is :func:`nanogrpo.train` / :func:`nanogrpo.evaluate`. Each
+sub-command imports its machinery lazily, so ``nanogrpo --help`` is fast and a GPU-less machine
+never imports GPU-only code. Everything runs on nanogrpo's screen (:mod:`nanogrpo.console`):
+third-party progress bars and retry chatter off unless ``-v``. Errors the user can fix
 (:class:`~nanogrpo.errors.NanoGRPOError`) print one line and exit with code 2.
 """
 
@@ -15,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from nanogrpo.console import screen
 from nanogrpo.errors import ConfigError, NanoGRPOError
 
 # sub-commands owned by other modules: name -> "module:function(argv) -> int"
@@ -32,24 +36,36 @@ def _train_parser(sub) -> None:
                                    "flags and key=value overrides apply on top.")
     p.add_argument("--config", help="TOML/YAML config file, or the name of a shipped preset (demo)")
     p.add_argument("--model", help="local HF model directory or hub id (model.path)")
-    p.add_argument("--data", help="dataset file, preset (gsm8k, arithmetic) or hf:NAME (data.source)")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, arithmetic, ...) or hf:NAME "
+                                  "(data.source)")
     p.add_argument("--out", help="run directory (train.out)")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, help="random seed (train.seed)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--server", help="consume rollout batches from a nanogrpo server at this URL")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. grpo.beta=0.04 train.lr=1e-6")
+    _verbose_flag(p)
+
+
+VERBOSE_HELP = "debug lines, and third-party progress bars and retry warnings as their libraries print them"
+
+
+def _verbose_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
 
 
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="greedy pass@1, or pass@k/maj@k, of a checkpoint", description=(
         "Greedy pass@1 with the training rewards, or with --k K sampled pass@K and maj@K (temperature: "
         "eval.temperature, else rollout.temperature). Prints one JSON object (accuracy, format_rate, n, "
-        "pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the run the "
-        "checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task)."))
+        "pass@1, pass@k, maj@k, ...). The data, prompt format and rewards come from --config, else from the "
+        "run the checkpoint belongs to, else from the embedded demo (held-out split of the arithmetic task); "
+        "with a dataset preset (--data math500) and a model of your own, from the defaults (key=value "
+        "overrides on top, e.g. data.prompt_template=r1_boxed rollout.max_new_tokens=4096)."))
     p.add_argument("--model", required=True, help="checkpoint directory (HF format) or hub id")
     p.add_argument("--config", help="config file or preset name")
-    p.add_argument("--data", help="dataset file, preset or hf:NAME")
+    p.add_argument("--data", help="dataset file, preset (gsm8k, math, math500, aime24, ...) or hf:NAME "
+                                  "(default: data.eval_source, else data.source)")
     p.add_argument("--split", help="split to evaluate (default: data.eval_split)")
     p.add_argument("--n", type=int, help="number of problems (default: eval.n)")
     p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")
@@ -57,6 +73,7 @@ def _eval_parser(sub) -> None:
                    help="also write the summary JSON here, and per-sample JSONL (question, completions, "
                         "rewards, extracted answers) beside it as OUT.samples.jsonl")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+    _verbose_flag(p)
 
 
 def _flag_overrides(a: argparse.Namespace) -> list[str]:
@@ -70,34 +87,21 @@ def _flag_overrides(a: argparse.Namespace) -> list[str]:
     return out
 
 
-def _base_config(config: str | None, overrides: list[str]):
-    from nanogrpo.config import load_config, preset_path
-
-    if config is None:
-        return load_config(preset="demo", overrides=overrides)
-    if not Path(config).exists() and preset_path(config).is_file():
-        return load_config(preset=config, overrides=overrides)
-    return load_config(config, overrides)
-
-
 def cmd_train(a: argparse.Namespace) -> int:
-    overrides = _flag_overrides(a) + list(a.overrides)
-    if a.resume is not None:
-        from nanogrpo.train.trainer import load_resume_config
+    from nanogrpo.api import run_config, train
+    from nanogrpo.config import config_from
 
-        cfg = load_resume_config(a.resume, overrides)
-    else:
-        cfg = _base_config(a.config, overrides)  # a config mistake is reported before torch is imported
+    overrides = _flag_overrides(a) + list(a.overrides)
+    # a config mistake is reported before torch is imported
+    cfg = run_config(a.resume, overrides) if a.resume is not None else config_from(a.config, overrides)
     if a.server:
         from nanogrpo.serve.consumer import train_from_server
 
         train_from_server(cfg, a.server, resume_dir=a.resume)
     else:
-        from nanogrpo.train.trainer import prepare, train
-
-        root = train(prepare(cfg, a.resume))
+        run = train(cfg, resume=a.resume)
         if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
-            print(f"run directory: {root}")
+            print(f"run directory: {run.root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched rank whose run is done (files written and closed, every rank past the final
         # barrier). Leave without interpreter teardown: tearing down gloo's process group aborted
@@ -110,40 +114,20 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from nanogrpo.evaluate import run_eval
-    from nanogrpo.models.load import load_policy
+    from nanogrpo.api import evaluate
 
-    overrides = list(a.overrides) + [f"model.path={json.dumps(a.model)}"]
-    if a.data:
-        overrides.append(f"data.source={json.dumps(a.data)}")
-    run_cfg = _run_config_of(Path(a.model))
-    if a.config is None and run_cfg is not None:
-        from nanogrpo.config import load_config
-
-        cfg = load_config(run_cfg, overrides)
-    else:
-        cfg = _base_config(a.config, overrides)
-    from nanogrpo.data import load_rows
-
-    split = a.split or cfg.data.eval_split
-    load_rows(cfg.data, split)  # fail on bad data before loading weights
-    model, tok, _ = load_policy(cfg.model)
-    if a.k is not None and a.k < 1:
-        raise ConfigError(f"--k must be at least 1, got {a.k}")
-    summary = run_eval(cfg, model, tok, split, a.n or cfg.eval.n, a.out, k=a.k)
+    for flag in ("k", "n"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            raise ConfigError(f"--{flag} must be at least 1, got {getattr(a, flag)}")
+    summary = evaluate(a.model, config=a.config, dataset=a.data, split=a.split, n=a.n, k=a.k, out=a.out,
+                       overrides=list(a.overrides))
     print(json.dumps(summary))
     return 0
 
 
-def _run_config_of(model_dir: Path) -> Path | None:
-    """``RUN/config.yaml`` when ``model_dir`` is ``RUN/checkpoints/step_N``."""
-    cand = model_dir.parent.parent / "config.yaml"
-    return cand if model_dir.is_dir() and model_dir.parent.name == "checkpoints" and cand.is_file() else None
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanogrpo", description="A small, fast GRPO trainer.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = ap.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _eval_parser(sub)
@@ -173,15 +157,19 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    # third-party warnings (nanogrpo's own lines have the screen's handler)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    verbose = bool(argv) and argv[0] in ("-v", "--verbose")
+    if not verbose:  # datasets reads this when it is imported (if ever)
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
-        if argv and argv[0] in EXTERNAL:
-            mod, fn = EXTERNAL[argv[0]].split(":")
-            return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
+        if argv[verbose:] and argv[verbose] in EXTERNAL:
+            mod, fn = EXTERNAL[argv[verbose]].split(":")
+            with screen(verbose, own=True):
+                return int(getattr(importlib.import_module(mod), fn)(argv[verbose + 1:]) or 0)
         a = build_parser().parse_args(argv)
-        if a.verbose:
-            logging.getLogger("nanogrpo").setLevel(logging.DEBUG)
-        return {"train": cmd_train, "eval": cmd_eval}[a.command](a)
+        with screen(a.verbose, own=True):
+            return {"train": cmd_train, "eval": cmd_eval}[a.command](a)
     except NanoGRPOError as e:
         print(f"nanogrpo: error: {e}", file=sys.stderr)
         return 2

@@ -17,13 +17,24 @@ import difflib
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nanogrpo.algo.presets import (
+    ADVANTAGE_NAMES,
+    AGGREGATION_NAMES,
+    CORRECTION_NAMES,
+    IMPORTANCE_NAMES,
+    KL_NAMES,
+    LOSS_NAMES,
+    LOSS_PRESETS,
+    REDUCTION_NAMES,
+)
 from nanogrpo.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -38,6 +49,19 @@ SEED_SYSTEM_PROMPT = (
     "<think> </think> and<answer> </answer> tags, respectively, i.e., <think> reasoning process here "
     "</think><answer> answer here </answer>."
 )
+
+
+R1_BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+PROMPT_TEMPLATES: dict[str, dict[str, str]] = {
+    "think_answer": {"system_prompt": SEED_SYSTEM_PROMPT, "user_template": "{question}"},
+    "r1_boxed": {"system_prompt": "", "user_template": "{question}\n" + R1_BOXED_INSTRUCTION},
+    "boxed_system": {"system_prompt": R1_BOXED_INSTRUCTION, "user_template": "{question}"},
+}
+"""Ready prompts (``data.prompt_template``): the seed's think/answer system prompt; DeepSeek-R1's
+recommendation (no system prompt, the instruction after the question; reward with ``format_boxed``);
+Qwen2.5-Math's (the same instruction as the system prompt)."""
+RUN_CONFIG_FILE = "config.yaml"
+"""A run directory's resolved config (written at start; ``--resume`` reads it back)."""
 
 
 class _Strict(BaseModel):
@@ -76,16 +100,33 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     source: str = "gsm8k"
-    """A preset (``gsm8k``, ``arithmetic``, ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or
-    ``hf:NAME``."""
+    """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
+    ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
     split: str = "train"
     eval_split: str = "test"
+    eval_source: str | None = None
+    """Where held-out problems come from, as ``source`` (e.g. train on ``math``, evaluate on
+    ``math500``); None: ``source``."""
     question_field: str = "question"
     answer_field: str = "answer"
+    """Fields of files and ``hf:`` datasets (presets know their own)."""
+    answer_from: Literal["auto", "column", "boxed", "delimiter"] = "auto"
+    """Where the reference is in the answer field: ``column``: all of it (MATH-500's ``answer``,
+    AIME's integer); ``boxed``: the last ``\\boxed{…}`` of a full solution (MATH's ``solution``);
+    ``delimiter``: after the last ``answer_delimiter`` (GSM8K's ``####``); ``auto``: ``boxed`` when
+    the field holds a ``\\boxed{``, else ``delimiter`` when it holds the delimiter, else ``column``.
+    A row without what the mode needs is an error naming the row, at start."""
     answer_delimiter: str | None = None
-    """When set, the reference answer is the text after the last occurrence (GSM8K: ``####``)."""
+    """The delimiter of ``answer_from=delimiter``; None: ``####``."""
     hf_config: str | None = None
+    prompt_template: str | None = None
+    """A ready prompt by name (``think_answer``, ``r1_boxed``, ``boxed_system``: see
+    ``PROMPT_TEMPLATES``); it sets ``system_prompt`` and ``user_template``, which then are not set
+    by hand."""
     system_prompt: str = SEED_SYSTEM_PROMPT
+    user_template: str = "{question}"
+    """The user turn: ``{question}`` is replaced by the question (``"{question}\\nPlease reason step by
+    step, and put your final answer within \\boxed{}."``; other braces are kept as written)."""
     few_shot: list[dict[str, str]] = Field(default_factory=list)
     """Worked examples (``question``/``answer``) rendered as earlier chat turns."""
     max_prompt_tokens: int = Field(400, gt=0)
@@ -93,6 +134,30 @@ class DataConfig(_Strict):
     arithmetic_train_size: int = Field(20000, gt=0)
     arithmetic_eval_size: int = Field(500, gt=0)
     """Rows of the synthetic tasks (``arithmetic``, ``multidigit``): the train split and the held-out one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_prompt_template(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("prompt_template") is None:
+            return data
+        name = data["prompt_template"]
+        if name not in PROMPT_TEMPLATES:
+            raise ValueError(f"unknown prompt template {name!r} (ready ones: {', '.join(PROMPT_TEMPLATES)})")
+        data = dict(data)
+        for key, value in PROMPT_TEMPLATES[name].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"data.prompt_template={name} sets data.{key}; drop one of the two")
+            data[key] = value
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if "{question}" not in self.user_template:
+            raise ValueError("data.user_template must contain {question}, where the question goes")
+        if self.answer_delimiter is not None and self.answer_from in ("column", "boxed"):
+            raise ValueError(f"data.answer_delimiter is read with data.answer_from=delimiter (or auto), "
+                             f"not {self.answer_from}")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -110,32 +175,153 @@ class RolloutConfig(_Strict):
     ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's). Applies to
     the engine's behaviour log-probs and the policy and reference forwards alike."""
 
+    correction: Literal[CORRECTION_NAMES] = "none"
+    """Importance weights between the trainer's log-probs and the engine's behaviour log-probs (vLLM,
+    split-mode workers, stale batches): none | token_truncate (TIS) | token_mask | sequence_truncate |
+    sequence_mask (TRL's ``vllm_importance_sampling_mode``). With a correction the PPO ratio is anchored
+    on the trainer's own log-probs before the update and the weight pi_old / mu multiplies each token's
+    policy loss (``nanogrpo.algo.corrections``)."""
+    correction_max: float | None = Field(3.0, gt=0)
+    """Upper bound on the weight: truncate modes clamp to it, mask modes drop what exceeds it (TRL's
+    ``vllm_importance_sampling_clip_max``). None: no upper bound (mask modes then need ``correction_min``)."""
+    correction_min: float | None = Field(None, ge=0)
+    """Optional lower bound (TRL's ``vllm_importance_sampling_clip_min``)."""
+
+    @model_validator(mode="after")
+    def _correction_bounds(self) -> RolloutConfig:
+        lo, hi = self.correction_min, self.correction_max
+        if self.correction != "none" and lo is None and hi is None:
+            raise ValueError(f"rollout.correction={self.correction} needs a bound: set "
+                             "rollout.correction_max (or correction_min)")
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"rollout.correction_min={lo} must be below rollout.correction_max={hi}")
+        return self
+
     def logprob_temperature(self) -> float:
         """The temperature every log-prob of a run is computed at (see ``tempered_logprobs``)."""
         return self.temperature if self.tempered_logprobs else 1.0
 
 
-LossName = Literal["grpo", "dapo", "dr_grpo"]
+LossName = Literal[LOSS_NAMES]
+AdvantageName = Literal[ADVANTAGE_NAMES]
 
 
 class GrpoConfig(_Strict):
+    """The algorithm (``nanogrpo.algo``; README "Policy-optimisation variants"). ``loss`` names a preset
+    (``nanogrpo.algo.presets``) that fills every key below left unset (None); a key set explicitly
+    overrides the preset. A combination that means nothing is refused at start."""
+
     group_size: int = Field(8, ge=2)
     beta: float = Field(0.03, ge=0)
     """KL coefficient; 0 loads no reference model at all."""
     loss: LossName = "grpo"
-    clip_eps_low: float = Field(0.2, ge=0)
-    clip_eps_high: float | None = None
-    """None: 0.2 for ``grpo``/``dr_grpo``, 0.28 (clip-higher) for ``dapo``."""
+    """grpo | dapo | dr_grpo | bnpo | gspo | cispo | sapo."""
+    advantage: AdvantageName | None = None
+    """group | group_mean (Dr. GRPO) | batch_std (TRL scale_rewards="batch") | rloo | reinforce_pp
+    (REINFORCE++-baseline). None: the preset's (``group_mean`` for dr_grpo; ``batch_std`` under
+    ``normalize_then_sum``, which is then GDPO as TRL computes it; else ``group``)."""
+    reward_aggregation: Literal[AGGREGATION_NAMES] = "sum_then_normalize"
+    """Several reward functions: the weighted sum is normalised (the seed's), or each function is
+    normalised within its group before the weighted sum (``normalize_then_sum``, GDPO)."""
+    importance_sampling: Literal[IMPORTANCE_NAMES] | None = None
+    """token (PPO / GRPO) | sequence (GSPO: the sequence's mean log-ratio). None: the preset's."""
+    loss_reduction: Literal[REDUCTION_NAMES] | None = None
+    """seq-mean-token-mean (grpo) | token-mean (dapo) | seq-mean-token-sum | constant (dr_grpo:
+    / (completions x max_new_tokens)). None: the preset's."""
+    clip_eps_low: float | None = Field(None, ge=0, lt=1)
+    """None: the preset's (0.2; gspo 3e-4). Not for cispo or sapo."""
+    clip_eps_high: float | None = Field(None, ge=0)
+    """None: the preset's (0.2; dapo 0.28; gspo 4e-4; cispo: 5.0, its ε_max, the bound on the weight
+    itself). Not for sapo."""
+    clip_ratio_c: float | None = Field(None, gt=1)
+    """Dual-clip PPO (verl ``clip_ratio_c``, e.g. 3): the loss of a negative-advantage token stops growing
+    once its ratio passes c. None: off."""
+    clip_delta: float | None = Field(None, gt=1)
+    """Two-sided clipping (INTELLECT-2, TRL ``delta``): the unclipped ratio is capped at δ
+    (> 1 + clip_eps_high). For negative advantages this is the same bound as ``clip_ratio_c``: set one."""
+    kl_estimator: Literal[KL_NAMES] = "k3"
+    """k1 | k2 | k3 (Schulman's estimators of KL(pi || ref); the seed's and TRL's k3)."""
+    kl_is_weighted: bool = False
+    """Multiply each token's KL by its importance ratio (DeepSeek-V3.2; TRL ``use_bias_correction_kl``)."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo: the gate's temperature for positive / non-positive advantages (the paper's and TRL's)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts this times the mean per-token entropy (adaptive: its start value)."""
+    entropy_target: float | None = Field(None, gt=0)
+    """Adaptive entropy control (Skywork-OR1, as TRL): the bonus applies while the entropy is at or below
+    this (nats), and its coefficient moves by ``entropy_coef_step`` each optimizer step within
+    [``entropy_coef_min``, ``entropy_coef_max``]. None: a constant ``entropy_coef``."""
+    entropy_coef_step: float = Field(0.005, gt=0)
+    entropy_coef_min: float = Field(0.0, ge=0)
+    entropy_coef_max: float = Field(1.0, ge=0)
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
+    """ρ < 1: the policy loss keeps only the batch's top-ρ highest-entropy tokens ("Beyond the 80/20
+    rule"; the paper's 0.2). Costs one forward without gradients over the batch."""
+    mask_truncated: bool = False
+    """Completions the token limit cut off (finish reason ``length``) get no loss, KL or entropy (DAPO's
+    overlong filtering; TRL ``mask_truncated_completions``); they still count as sequences."""
+    off_policy_mask_kl: float | None = Field(None, gt=0)
+    """DeepSeek-V3.2's off-policy sequence mask (TRL ``off_policy_mask_threshold``): a sequence with a
+    negative advantage whose mean log(behaviour / policy) exceeds this gets no policy loss."""
     std_eps: float = Field(1e-4, gt=0)
     min_reward_spread: float = Field(0.01, ge=0)
     """Groups whose rewards span less than this carry no signal and are dropped."""
     updates_per_batch: int = Field(1, ge=1)
     """Optimizer steps taken on each rollout batch (>1 makes later updates off-policy: clipped ratio)."""
 
-    def eps_high(self) -> float:
-        if self.clip_eps_high is not None:
-            return self.clip_eps_high
-        return 0.28 if self.loss == "dapo" else 0.2
+    @model_validator(mode="after")
+    def _combinations(self) -> GrpoConfig:
+        _check_loss_combination(self)
+        return self
+
+    def resolved(self) -> dict[str, Any]:
+        """The effective value of every preset-filled key (explicit keys win)."""
+        p = LOSS_PRESETS[self.loss]
+        default_adv = "batch_std" if self.reward_aggregation == "normalize_then_sum" else p.advantage
+        return {"advantage": self.advantage or default_adv,
+                "importance_sampling": self.importance_sampling or p.importance_sampling,
+                "loss_reduction": self.loss_reduction or p.reduction,
+                "clip_eps_low": p.eps_low if self.clip_eps_low is None else self.clip_eps_low,
+                "clip_eps_high": p.eps_high if self.clip_eps_high is None else self.clip_eps_high}
+
+    def eps_high(self) -> float | None:
+        return self.resolved()["clip_eps_high"]
+
+
+def _check_loss_combination(g: GrpoConfig) -> None:
+    """One-line refusals of settings that mean nothing together (ValueError -> ConfigError)."""
+    p = LOSS_PRESETS[g.loss]
+    r = g.resolved()
+    if p.objective != "clip":
+        keys = ["clip_ratio_c", "clip_delta", "clip_eps_low"]
+        keys += ["clip_eps_high"] if p.objective == "sapo" else []
+        bad = [k for k in keys if getattr(g, k) is not None]
+        if bad:
+            what = "a soft gate, no clip" if p.objective == "sapo" else "only an upper bound on its weight " \
+                "(clip_eps_high, its ε_max)"
+            raise ValueError(f"grpo.{bad[0]} means nothing for grpo.loss={g.loss} ({what})")
+    if r["importance_sampling"] == "sequence" and r["loss_reduction"] != "seq-mean-token-mean":
+        raise ValueError(f"grpo.importance_sampling=sequence with grpo.loss_reduction={r['loss_reduction']}: "
+                         "the sequence ratio is one value per completion; only seq-mean-token-mean optimises "
+                         "the per-sequence objective (TRL warns likewise)")
+    if g.clip_delta is not None and g.clip_ratio_c is not None:
+        raise ValueError("grpo.clip_delta and grpo.clip_ratio_c are the same bound for negative advantages; "
+                         "set one")
+    if g.clip_delta is not None and g.clip_delta <= 1 + r["clip_eps_high"]:
+        raise ValueError(f"grpo.clip_delta={g.clip_delta} must exceed 1 + clip_eps_high = "
+                         f"{1 + r['clip_eps_high']:g}, or it cuts inside the clip range")
+    if g.clip_ratio_c is not None and g.clip_ratio_c <= 1 + r["clip_eps_high"]:
+        raise ValueError(f"grpo.clip_ratio_c={g.clip_ratio_c} must exceed 1 + clip_eps_high = "
+                         f"{1 + r['clip_eps_high']:g} (dual-clip bounds ratios beyond the clip range)")
+    if g.kl_is_weighted and g.beta == 0:
+        raise ValueError("grpo.kl_is_weighted weighs the KL term, but grpo.beta = 0 has none")
+    if g.entropy_coef_min > g.entropy_coef_max:
+        raise ValueError(f"grpo.entropy_coef_min={g.entropy_coef_min} exceeds grpo.entropy_coef_max="
+                         f"{g.entropy_coef_max}")
+    if g.entropy_target is not None and not g.entropy_coef_min <= g.entropy_coef <= g.entropy_coef_max:
+        raise ValueError(f"grpo.entropy_coef={g.entropy_coef} (the adaptive start) is outside "
+                         f"[{g.entropy_coef_min}, {g.entropy_coef_max}]")
 
 
 class RewardsConfig(_Strict):
@@ -251,9 +437,20 @@ class ToolsConfig(_Strict):
     preload: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
     """Modules the sandbox imports once, before forking the calls (a call imports others itself,
     which fails where the sandbox cannot read them: add e.g. ``numpy``, ``sympy``)."""
+    sample_fields: list[str] = Field(default_factory=list)
+    """Fields of the prompt's dataset row a custom tool receives as its ``sample`` (default none:
+    the reference answer never enters the sandbox). The built-in ``python`` tool receives none. A
+    tool that runs the model's code in its own process hands that code all it was given."""
     require_isolation: bool = False
-    """Refuse to start unless the kernel isolates the network (namespace) and the filesystem
-    (Landlock); otherwise those rest on the audit hook (see ``nanogrpo.tools.sandbox``)."""
+    """Refuse to start unless the kernel gives the calls their own network and PID namespaces,
+    Landlock and the seccomp filter (see ``nanogrpo.tools.sandbox`` for what each layer holds)."""
+
+    @model_validator(mode="after")
+    def _fields_for_custom_tools(self) -> ToolsConfig:
+        if self.sample_fields and self.function.strip() == "python":
+            raise ValueError("tools.sample_fields is for a custom tool: the built-in python tool runs the "
+                             "model's code, which would read them (e.g. the answer); leave it empty")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -278,7 +475,7 @@ class TrainConfig(_Strict):
     share_prefix: bool = True
     """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
     samples read its keys/values); same log-probs and gradients. Not applied under gradient
-    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.train.distributed``)."""
+    checkpointing, nor on the fsdp2 and deepspeed backends (see ``nanogrpo.training.distributed``)."""
     autocast: bool = False
     """bf16 autocast for forward/backward while weights, gradients and optimizer state stay float32."""
     optimizer_offload: bool = False
@@ -391,6 +588,27 @@ class Config(_Strict):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def load(cls, source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+        """From a TOML/YAML/JSON file or the name of a shipped preset (``demo``, ``demo-tools``);
+        None: the demo preset, as ``nanogrpo train`` with no ``--config``. ``overrides`` as on the
+        command line (``["train.steps=2"]``) or as a dict (``{"train.steps": 2}``)."""
+        return config_from(source, overrides)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], overrides: Overrides = ()) -> Config:
+        """From nested sections (``{"train": {"steps": 2}}``; dotted keys, ``{"train.steps": 2}``, too)
+        over the defaults (the seed's), then ``overrides``; checked like a file (unknown keys and bad
+        values are a :class:`ConfigError`)."""
+        sections = _copy_sections({k: v for k, v in data.items() if "." not in str(k)}, "the dict")
+        _apply_overrides(sections, {k: v for k, v in data.items() if "." in str(k)})
+        return _validate(_apply_overrides(sections, overrides),
+                         "a dict" + (" + overrides" if overrides else ""))
+
+    def with_overrides(self, overrides: Overrides) -> Config:
+        """A new config: this one with ``overrides`` applied (this one is left as it is)."""
+        return Config.from_dict(self.to_dict(), overrides)
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -438,9 +656,15 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
 
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``section.key=value`` override to a nested dict, in place."""
-    if "=" not in item:
+    if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
+    set_key(data, key, _parse_value(raw), item)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:
+    """Set ``section.key`` of a nested dict to ``value``, in place (``item`` names it in errors)."""
+    item = item if item is not None else f"{key}={value!r}"
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04)")
@@ -455,7 +679,34 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     data.setdefault(section, {})
     if not isinstance(data[section], dict):
         raise ConfigError(f"config section {section!r} must be a table")
-    data[section][name] = _parse_value(raw)
+    data[section][name] = value
+
+
+Overrides = Union[Sequence[str], Mapping[str, Any]]
+"""``["section.key=value", ...]`` (values read as YAML, as on the command line) or
+``{"section.key": value}`` (values taken as they are)."""
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Overrides | None) -> dict[str, Any]:
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(data, str(key), value)
+    elif isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a dict, not the "
+                          f"string {overrides!r}")
+    else:
+        for item in overrides or ():
+            apply_override(data, item)
+    return data
+
+
+def _copy_sections(data: Any, origin: str) -> dict[str, Any]:
+    """A copy of ``data`` deep enough that overrides do not write into the caller's dicts."""
+    if isinstance(data, Config):
+        return data.to_dict()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config from {origin}: expected a mapping of sections, got {type(data).__name__}")
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 def _format_validation_error(e: ValidationError, origin: str) -> str:
@@ -473,11 +724,13 @@ def _format_validation_error(e: ValidationError, origin: str) -> str:
         hint = difflib.get_close_matches(parts[-1], _known_keys(model), n=1)
         return f"unknown config key {loc!r} in {origin}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     msg = err["msg"]
+    if err["type"] == "value_error":  # our own validators: their message names the key already
+        return f"{msg.removeprefix('Value error, ')} (in {origin})"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return f"bad config value for {loc!r} in {origin}: {msg}{more}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def load_config(path: str | Path | None = None, overrides: Overrides | None = None,
                 preset: str | None = None) -> Config:
     """Build a validated :class:`Config` from an optional preset, file and overrides."""
     data: dict[str, Any] = {}
@@ -493,15 +746,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 data[section] = values
         origins.append(str(path))
-    for item in overrides or []:
-        apply_override(data, item)
+    _apply_overrides(data, overrides)
     if overrides:
-        origins.append("command-line overrides")
-    origin = " + ".join(origins) or "defaults"
+        origins.append("overrides")
+    return _validate(data, " + ".join(origins) or "defaults")
+
+
+def _validate(data: dict[str, Any], origin: str) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, origin)) from None
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped inside the package."""
+    return sorted(p.name[:-5] for p in resources.files("nanogrpo").joinpath("presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+    """The config a command starts from: ``source`` is a TOML/YAML/JSON file or, when no such file
+    exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
+    if source is None:
+        return load_config(preset="demo", overrides=overrides)
+    if not Path(source).exists() and preset_path(str(source)).is_file():
+        return load_config(preset=str(source), overrides=overrides)
+    return load_config(source, overrides)
 
 
 def save_config(cfg: Config, path: Path) -> None:

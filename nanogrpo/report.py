@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nanogrpo.errors import ConfigError
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Each case is a random-init tiny model built offline from transformers' config cl
 - greedy: its greedy tokens equal ``model.generate``'s on left-padded prompts of different
   lengths;
 - engine log-probs: its sampled tokens' log-probs vs one full forward per sequence (max |diff|);
-- trainer log-probs: ``token_logprobs`` in train mode (as ``train/step.py`` runs it, dropout
+- trainer log-probs: ``token_logprobs`` in train mode (as ``training/step.py`` runs it, dropout
   turned off the way ``load_model`` does), with and without prompt sharing, vs a full
   eval-mode forward (max |diff|), and whether the lean (fused head) path applies;
 - train: ``nanogrpo train --model DIR`` for 2 steps (rollout.engine=auto, beta 0.04, loaded by
@@ -170,7 +170,7 @@ def fast_checks(case: Case) -> dict:
     engine_diff = max((f - torch.tensor(lp)).abs().max().item()
                       for f, lp in zip(full, gen.logprobs, strict=True))
     # the trainer's log-probs: a RolloutBatch's layout (left-padded prompts, right-padded completions),
-    # the model in train mode with its dropout off, as load_model and train/step.py have it
+    # the model in train mode with its dropout off, as load_model and training/step.py have it
     disable_dropout(model)
     model.train()
     ids, am, cm, _, p = pad_batch(prompts, gen.completion_ids, gen.logprobs, PAD)
@@ -196,7 +196,7 @@ def train_check(case: Case, tmp: Path) -> dict:
     """``nanogrpo train --model DIR`` for 2 steps; the metrics of step 1 and the saved config.
     Prompts + completions reach ``case.max_len`` (52 if unset), so ``auto`` picks as in the row."""
     from nanogrpo.cli import main as cli
-    from nanogrpo.train.metrics import read_metrics
+    from nanogrpo.training.metrics import read_metrics
 
     model = build(case)
     model.config._attn_implementation = "sdpa"  # saved as users have it: load_model handles the rest

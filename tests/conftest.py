@@ -1,4 +1,6 @@
-"""Test-wide settings: tiny models run fastest on one thread, and the CPU is often shared."""
+"""Test-wide settings: tiny models run fastest on one thread, and the CPU is often shared; the tests
+never ask the HF hub (those of datasets stand in for ``datasets.load_dataset``): offline mode, which
+the tests of asking the hub (test_hub_source.py) turn off for themselves."""
 
 import pytest
 import torch
@@ -10,3 +12,8 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _hub_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -47,12 +47,14 @@ def make_batch(vocab: int, n: int = 8, p: int = 6, c: int = 9, seed: int = 1) ->
 
 
 def make_cfg(backend: str = "single", stage: int = 2, lora: int = 0) -> Config:
+    """``NANOGRPO_TEST_ALGO`` (JSON): ``grpo`` / ``rollout`` keys on top (the loss variants under ranks)."""
+    extra = json.loads(os.environ.get("NANOGRPO_TEST_ALGO", "{}"))
     return Config.model_validate({
         "model": {"lora_r": lora},
-        "grpo": {"beta": 0.04},
+        "grpo": {"beta": 0.04, **extra.get("grpo", {})},
         "train": {"lr": 1e-3, "backend": backend, "zero_stage": stage, "micro_batch_size": 3,
                   "micro_batch_tokens": 40, "optimizer_offload": backend == "deepspeed"},
-        "rollout": {"max_new_tokens": 9},
+        "rollout": {"max_new_tokens": 9, **extra.get("rollout", {})},
     })
 
 
@@ -66,8 +68,8 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["NANOGRPO_HANG_DUMP"]), exit=True)
-    from nanogrpo.train.distributed import close_distributed, init_distributed, make_backend
-    from nanogrpo.train.step import policy_update
+    from nanogrpo.training.distributed import close_distributed, init_distributed, make_backend
+    from nanogrpo.training.step import policy_update
 
     cfg = make_cfg(a.backend, a.stage)
     rank, world = init_distributed(a.backend)
@@ -77,7 +79,7 @@ def main() -> None:
     batch = make_batch(len(tok))
     mine = batch.select(torch.arange(batch.num_seqs)[rank::world])
     res = policy_update(be.model, be.optimizer, mine, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be)
+                        backend=be, rollout=cfg.rollout)
     sd = be.full_state_dict()
     out = Path(a.out)
     be.save(out / "ckpt", 1, tok, {"policy_version": 1})
@@ -86,7 +88,8 @@ def main() -> None:
 
         save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(out / "weights.safetensors"))
         (out / "result.json").write_text(json.dumps({"loss": res.loss, "grad_norm": res.grad_norm,
-                                                     "skipped": res.skipped_nonfinite, "world": world}))
+                                                     "skipped": res.skipped_nonfinite, "world": world,
+                                                     "metrics": res.metrics}))
     close_distributed()
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanogrpo.train.logging_sinks import TIMING_KEYS
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.logging_sinks import TIMING_KEYS
+from nanogrpo.training.metrics import read_metrics
 
 
 def write_tiny_run_assets(d: Path, rows: int = 12, seed: int = 3) -> Path:

@@ -11,7 +11,7 @@ import pytest
 from nanogrpo.cli import main
 from nanogrpo.config import SEED_SYSTEM_PROMPT, load_config, preset_path
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.glob("*.toml"))

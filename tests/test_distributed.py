@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.distributed import make_backend
-from nanogrpo.train.step import policy_update
+from nanogrpo.training.distributed import make_backend
+from nanogrpo.training.step import policy_update
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import make_batch, make_cfg  # noqa: E402
@@ -43,7 +43,7 @@ def _single_step():
     cfg = make_cfg("single")
     be = make_backend(cfg, model)
     res = policy_update(model, be.optimizer, make_batch(len(tok)), cfg.grpo, cfg.train, on_policy=True,
-                        max_new_tokens=9, backend=be)
+                        max_new_tokens=9, backend=be, rollout=cfg.rollout)
     return model, res
 
 
@@ -88,7 +88,8 @@ def _deepspeed_ops():
 
 
 def _launch(tmp_path: Path, backend: str, stage: int = 2) -> dict:
-    env = _env()
+    env = {**_env(), **({"NANOGRPO_TEST_ALGO": os.environ["NANOGRPO_TEST_ALGO"]}
+                        if "NANOGRPO_TEST_ALGO" in os.environ else {})}
     # on a hang, each rank dumps its stacks and exits shortly before the launcher is killed
     env["NANOGRPO_HANG_DUMP"] = str(LAUNCH_TIMEOUT - 20)
     if backend == "deepspeed":
@@ -114,6 +115,9 @@ def _check(tmp_path: Path, res: dict, atol: float = 5e-5) -> None:
     model, single = _single_step()
     assert res["loss"] == pytest.approx(single.loss, rel=1e-5, abs=1e-6)
     assert res["grad_norm"] == pytest.approx(single.grad_norm, rel=1e-4)
+    assert res["metrics"].keys() == single.metrics.keys()          # every metric over the whole batch
+    for k, v in single.metrics.items():
+        assert res["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     got = load_file(str(tmp_path / "weights.safetensors"))
     for k, v in model.state_dict().items():
         assert torch.allclose(got[k], v, atol=atol), (k, (got[k] - v).abs().max())
@@ -130,6 +134,23 @@ def _check(tmp_path: Path, res: dict, atol: float = 5e-5) -> None:
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
 def test_two_ranks_match_single_process(tmp_path, backend):
     _check(tmp_path, _launch(tmp_path, backend))
+
+
+ALGO = {"grpo": {"loss": "gspo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01, "off_policy_mask_kl": 0.5,
+                 "kl_is_weighted": True},
+        "rollout": {"correction": "sequence_truncate", "correction_max": 2.0}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_two_ranks_match_single_process_for_whole_batch_variants(tmp_path, monkeypatch, backend):
+    """Every rank's share in the entropy quantile, the entropy bonus's token count, the sequence ratio, the
+    correction stats and the metrics' minima and maxima: 2 ranks == one process (under FSDP2 the ranks'
+    forwards gather parameters: the entropy pre-pass must match their counts too)."""
+    monkeypatch.setenv("NANOGRPO_TEST_ALGO", json.dumps(ALGO))
+    res = _launch(tmp_path, backend)
+    assert "entropy_threshold" in res["metrics"] and "is_weight_max" in res["metrics"]
+    _check(tmp_path, res)
 
 
 @pytest.mark.slow
@@ -161,7 +182,7 @@ def test_token_budget_micro_batches_sum_to_full_batch_loss():
 
 
 def test_micro_batch_indices_respect_token_budget():
-    from nanogrpo.train.step import micro_batch_indices
+    from nanogrpo.training.step import micro_batch_indices
 
     batch = make_batch(103, n=16)
     mbs = micro_batch_indices(batch, 5, 40)
@@ -175,7 +196,7 @@ def test_micro_batch_indices_respect_token_budget():
 
 def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing():
     from nanogrpo.batch import RolloutBatch
-    from nanogrpo.train.step import _forward_tokens, micro_batch_indices
+    from nanogrpo.training.step import _forward_tokens, micro_batch_indices
 
     # 3 groups of 4 rows, a 40-token prompt each, completions 2..12 tokens spread inside every group
     n, p, c = 12, 40, 12
@@ -249,9 +270,13 @@ def test_two_rank_run_resumes_exactly_on_its_backend(tmp_path, backend, request)
 
 
 @pytest.mark.slow
-def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
-    """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks."""
-    from nanogrpo.train.metrics import read_metrics
+@pytest.mark.parametrize("algo", [[], ["grpo.advantage=batch_std", "grpo.top_entropy_quantile=0.5",
+                                       "grpo.entropy_target=9", "grpo.entropy_coef=0.01"]],
+                         ids=["default", "batch_level"])
+def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path, algo):
+    """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks
+    (with batch-level advantages and the entropy quantile, the ranks meet in those collectives too)."""
+    from nanogrpo.training.metrics import read_metrics
     from tests.run_fixtures import write_tiny_run_assets
 
     write_tiny_run_assets(tmp_path)
@@ -261,7 +286,7 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path):
            "data.answer_delimiter=####", "data.system_prompt=''", "rollout.max_new_tokens=8",
            "rollout.prompts_per_step=2", "grpo.group_size=4", "rewards.workers=0",
            "rewards.functions=['tests.reward_fixtures:length']", "train.backend=ddp", "eval.every=3",
-           "eval.n=2"]
+           "eval.n=2", *algo]
     out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stdout[-6000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")

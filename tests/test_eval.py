@@ -8,7 +8,7 @@ import pytest
 
 from nanogrpo.cli import main
 from nanogrpo.config import Config
-from nanogrpo.evaluate import evaluate_rows, majority_index, vote_key
+from nanogrpo.evaluation import evaluate_rows, majority_index, vote_key
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.engine import Generation
@@ -16,8 +16,9 @@ from nanogrpo.rollout.engine import Generation
 
 def test_vote_key_normalises_numbers():
     assert vote_key("1,234") == vote_key("$1234.00") == vote_key("1234") == "1234"
-    assert vote_key("0.50") == "0.5"
-    assert vote_key("  The   Answer ") == "the answer"
+    assert vote_key("0.50") == vote_key("1/2") == vote_key("\\frac{1}{2}") == vote_key("\\dfrac12")
+    assert vote_key("(2, 3)") == vote_key("\\left( 2,3 \\right)") != vote_key("[2,3]")
+    assert vote_key("  The   Answer ") == vote_key("the answer")
     assert vote_key(None) is None
 
 

@@ -54,7 +54,7 @@ def test_length_bound_rope_is_refused_past_its_range(caplog):
     with pytest.raises(ModelError, match=r"dynamic RoPE.*longer than 64"):
         engine.generate([list(range(5, 55))], SamplingParams(max_new_tokens=20, temperature=0.0))
     assert engine.generate([list(range(5, 45))], SamplingParams(max_new_tokens=20, temperature=0.0))
-    with caplog.at_level(logging.WARNING, logger="nanogrpo.rollout"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.rollout"):
         assert make_engine("auto", model, TOK, max_len=100).name == "hf"
         assert make_engine("auto", model, TOK, max_len=64).name == "fast"
     lines = [r.getMessage() for r in caplog.records]
@@ -127,7 +127,7 @@ def test_wrapped_or_non_plain_projections_take_hf():
 
 def test_moe_takes_hf_with_the_reason(caplog):
     moe = build(next(c for c in CASES if "MoE" in c.name))
-    with caplog.at_level(logging.WARNING, logger="nanogrpo.rollout"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.rollout"):
         assert make_engine("auto", moe, TOK).name == "hf"
     assert [r.getMessage() for r in caplog.records] == [
         "rollout engine: hf (qwen3_moe is a mixture of experts: the fast engine has no grouped expert "

@@ -11,14 +11,16 @@ from nanogrpo.algo.logprobs import LeanHead, linear_logprobs, token_logprobs
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
 
-def _naive(h, w, b, t):
-    logits = torch.nn.functional.linear(h, w, b).float()
-    return logits.log_softmax(-1).gather(-1, t[:, None]).squeeze(-1)
+def _naive(h, w, b, t, temperature=1.0):
+    logits = torch.nn.functional.linear(h, w, b)
+    lp = (logits / temperature).log_softmax(-1)                       # (T, V) the whole matrix
+    return lp.gather(-1, t[:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_linear_logprobs_forward_and_backward_match_naive(bias, chunk):
+    """float64 in, float64 out (exact to rounding); float32 in, float32 out (the trainer's precision)."""
     torch.manual_seed(0)
     h = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
@@ -26,12 +28,46 @@ def test_linear_logprobs_forward_and_backward_match_naive(bias, chunk):
     t = torch.randint(0, 50, (10,))
     g = torch.randn(10, dtype=torch.float64)
     out = linear_logprobs(h, w, b, t, chunk)
-    ref = _naive(h, w, b, t)
-    assert torch.allclose(out, ref.float(), atol=1e-5)
+    ref, _ = _naive(h, w, b, t)
+    assert out.dtype == torch.float64 and torch.allclose(out, ref, atol=1e-12)
     grads = torch.autograd.grad((out * g).sum(), [h, w] + ([b] if bias else []))
     ref_grads = torch.autograd.grad((ref * g).sum(), [h, w] + ([b] if bias else []))
     for a, r in zip(grads, ref_grads):
-        assert torch.allclose(a, r, atol=1e-5)
+        assert torch.allclose(a, r, atol=1e-12)
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    out32 = linear_logprobs(h32, w32, None if b is None else b.detach().float(), t, chunk)
+    assert out32.dtype == torch.float32 and torch.allclose(out32.double(), _naive(h, w, b, t)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_entropy_in_the_same_pass_matches_the_full_softmax(temperature, chunk):
+    """``entropy="grad"``: log-probs and entropies equal the full-matrix ones, and so do the gradients of any
+    mix of the two (d/dz of H folded into the log-prob's backward chunk); ``"value"``: no entropy gradient."""
+    torch.manual_seed(3)
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(40, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 40, (9,))
+    g1, g2 = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    out = linear_logprobs(h, w, b, t, chunk, temperature, entropy="grad")      # (T, 2)
+    lp, ent = _naive(h, w, b, t, temperature)
+    torch.testing.assert_close(out[:, 0], lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[:, 1], ent, rtol=0, atol=1e-12)
+    grads = torch.autograd.grad((out[:, 0] * g1 + out[:, 1] * g2).sum(), [h, w, b])
+    ref = torch.autograd.grad((lp * g1 + ent * g2).sum(), [h, w, b])
+    for a, r in zip(grads, ref):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-11)
+    def fn(h_, w_):
+        return linear_logprobs(h_, w_, None, t[:4], chunk, temperature, "grad")
+    assert torch.autograd.gradcheck(fn, (h[:4].detach().requires_grad_(), w.detach().requires_grad_()))
+    val = linear_logprobs(h, w, b, t, chunk, temperature, entropy="value")
+    assert not torch.autograd.grad(val[:, 1].sum(), [h], retain_graph=True)[0].any()  # no entropy gradient
+    torch.testing.assert_close(val, out.detach(), rtol=0, atol=0)
+    # the entropy column adds nothing to the log-prob's gradient
+    ga = torch.autograd.grad((val[:, 0] * g1).sum(), [h])[0]
+    gb = torch.autograd.grad((linear_logprobs(h, w, b, t, chunk, temperature) * g1).sum(), [h])[0]
+    torch.testing.assert_close(ga, gb, rtol=0, atol=1e-13)
 
 
 def test_linear_logprobs_gradcheck():
@@ -39,12 +75,7 @@ def test_linear_logprobs_gradcheck():
     h = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 7, (5,))
-    # forward output is float32 by design; compare in float64 via the backward formula instead
-    out = linear_logprobs(h, w, None, t, 2)
-    (out.sum()).backward()
-    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    _naive(h2, w2, None, t).sum().backward()
-    assert torch.allclose(h.grad, h2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda h_, w_: linear_logprobs(h_, w_, None, t, 2), (h, w))
 
 
 def test_token_logprobs_grads_match_full_logits_path():

@@ -10,8 +10,8 @@ import pytest
 
 from nanogrpo.config import Config
 from nanogrpo.errors import ConfigError
-from nanogrpo.train.logging_sinks import RunLogger, run_summary
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.logging_sinks import RunLogger, run_summary
+from nanogrpo.training.metrics import read_metrics
 
 
 def _row(step: int, **kw) -> dict:
@@ -123,7 +123,7 @@ def _two_ranks(rows: list[dict], keys: list[str]) -> list[dict]:
     """merge_rank_metrics on each of two simulated ranks: the all-reduce combines both ranks' vectors."""
     import math
 
-    from nanogrpo.train.metrics import merge_rank_metrics
+    from nanogrpo.training.metrics import merge_rank_metrics
 
     sent = []
     for r in rows:  # first pass: what each rank contributes

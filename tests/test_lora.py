@@ -13,8 +13,8 @@ pytest.importorskip("peft")
 from nanogrpo.algo.logprobs import batch_token_logprobs  # noqa: E402
 from nanogrpo.models.lora import apply_lora, load_adapter, reference_for  # noqa: E402
 from nanogrpo.models.tiny import make_model, make_tokenizer  # noqa: E402
-from nanogrpo.train.distributed import Backend  # noqa: E402
-from nanogrpo.train.step import policy_update  # noqa: E402
+from nanogrpo.training.distributed import Backend  # noqa: E402
+from nanogrpo.training.step import policy_update  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import make_batch, make_cfg  # noqa: E402
@@ -91,7 +91,7 @@ def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tmp_path):
 
 def test_resume_kind_must_fit_the_config(tmp_path):
     from nanogrpo.errors import ConfigError
-    from nanogrpo.train.trainer import check_resume_kind
+    from nanogrpo.training.trainer import check_resume_kind
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter/adapter_config.json").write_text("{}")

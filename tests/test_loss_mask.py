@@ -9,8 +9,8 @@ from nanogrpo.algo.logprobs import position_ids_from_mask
 from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.config import load_config
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.distributed import Backend
-from nanogrpo.train.step import policy_update
+from nanogrpo.training.distributed import Backend
+from nanogrpo.training.step import policy_update
 
 # one trajectory per row: prompt | model turn | tool output | model turn | padding
 # M = sampled by the model (trained), T = tool output (context only), . = padding

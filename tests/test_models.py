@@ -27,7 +27,7 @@ def test_missing_paths_are_clear(tmp_path):
         resolve_model_path("./nope/model")
     with pytest.raises(ModelError, match="no config.json"):
         resolve_model_path(str(tmp_path))
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # hub ids pass through
+    # hub ids: tests/test_hub_source.py
 
 
 def _saved(tmp_path, case_prefix: str):
@@ -49,10 +49,10 @@ def test_a_model_without_sdpa_loads_with_eager_and_says_so(tmp_path, caplog):
     from nanogrpo.models.load import load_model
 
     _saved(tmp_path, "Gemma2")
-    with caplog.at_level(logging.WARNING, logger="nanogrpo.models"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.models"):
         model = load_model(str(tmp_path), torch.float32, torch.device("cpu"))  # the default, sdpa
     assert model.config._attn_implementation == "eager"
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if "attention" in r.getMessage()] == [
         f"{tmp_path} has no sdpa attention in this transformers; loading it with "
         "model.attn_implementation=eager"]
     with pytest.raises(ModelError, match="=flash_attention_2.*set model.attn_implementation"):

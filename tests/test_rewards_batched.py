@@ -106,7 +106,7 @@ def test_callables_of_every_kind_run_in_the_workers(caplog) -> None:
     partial = functools.partial(lambda c, s, k: k * len(c), k=2.0)
     scorer = fx.Scorer(bonus=0.5)
     fns = [fx.pid, fx.length, closure, partial, scorer, batched(lambda cs, ss: [1.0] * len(cs))]
-    with caplog.at_level(logging.WARNING, logger="nanogrpo.rewards"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.rewards"):  # information, not a warning
         runner = RewardRunner(fns, weights=[0, 1, 1, 1, 1, 1], workers=1)
     with runner:
         assert [e.where for e in runner.entries] == [POOL] * 6
@@ -120,6 +120,7 @@ def test_callables_of_every_kind_run_in_the_workers(caplog) -> None:
     assert res.total == [2 + 102 + 4 + 2.5 + 1, 4 + 104 + 8 + 4.5 + 1]
     notices = [r.getMessage() for r in caplog.records if "a callable" in r.getMessage()]
     assert len(notices) == 6 and all("runs in the reward worker processes" in m for m in notices)
+    assert {r.levelname for r in caplog.records if "a callable" in r.getMessage()} == {"INFO"}
     assert "by value" in notices[2]
 
 

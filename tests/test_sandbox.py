@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 from nanogrpo.errors import ToolError
-from nanogrpo.tools.sandbox import Sandbox
+from nanogrpo.tools.sandbox import LAYERS, Sandbox
 
 PY = "nanogrpo.tools.python:run_python"
-ALL_LAYERS = ("netns", "landlock", "drop", "audit")
+ALL_LAYERS = LAYERS
+REFUSED = ("error", "denied")  # denied: a PermissionError (the sandbox refused); error: any other
 PRELOAD = ["math", "socket"]  # import socket in the server: the network layers are then what stops it
 
 
@@ -72,12 +74,12 @@ def test_attacks_in_one_batch_and_the_run_goes_on(sandbox, tmp_path):
     assert took < 15, took
     assert res["loop"].status == "timeout"
     assert res["memory"].status == "error" and "MemoryError" in res["memory"].output
-    assert res["fork"].status == "error" and "fork" in res["fork"].output
+    assert res["fork"].status in REFUSED and "fork" in res["fork"].output
     assert res["env"].status == "ok" and "hunter2" not in res["env"].output
-    names = "['LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH']"
+    names = "['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']"
     assert names in res["env"].output
-    assert res["proc_env"].status == "error" and "hunter2" not in res["proc_env"].output
-    assert res["file"].status == "error" and "trainer secret" not in res["file"].output
+    assert res["proc_env"].status == "denied" and "hunter2" not in res["proc_env"].output
+    assert res["file"].status == "denied" and "trainer secret" not in res["file"].output
     assert res["flood"].status == "overflow" and len(res["flood"].output.encode()) <= 4096
     assert res["flood_loop"].status in ("overflow", "timeout")
     assert len(res["flood_loop"].output.encode()) <= 4096
@@ -89,7 +91,7 @@ def test_attacks_in_one_batch_and_the_run_goes_on(sandbox, tmp_path):
 
 
 @pytest.mark.parametrize("layers", ["all", *[pytest.param(x, marks=pytest.mark.slow)
-                                             for x in ("netns", "landlock", "audit")]])
+                                             for x in ("netns", "landlock", "seccomp", "audit")]])
 @pytest.mark.slow
 def test_no_network(layers, tmp_path):
     """A TCP connect and a UDP datagram to listeners of this (the trainer's) process never arrive."""
@@ -110,11 +112,11 @@ def test_no_network(layers, tmp_path):
         if layers == "landlock" and (sb.protections["landlock"] or 0) < 4:
             pytest.skip("no Landlock network rules here")
         r_tcp, r_udp = sb.run([(code_tcp, {}), (code_udp, {})])
-        assert r_tcp.status == "error", r_tcp
+        assert r_tcp.status in REFUSED, r_tcp
         with pytest.raises(socket.timeout):
             tcp.accept()
         if layers != "landlock":  # Landlock filters TCP only; UDP needs the namespace or the hook
-            assert r_udp.status == "error", r_udp
+            assert r_udp.status in REFUSED, r_udp
             with pytest.raises(socket.timeout):
                 udp.recvfrom(10)
         _alive(sb)
@@ -123,7 +125,7 @@ def test_no_network(layers, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", ["landlock", "audit", "drop"])
+@pytest.mark.parametrize("layers", ["landlock", "mountns", "audit", "drop"])
 def test_each_layer_keeps_trainer_files_and_processes_out(layers, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("trainer secret")
@@ -131,14 +133,16 @@ def test_each_layer_keeps_trainer_files_and_processes_out(layers, tmp_path):
     with Sandbox(PY, timeout_s=3, workers=2, preload=PRELOAD, disable=only(layers)) as sb:
         if layers == "landlock" and not sb.protections["landlock"]:
             pytest.skip("no Landlock here")
+        if layers == "mountns" and not sb.protections["private_root"]:
+            pytest.skip("no private root here")
         if layers == "drop" and not sb.protections["drop_privileges"]:
             pytest.skip("not root: nothing to drop")
         read, = sb.run([(f"print(open({str(secret)!r}).read())", {})])
-        assert read.status == "error" and "trainer secret" not in read.output
+        assert read.status in REFUSED and "trainer secret" not in read.output
         if layers in ("audit", "drop"):  # the hook refuses it; RLIMIT_NPROC = 0 once not root (never run
             # where neither holds: Landlock alone, as root, would let a fork bomb loose for timeout_s)
             fork, = sb.run([("import os\nfor _ in range(50):\n    os.fork()\nprint('forked')", {})])
-            assert fork.status == "error" and "forked" not in fork.output
+            assert fork.status in REFUSED and "forked" not in fork.output
         _alive(sb)
 
 
@@ -172,3 +176,73 @@ def test_bad_tool_and_isolation_demand_fail_at_start():
         Sandbox("tests.tool_fixtures:no_such_function").start()
     with pytest.raises(ToolError, match="require_isolation"):
         Sandbox(PY, require_isolation=True, disable=("netns", "landlock")).start()
+    with pytest.raises(ToolError, match="pid_namespace"):
+        Sandbox(PY, require_isolation=True, disable=("pidns",)).start()
+    with pytest.raises(ToolError, match="unknown sandbox layer"):
+        Sandbox(PY, disable=("selinux",))
+
+
+def test_protections_reported(sandbox):
+    p = sandbox.protections
+    for key in ("network_namespace", "pid_namespace", "private_root", "landlock", "seccomp"):
+        assert key in p
+    if sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64"):
+        assert p["seccomp"]                    # works unprivileged on every Linux since 3.5
+
+
+def test_the_python_tool_gets_no_sample_and_a_custom_tool_only_its_fields():
+    from nanogrpo.config import ToolsConfig
+    from nanogrpo.errors import ConfigError
+    from nanogrpo.tools.protocols import Call
+    from nanogrpo.tools.registry import ToolRunner
+
+    row = {"question": "Q?", "answer": "42", "id": 7}
+    with pytest.raises((ConfigError, ValueError), match="sample_fields"):
+        ToolsConfig(enabled=True, sample_fields=["answer"])
+    with ToolRunner(ToolsConfig(enabled=True, timeout_s=2, workers=1, preload=[])) as tools:
+        [res] = tools.run([Call("import sys\nprint(sorted(sys._getframe(1).f_locals['sample']))")], [row])
+        assert (res.status, res.output) == ("ok", "[]")
+    cfg = ToolsConfig(enabled=True, function="tests.tool_fixtures:show_sample", sample_fields=["question"],
+                      timeout_s=2, workers=1, preload=[])
+    with ToolRunner(cfg) as tools:
+        [res] = tools.run([Call("x")], [row])
+        assert (res.status, res.output) == ("ok", "{'question': 'Q?'}")
+        with pytest.raises(ToolError, match="sample_fields names \\['question'\\]"):
+            tools.run([Call("x")], [{"prompt": "no question here"}])
+
+
+def test_seccomp_program_covers_both_architectures():
+    from nanogrpo.tools import _seccomp as sc
+
+    for machine in ((0, 0xC000003E), (1, 0xC00000B7)):
+        rows = sc.program(1234, machine)
+        assert rows[0] == (sc.LD_ABS, 0, 0, sc.OFF_ARCH) and rows[1][3] == machine[1]
+        assert rows[2] == (sc.RET, 0, 0, sc.RET_KILL_PROCESS)          # another architecture: killed
+        assert ((sc.JGE, 0, 1, sc.X32_BIT) in rows) == (machine[0] == 0)  # x32 numbers on x86_64
+        denied = {r[3] for r in rows if r[0] == sc.JEQ and r[1:3] == (0, 1)}
+        for name in sc.DENY:
+            nr = sc.NR[name][machine[0]]
+            assert nr is None or nr in denied, name
+        assert rows[-1] == (sc.RET, 0, 0, sc.RET_ALLOW)
+        assert 1234 in {r[3] for r in rows} and (-1234 & 0xFFFFFFFF) in {r[3] for r in rows}
+
+
+def test_tool_metrics_count_denied_calls():
+    from nanogrpo.rollout.turns import _Trajectory, tool_metrics
+
+    trajs = [_Trajectory(calls=2, errors=2, denied=1), _Trajectory(calls=1, timeouts=1)]
+    m = tool_metrics(trajs, 0.5)
+    assert (m["tools/calls"], m["tools/errors"], m["tools/denied"], m["tools/timeouts"]) == (3, 2, 1, 1)
+
+
+def test_the_start_up_line_names_the_layers_off():
+    from nanogrpo.tools.sandbox import describe
+
+    every = {"network_namespace": True, "pid_namespace": True, "private_root": True, "seccomp": True,
+             "landlock": 7, "drop_privileges": True, "audit_hook": True, "rlimits": True}
+    text, missing = describe(every)
+    assert not missing and "OFF" not in text and "Landlock ABI 7" in text
+    text, missing = describe({**every, "pid_namespace": False, "landlock": 4, "private_root": False,
+                              "private_root_error": "mount /x: EPERM"})
+    assert missing and text.endswith("OFF: PID namespace, private root (mount /x: EPERM)")
+    assert "Landlock ABI 4 (signals not scoped)" in text

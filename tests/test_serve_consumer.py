@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from nanogrpo.serve.inbox import Inbox
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 from tests.test_serve_faults import HOLDER
 from tests.test_serve_helpers import (
     TOKEN,
@@ -311,7 +311,7 @@ def test_two_rank_split_training_learns_and_hands_over_each_batch_once_across_a_
     import torch
 
     from nanogrpo.config import load_config
-    from nanogrpo.evaluate import run_eval
+    from nanogrpo.evaluation import run_eval
     from nanogrpo.models.load import load_policy
 
     steps, save_every, kill_after = 24, 8, 11

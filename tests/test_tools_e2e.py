@@ -12,7 +12,7 @@ import pytest
 
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.cli import main
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 from tests.test_serve_e2e import AUTH, _server, _spawn, _stop, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import torch
 from nanogrpo.cli import main
 from nanogrpo.config import load_config
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.train.metrics import read_metrics
-from nanogrpo.train.optim import MasterAdamW
-from nanogrpo.train.step import policy_update
+from nanogrpo.training.metrics import read_metrics
+from nanogrpo.training.optim import MasterAdamW
+from nanogrpo.training.step import policy_update
 from tests.test_batch import make_batch
 
 REQUIRED = ["step", "loss", "reward_mean", "reward_std", "accuracy", "format_rate", "kl",

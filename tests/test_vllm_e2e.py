@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.cli import main
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 from tests.run_fixtures import comparable_metrics
 
 if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
@@ -49,7 +49,7 @@ def test_demo_learns_with_vllm(tmp_path):
     """The acceptance run: `nanogrpo train rollout.engine=vllm` on the embedded demo lifts held-out
     greedy accuracy by at least 25 points over the warm start (both checkpoints evaluated alike)."""
     from nanogrpo.config import load_config
-    from nanogrpo.evaluate import run_eval
+    from nanogrpo.evaluation import run_eval
     from nanogrpo.models.load import load_policy
 
     out = tmp_path / "demo"

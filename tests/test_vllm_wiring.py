@@ -19,7 +19,7 @@ from nanogrpo.config import load_config
 from nanogrpo.errors import ConfigError
 from nanogrpo.rollout.engine import Generation
 from nanogrpo.rollout.hf import HFEngine
-from nanogrpo.train.metrics import read_metrics
+from nanogrpo.training.metrics import read_metrics
 from tests.run_fixtures import write_tiny_run_assets
 
 SHIFT = 0.5
@@ -57,7 +57,7 @@ class OwnCopyEngine:
 @pytest.mark.slow
 def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(tmp_path, monkeypatch,
                                                                                 behaviour):
-    import nanogrpo.train.trainer as trainer
+    import nanogrpo.training.trainer as trainer
 
     d = write_tiny_run_assets(tmp_path)
     built = []

@@ -17,3 +17,7 @@ def calls_reward(completion: str, sample: dict) -> float:
     every turn's text is in the completion."""
     assert all(t["text"].replace("<|im_end|>", "") in completion for t in sample["turns"])
     return float(sample["tool_calls"])
+
+
+def show_sample(call: str, sample: dict) -> str:
+    return repr(sample)

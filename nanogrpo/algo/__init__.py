@@ -1,8 +1,35 @@
-"""The GRPO algorithm: advantages, losses (a registry of variants), token log-probs."""
+"""The GRPO algorithm: advantages, losses (registries of variants), corrections, entropy, token log-probs.
 
-from nanogrpo.algo.advantages import group_advantages, signal_mask
-from nanogrpo.algo.logprobs import token_logprobs
-from nanogrpo.algo.losses import LOSSES, BatchTotals, k3_kl, policy_loss
+    presets.py      the named recipes (``grpo.loss``) as plain data; no torch (the config reads it)
+    advantages.py   ADVANTAGES (estimators), AGGREGATIONS (several reward functions), signal_mask
+    losses.py       OBJECTIVES, IMPORTANCE, REDUCTIONS, KL_ESTIMATORS, LossSpec, policy_loss
+    corrections.py  CORRECTIONS (rollout importance sampling), off_policy_mask
+    entropy.py      entropy_threshold / entropy_mask (top-ρ tokens), EntropyControl (bonus coefficient)
+    logprobs.py     chunked token log-probs and entropies (no batch x length x vocabulary tensor)
 
-__all__ = ["group_advantages", "signal_mask", "token_logprobs", "LOSSES", "BatchTotals", "k3_kl",
-           "policy_loss"]
+Names are imported lazily so that ``nanogrpo.algo.presets`` costs no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "ADVANTAGES": "advantages", "AGGREGATIONS": "advantages", "advantages": "advantages",
+    "group_advantages": "advantages", "signal_mask": "advantages",
+    "OBJECTIVES": "losses", "IMPORTANCE": "losses", "REDUCTIONS": "losses", "KL_ESTIMATORS": "losses",
+    "LOSSES": "losses", "BatchTotals": "losses", "LossSpec": "losses", "k3_kl": "losses",
+    "policy_loss": "losses",
+    "CORRECTIONS": "corrections", "off_policy_mask": "corrections",
+    "EntropyControl": "entropy", "entropy_mask": "entropy", "entropy_threshold": "entropy",
+    "token_logprobs": "logprobs", "token_stats": "logprobs",
+    "LOSS_PRESETS": "presets",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'nanogrpo.algo' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nanogrpo.algo.{_WHERE[name]}"), name)

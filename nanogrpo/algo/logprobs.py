@@ -61,84 +61,137 @@ def _mm_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-class LinearLogprob(torch.autograd.Function):
-    """logp[t] = log_softmax((h[t] @ W.T + b) / temperature)[targets[t]], chunk by chunk, in float32.
+def acc_dtype(dt: torch.dtype) -> torch.dtype:
+    """The dtype log-softmax runs in: float32, or float64 for a float64 model (exact parity tests)."""
+    return torch.float64 if dt == torch.float64 else torch.float32
 
-    h: (T, H); weight: (V, H); bias: (V,) or None; targets: (T,) int64 -> (T,) float32.
-    Saved for backward: h, weight, targets and lse (T,) float32; never (T, V).
+
+ENTROPY_MODES = {"none": 0, "value": 1, "grad": 2}
+"""``token_stats(entropy=...)``: no entropy; its value only (no gradient: logging, the top-ρ mask);
+with its gradient (the entropy bonus)."""
+
+
+class LinearLogprob(torch.autograd.Function):
+    """logp[t] = log_softmax((h[t] @ W.T + b) / temperature)[targets[t]], chunk by chunk, in float32,
+    and optionally the entropy H[t] = -sum_v p log p of the same distribution in the same pass.
+
+    h: (T, H); weight: (V, H); bias: (V,) or None; targets: (T,) int64 -> (T,) float32, or with
+    ``entropy`` > 0 (T, 2) float32: [:, 0] the log-probs, [:, 1] the entropies.
+    Saved for backward: h, weight, targets, lse (T,) and with ``entropy`` == 2 H (T,); never (T, V).
+
+    The entropy costs two more elementwise passes over each chunk's logits (the log-sum-exp is
+    computed by hand so that its exp(z - max) serves both): H = log s - sum_v e_v (z_v - m) / s with
+    m = max_v z_v, e = exp(z - m), s = sum_v e. Its gradient is dH/dz = -p (log p + H), folded into
+    the same backward pass as the log-prob's g (onehot - p), over half chunks (softmax and logits are
+    needed at once), so the peak stays that of the plain pass: one (chunk, V) buffer and its
+    ``torch.logsumexp`` temporary in the forward, one (chunk, V) buffer in the backward.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0):
+    def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0, entropy=0):
         dt = _mm_dtype(h)
+        acc = acc_dtype(dt)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dt)                                                 # (V, H)
             b = None if bias is None else bias.to(dt)                         # (V,)
-            out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # (T,)
+            out = torch.empty(h.shape[0], dtype=acc, device=h.device)         # (T,)
             lse = torch.empty_like(out)                                       # (T,)
+            ent = torch.empty_like(out) if entropy else None                  # (T,)
             for i in range(0, h.shape[0], chunk):
-                logits = F.linear(h[i:i + chunk].to(dt), w, b).float()        # (c, V)
+                logits = F.linear(h[i:i + chunk].to(dt), w, b).to(acc)        # (c, V)
                 if temperature != 1.0:
                     logits = logits / temperature                             # (c, V)
-                lse[i:i + chunk] = torch.logsumexp(logits, -1)                # (c,)
                 picked = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1)  # (c,)
+                if entropy:
+                    m = logits.amax(-1, keepdim=True)                         # (c, 1)
+                    m.masked_fill_(torch.isinf(m), 0.0)
+                    logits.sub_(m)                                            # (c, V) z - m
+                    e = logits.exp()                                          # (c, V)
+                    s = e.sum(-1)                                             # (c,)
+                    lse[i:i + chunk] = s.log() + m.squeeze(-1)                # (c,) as torch.logsumexp
+                    ent[i:i + chunk] = s.log() - e.mul_(logits).sum(-1) / s   # (c,) H
+                    del e
+                else:
+                    lse[i:i + chunk] = torch.logsumexp(logits, -1)            # (c,)
                 out[i:i + chunk] = picked - lse[i:i + chunk]
                 del logits
-        ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.chunk, ctx.dt, ctx.temperature = chunk, dt, temperature
-        return out
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent if entropy == 2 else None)
+        ctx.chunk, ctx.dt, ctx.temperature, ctx.entropy = chunk, dt, temperature, entropy
+        if not entropy:
+            return out
+        res = torch.stack([out, ent], -1)                                     # (T, 2)
+        return res
 
     @staticmethod
-    def backward(ctx, g):                                                      # g: (T,)
-        h, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, g):                                                      # g: (T,) or (T, 2)
+        h, weight, bias, targets, lse, ent = ctx.saved_tensors
         dt, chunk, temp = ctx.dt, ctx.chunk, ctx.temperature
+        acc = acc_dtype(dt)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g = g.float()
+        g = g.to(acc)
+        g_h = g[:, 1] if ctx.entropy == 2 else None                           # (T,) dL/dH
+        g = g[:, 0] if ctx.entropy else g                                     # (T,) dL/dlogp
         w = weight.to(dt)                                                     # (V, H)
         b = None if bias is None else bias.to(dt)
         gh = torch.empty_like(h) if need_h else None                          # (T, H)
-        acc_dtype = weight.dtype if weight.dtype == torch.float32 else torch.float32
-        gw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None  # (V, H)
-        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        acc_w = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        gw = torch.zeros(weight.shape, dtype=acc_w, device=weight.device) if need_w else None  # (V, H)
+        gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        # with the entropy's gradient each chunk needs softmax and logits at once: half chunks keep the
+        # peak at two (chunk / 2, V) buffers, what the plain backward's one (chunk, V) plus logsumexp hold
+        chunk = chunk if g_h is None else max(1, chunk // 2)
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
                 hc = h[i:i + chunk].to(dt)                                    # (c, H)
-                gl = F.linear(hc, w, b).float()                               # (c, V) logits
+                gl = F.linear(hc, w, b).to(acc)                               # (c, V) logits
                 if temp != 1.0:
                     gl.div_(temp)                                             # (c, V) logits / T
-                gl.sub_(lse[i:i + chunk, None]).exp_()                        # (c, V) softmax
-                gl.mul_(-g[i:i + chunk, None])                                # (c, V) -g * p
-                gl.scatter_add_(-1, targets[i:i + chunk, None], g[i:i + chunk, None])  # + g * onehot
+                gc = g[i:i + chunk, None]                                     # (c, 1)
+                if g_h is None:
+                    gl.sub_(lse[i:i + chunk, None]).exp_()                    # (c, V) softmax
+                    gl.mul_(-gc)                                              # (c, V) -g * p
+                else:
+                    gl.sub_(lse[i:i + chunk, None])                           # (c, V) log p
+                    p = gl.exp()                                              # (c, V) softmax
+                    # d/dz [g logp_target + g_h H] = g onehot - p (g + g_h (log p + H))
+                    gl.add_(ent[i:i + chunk, None]).mul_(-g_h[i:i + chunk, None]).sub_(gc).mul_(p)
+                    del p
+                gl.scatter_add_(-1, targets[i:i + chunk, None], gc)           # + g * onehot
                 if temp != 1.0:
                     gl.div_(temp)                                             # (c, V) d/d(logits)
                 glc = gl.to(dt)                                               # (c, V)
                 if need_h:
                     gh[i:i + chunk] = (glc @ w).to(h.dtype)                   # (c, H)
                 if need_w:
-                    gw.addmm_(glc.t().to(acc_dtype), hc.to(acc_dtype))        # (V, H)
+                    gw.addmm_(glc.t().to(acc_w), hc.to(acc_w))                # (V, H)
                 if need_b:
                     gb += gl.sum(0)                                           # (V,)
                 del gl, glc
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None, None
+        return gh, gw, gb, None, None, None, None
 
 
 def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    chunk: int = 1024, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs (T,) float32 of ``targets`` under ``(h @ weight.T + bias) / temperature``, never
-    holding (T, V)."""
-    return LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)), float(temperature))
+                    chunk: int = 1024, temperature: float = 1.0, entropy: str = "none") -> torch.Tensor:
+    """Log-probs (T,) of ``targets`` under ``(h @ weight.T + bias) / temperature``, never holding (T, V);
+    with ``entropy`` "value" or "grad" (T, 2): the log-probs and the entropies (float32; float64 for
+    a float64 model)."""
+    out = LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)), float(temperature),
+                              ENTROPY_MODES[entropy])
+    if entropy == "value":  # the entropy column carries no gradient
+        out = torch.stack([out[:, 0], out[:, 1].detach()], -1)
+    return out
 
 
 class LeanHead(torch.nn.Linear):
     """An ``nn.Linear`` LM head that, while armed, returns completion-token log-probs instead of logits.
 
-    Armed (by :func:`token_logprobs`) with ``start``, the completion mask (N, C) and
+    Armed (by :func:`token_stats`) with ``start``, the completion mask (N, C) and
     the targets (N, C); its input is then the hidden states (N, start + C, H), of
     which positions ``start ..`` predict the targets, and its output the selected
-    tokens' log-probs (T,) float32, T = mask.sum(). Armed with ``sel=None`` it
-    returns an empty tensor (a pass that only fills the KV cache).
+    tokens' log-probs (T,) float32, T = mask.sum() (with an entropy mode (T, 2): log-probs and
+    entropies). Armed with ``sel=None`` it returns an empty tensor (a pass that only fills the KV cache).
     """
 
     _lean: tuple | None = None
@@ -147,18 +200,19 @@ class LeanHead(torch.nn.Linear):
         spec = self.__dict__.get("_lean")
         if spec is None:
             return super().forward(x)
-        start, sel, targets, chunk, temperature = spec
+        start, sel, targets, chunk, temperature, entropy = spec
         if sel is None:                                                       # a prefix pass: no output
             return x.new_zeros(0)
         h = x[:, start:]                                                      # (N, C, H) predicts targets
         if h.shape[1] != sel.shape[1]:
             raise ValueError(f"LeanHead: {h.shape[1]} positions after {start} for {sel.shape[1]} targets")
-        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature)  # (T,)
+        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature,
+                               entropy)                                       # (T,) or (T, 2)
 
     @contextmanager
     def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int,
-              temperature: float = 1.0):
-        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature)
+              temperature: float = 1.0, entropy: str = "none"):
+        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature, entropy)
         try:
             yield
         finally:
@@ -196,32 +250,48 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
                    share_prefix: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
+    (:func:`token_stats` without the entropy.)"""
+    return token_stats(model, input_ids, attention_mask, prompt_len, completion_mask, chunk, share_prefix,
+                       temperature)[0]
+
+
+def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
+                share_prefix: bool = True, temperature: float = 1.0, entropy: str = "none"
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model`` and, unless ``entropy``
+    is "none", the policy's entropy (N, C) at the same positions ("value": no gradient; "grad": with
+    it); 0 where masked (float64 for a float64 model).
 
     input_ids/attention_mask: (N, P + C), prompts left-padded to P, completions
     right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
     (DDP, DeepSpeed engine, FSDP2 module, PEFT model): it is called as a whole.
     ``share_prefix``: run each distinct prompt once (see the module docstring).
-    ``temperature``: log-probs of ``logits / temperature`` (gradients included).
+    ``temperature``: log-probs (and entropies) of ``logits / temperature`` (gradients included).
     """
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
     head = lean_head(model)
     if head is None:
-        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature)
+        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature, entropy)
     sel = completion_mask.bool()                                              # (N, C)
     if sel.shape[1] == 0:
-        return torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
+        z = torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
+        return z, (z if entropy != "none" else None)
     # the last token predicts nothing: every forward below stops one short of it
     ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
     flat = None
     if share_prefix and prompt_len > 1 and not _checkpointing(model):
-        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature)
+        flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature,
+                              entropy)
     if flat is None:
-        with head.armed(prompt_len - 1, sel, targets, chunk, temperature):
+        with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy):
             flat = model(input_ids=ids, attention_mask=am, position_ids=pos,
-                         use_cache=False).logits                              # (T,) float32
-    res = torch.zeros(sel.shape, dtype=torch.float32, device=flat.device)     # (N, C)
-    return res.masked_scatter(sel, flat.float())
+                         use_cache=False).logits                              # (T,) or (T, 2)
+    res = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device)        # (N, C)
+    if entropy == "none":
+        return res.masked_scatter(sel, flat), None
+    return res.masked_scatter(sel, flat[:, 0]), res.masked_scatter(sel, flat[:, 1])  # (N, C) each
 
 
 def _checkpointing(model) -> bool:
@@ -230,8 +300,9 @@ def _checkpointing(model) -> bool:
 
 
 def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt_len: int, sel, targets,
-                   chunk: int, temperature: float) -> torch.Tensor | None:
-    """The selected log-probs (T,) with each distinct prompt run once; None if no prompt repeats.
+                   chunk: int, temperature: float, entropy: str = "none") -> torch.Tensor | None:
+    """The selected log-probs (T,) (or (T, 2) with entropies) with each distinct prompt run once; None if
+    no prompt repeats.
     input_ids, attention_mask, pos: (N, P + C - 1), the sequences without their last token."""
     p = prompt_len - 1                                                        # the prefix: all but the last
     key = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)  # (N, 2p)
@@ -246,7 +317,7 @@ def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(inv)                                           # (N, p), differentiable gather
-    with head.armed(0, sel, targets, chunk, temperature):                     # suffix position 0 predicts c_0
+    with head.armed(0, sel, targets, chunk, temperature, entropy):            # suffix position 0 predicts c_0
         return model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:],
                      use_cache=True, **{_cache_kwarg(model): cache}).logits   # (T,) float32
 
@@ -258,14 +329,19 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
-def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature: float = 1.0):
-    rows = []
+def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature: float = 1.0,
+                   entropy: str = "none"):
+    rows, ents = [], []
     for i in range(input_ids.shape[0]):  # one row at a time bounds the (L, V) logits
         logits = model(input_ids=input_ids[i:i + 1], attention_mask=attention_mask[i:i + 1],
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
-        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-        rows.append(logits.log_softmax(-1).gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))
-    return torch.stack(rows)                                                  # (N, C)
+        logits = logits.to(acc_dtype(logits.dtype))
+        lp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)  # (C, V)
+        rows.append(lp.gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))       # (C,)
+        if entropy != "none":
+            h = -(lp.exp() * lp).sum(-1)                                              # (C,)
+            ents.append(h if entropy == "grad" else h.detach())
+    return torch.stack(rows), (torch.stack(ents) if entropy != "none" else None)      # (N, C) each
 
 
 @torch.no_grad()

@@ -147,8 +147,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.rewards import RewardRunner
     from nanogrpo.rollout.factory import make_engine
-    from nanogrpo.train.optim import MasterAdamW
-    from nanogrpo.train.trainer import train_step
+    from nanogrpo.training.optim import MasterAdamW
+    from nanogrpo.training.trainer import train_step
 
     n = a.prompts * a.gens
     cfg = Config.model_validate({

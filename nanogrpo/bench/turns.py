@@ -5,8 +5,9 @@ its model, prompts, ``prompts_per_step`` x ``group_size`` trajectories, ``max_ne
 ``tools.max_turns``, the real sandbox) with each engine in turn, ``repeats`` times after one
 warm-up round; repeat i gives every engine the same prompts and seed. One JSON line per engine:
 median wall time of the rollout, of its generation part (``generate_s``: the tool calls excluded)
-and of its process CPU time, tokens sampled, tool calls and tool tokens per call (the engines
-sample different trajectories, so these differ a little).
+and of its process CPU time, tokens sampled, tool calls, the sandbox's time per call
+(``tool_ms_per_call``: a step's calls go to the sandbox together, ``tools.workers`` at a time) and
+tool tokens per call (the engines sample different trajectories, so these differ a little).
 
 Engines: ``fast`` (its own session: KV cache kept across turns), ``fast-reprefill`` (the generic
 session over ``fast``'s ``generate``: each turn re-runs the whole context), ``hf`` (the generic
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 m = gen.tool_metrics
                 runs[name].append({"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
                                    "generate_s": gen.stats["generate_s"], "tool_s": gen.stats["tool_s"],
+                                   "tool_ms_per_call": 1e3 * gen.stats["tool_s"] / max(m["tools/calls"], 1),
                                    "sampled": m["tools/generated_tokens"], "calls": m["tools/calls"],
                                    "tool_tokens": m["tools/tool_tokens"]})
     common = {"config": a.config or "preset demo-tools", "overrides": a.overrides, "open_call": a.open_call,

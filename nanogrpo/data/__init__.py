@@ -9,14 +9,16 @@ from nanogrpo.data.arithmetic import make_split, solution
 from nanogrpo.data.prompts import build_messages, encode_prompts, render_prompt, render_samples
 from nanogrpo.data.sampler import PromptSampler
 from nanogrpo.data.samples import extract_answer, normalize_rows
-from nanogrpo.data.sources import load_rows
+from nanogrpo.data.sources import PRESETS, load_eval_rows, load_rows
 
 __all__ = [
     "PromptSampler",
     "build_messages",
     "encode_prompts",
     "extract_answer",
+    "load_eval_rows",
     "load_rows",
+    "PRESETS",
     "make_split",
     "normalize_rows",
     "render_prompt",

@@ -3,9 +3,11 @@
 Turn order: one system turn (the sample's ``system`` column if it is non-empty
 text, else the configured system prompt; none if that is empty), then each
 few-shot example as a user/assistant pair, then the sample's own turns (its
-``messages`` if it is chat-formatted, else one user turn with its question). A
-chat-formatted sample that brings its own system turn keeps it, and the
-configured/``system``-column prompt is not added.
+``messages`` if it is chat-formatted, else one user turn with its question put
+into ``data.user_template``, e.g. the R1 prompt's ``"{question}\\nPlease reason
+step by step, and put your final answer within \\boxed{}."``). A chat-formatted
+sample that brings its own system turn keeps it, and the configured/``system``-
+column prompt is not added.
 
 Rendering (``model.chat_template``):
 
@@ -42,27 +44,34 @@ def _system_text(sample: dict[str, Any], system_prompt: str | None) -> str:
     return system_prompt or ""
 
 
-def _few_shot_turns(few_shot: list[dict[str, Any]]) -> list[dict[str, str]]:
+def user_turn(question: str, user_template: str = "{question}") -> str:
+    """The user turn for ``question``: ``{question}`` in ``user_template`` replaced by it (only that:
+    the template's other braces, ``\\boxed{}``, stay as written)."""
+    return user_template.replace("{question}", question)
+
+
+def _few_shot_turns(few_shot: list[dict[str, Any]], user_template: str) -> list[dict[str, str]]:
     turns = []
     for k, ex in enumerate(few_shot):
         if not isinstance(ex, dict) or not isinstance(ex.get("question"), str) or "answer" not in ex:
             raise DataError(f"data.few_shot[{k}] needs 'question' and 'answer' entries")
-        turns.append({"role": "user", "content": ex["question"]})
+        turns.append({"role": "user", "content": user_turn(ex["question"], user_template)})
         turns.append({"role": "assistant", "content": str(ex["answer"])})
     return turns
 
 
 def build_messages(sample: dict[str, Any], system_prompt: str | None,
-                   few_shot: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Chat turns for one sample: system, few-shot pairs, then the sample's question or turns."""
+                   few_shot: list[dict[str, Any]], user_template: str = "{question}") -> list[dict[str, str]]:
+    """Chat turns for one sample: system, few-shot pairs, then the sample's question (in
+    ``user_template``) or its own turns."""
     own_turns = prompt_turns(sample.get("messages"))
     if own_turns and own_turns[0]["role"] == "system":
         head = [own_turns.pop(0)]
     else:
         system = _system_text(sample, system_prompt)
         head = [{"role": "system", "content": system}] if system else []
-    tail = own_turns or [{"role": "user", "content": sample["question"]}]
-    return head + _few_shot_turns(few_shot) + tail
+    tail = own_turns or [{"role": "user", "content": user_turn(sample["question"], user_template)}]
+    return head + _few_shot_turns(few_shot, user_template) + tail
 
 
 def render_plain(messages: list[dict[str, str]]) -> str:
@@ -98,8 +107,9 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]], template: Temp
 
 def render_samples(tokenizer: Any, samples: list[dict[str, Any]], cfg: DataConfig,
                    template: Template = "auto") -> list[str]:
-    """Prompt text for each sample, with ``cfg.system_prompt`` and ``cfg.few_shot``."""
-    return [render_prompt(tokenizer, build_messages(s, cfg.system_prompt, cfg.few_shot), template)
+    """Prompt text for each sample, with ``cfg.system_prompt``, ``cfg.few_shot`` and ``cfg.user_template``."""
+    return [render_prompt(tokenizer, build_messages(s, cfg.system_prompt, cfg.few_shot, cfg.user_template),
+                          template)
             for s in samples]
 
 

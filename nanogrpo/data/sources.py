@@ -1,10 +1,19 @@
 """Where samples come from: presets, local files and HF datasets.
 
-``load_rows(cfg, split)`` dispatches on ``cfg.source``:
+``load_rows(cfg, split)`` dispatches on ``cfg.source`` (``load_eval_rows`` on
+``cfg.eval_source``, else the same):
 
-- ``gsm8k``: HF ``openai/gsm8k`` (config ``main``), answer after ``####`` (the
-  seed's dataset). Offline, point ``source`` at a local copy in the same format
-  and set ``answer_delimiter="####"``.
+- a preset (:data:`PRESETS`), an HF dataset with its own field names and reference:
+  ``gsm8k`` (``openai/gsm8k``, config ``main``, the answer after ``####``: the
+  seed's dataset); ``math`` (MATH, ``DigitalLearningGmbH/MATH-lighteval``: 7,500
+  train / 5,000 test problems, the reference boxed in the ``solution``);
+  ``math500`` (``HuggingFaceH4/MATH-500``, its ``answer`` column; test only);
+  ``aime24`` (``HuggingFaceH4/aime_2024``, 30 problems) and ``aime``
+  (``AI-MO/aimo-validation-aime``, 90 problems of AIME 2022-2024), integer
+  ``answer``, any split name reads their only split; ``deepscaler``
+  (``agentica-org/DeepScaleR-Preview-Dataset``, 40k problems, ``answer``; train
+  only). Offline, point ``source`` at a local copy in the same format (the
+  reference is found as ``data.answer_from=auto`` finds it).
 - ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.data.arithmetic`);
   split ``train`` has ``arithmetic_train_size`` rows, any other split
   (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
@@ -13,7 +22,8 @@
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
-- ``hf:NAME``: ``datasets.load_dataset(NAME, cfg.hf_config, split=split)``.
+- ``hf:NAME``: ``datasets.load_dataset(NAME, cfg.hf_config, split=split)``, with
+  ``cfg.question_field`` / ``cfg.answer_field`` / ``cfg.answer_from``.
 
 ``datasets`` and ``pyarrow`` are optional (``pip install nanogrpo[data]``) and
 imported only when a source needs them. Every failure is a one-line
@@ -24,15 +34,43 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanogrpo import hub
 from nanogrpo.config import DataConfig
 from nanogrpo.data import arithmetic, multidigit
 from nanogrpo.data.samples import normalize_rows
 from nanogrpo.errors import DataError
 
-GSM8K = ("openai/gsm8k", "main", "####")
+
+@dataclass(frozen=True)
+class Preset:
+    """An HF dataset by a short name: where it is and how its rows are read."""
+
+    name: str
+    config: str | None
+    question_field: str
+    answer_field: str
+    answer_from: str
+    splits: dict[str, str] = field(default_factory=lambda: {"train": "train", "test": "test"})
+    """The split asked for -> the dataset's split (a split not listed is an error)."""
+    delimiter: str | None = None
+
+
+_ONLY_SPLIT = {s: "train" for s in ("train", "test", "eval", "validation")}
+PRESETS: dict[str, Preset] = {
+    "gsm8k": Preset("openai/gsm8k", "main", "question", "answer", "delimiter", delimiter="####"),
+    "math": Preset("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", "boxed"),
+    "math500": Preset("HuggingFaceH4/MATH-500", None, "problem", "answer", "column",
+                      {s: "test" for s in ("test", "eval", "validation")}),
+    "aime24": Preset("HuggingFaceH4/aime_2024", None, "problem", "answer", "column", _ONLY_SPLIT),
+    "aime": Preset("AI-MO/aimo-validation-aime", None, "problem", "answer", "column", _ONLY_SPLIT),
+    "deepscaler": Preset("agentica-org/DeepScaleR-Preview-Dataset", None, "problem", "answer", "column",
+                         {"train": "train"}),
+}
+"""Competition math and GSM8K by name (module docstring); each reads its dataset's own fields."""
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
@@ -127,12 +165,32 @@ def read_hf(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
     except ImportError:
         raise DataError(f"HF dataset {name}: needs the 'datasets' package (pip install 'nanogrpo[data]'), "
                         f"or point data.source at a local .jsonl/.parquet copy") from None
+    _reachable(name)
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # any failure here (network, auth, bad name or split) is the user's to fix
         raise DataError(f"HF dataset {name} (config {config}, split {split}) unreachable: "
                         f"{_first_line(e)}") from None
     return [dict(r) for r in ds]
+
+
+def _reachable(name: str) -> None:
+    """A DataError in seconds when the hub cannot be reached for dataset ``name`` (``datasets`` would
+    retry for about a minute first). Not asked offline (``HF_HUB_OFFLINE``: the datasets cache) nor
+    for a local directory; any answer from the hub, even a refusal, is left to ``datasets``."""
+    if Path(name).exists() or hub.offline():
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError
+
+    try:
+        hub.ask(lambda: HfApi().dataset_info(name, timeout=hub.TIMEOUT_S))
+    except HfHubHTTPError:
+        return
+    except hub.network_errors() as e:
+        raise DataError(f"HF dataset {name}: the HF hub ({hub.endpoint()}) cannot be reached "
+                        f"({hub.reason(e)}): point data.source at a local .jsonl/.parquet copy, or set "
+                        "HF_HUB_OFFLINE=1 to read the datasets cache") from None
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -146,29 +204,53 @@ def _arithmetic_rows(cfg: DataConfig, split: str, task=arithmetic) -> list[dict[
     raise DataError(f"data source {cfg.source} has no split {split!r} (use train or test)")
 
 
-def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
-    """Load and validate all samples of ``split`` from ``cfg.source`` (see module docstring)."""
-    source = cfg.source
-    fields = {"question_field": cfg.question_field, "answer_field": cfg.answer_field}
+def _preset_rows(cfg: DataConfig, source: str, split: str) -> list[dict[str, Any]]:
+    p = PRESETS[source]
+    if split not in p.splits:
+        raise DataError(f"data source {source} has no split {split!r} (it has: {', '.join(p.splits)})")
+    name = p.name
+    rows = read_hf(name, cfg.hf_config or p.config, p.splits[split])
+    # gsm8k's fields are the defaults: a config may rename them (an earlier nanogrpo's way to use a copy)
+    question, answer = ((cfg.question_field, cfg.answer_field) if source == "gsm8k"
+                        else (p.question_field, p.answer_field))
+    return normalize_rows(rows, origin=f"{source} ({name}, split {p.splits[split]})", question_field=question,
+                          answer_field=answer, answer_delimiter=cfg.answer_delimiter or p.delimiter,
+                          answer_from=p.answer_from)
+
+
+def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[dict[str, Any]]:
+    """Load and validate all samples of ``split`` from ``source`` (default: ``cfg.source``; see the module
+    docstring)."""
+    source = source or cfg.source
+    fields = {"question_field": cfg.question_field, "answer_field": cfg.answer_field,
+              "answer_delimiter": cfg.answer_delimiter, "answer_from": cfg.answer_from}
     if source == "arithmetic":
         return _arithmetic_rows(cfg, split)
     if source == "multidigit":
         return _arithmetic_rows(cfg, split, multidigit)
-    if source == "gsm8k":
-        name, config, delim = GSM8K
-        rows = read_hf(name, cfg.hf_config or config, split)
-        return normalize_rows(rows, origin=f"gsm8k ({name}, split {split})", **fields,
-                              answer_delimiter=cfg.answer_delimiter or delim)
+    if source in PRESETS:
+        return _preset_rows(cfg, source, split)
     if source.startswith("hf:"):
         name = source[3:]
         if not name:
             raise DataError("data.source 'hf:' needs a dataset name, e.g. hf:openai/gsm8k")
         rows = read_hf(name, cfg.hf_config, split)
-        return normalize_rows(rows, origin=f"HF dataset {name} (split {split})", **fields,
-                              answer_delimiter=cfg.answer_delimiter)
+        return normalize_rows(rows, origin=f"HF dataset {name} (split {split})", **fields)
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() not in READERS:
-        raise DataError(f"unknown data source {source!r}: use a preset (gsm8k, arithmetic, multidigit), a "
-                        f"{'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
-    return normalize_rows(read_file(path), origin=f"data file {path}", **fields,
-                          answer_delimiter=cfg.answer_delimiter)
+        raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}, arithmetic, "
+                        f"multidigit), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
+    return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
+
+
+def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, Any]]:
+    """The held-out problems: ``split`` (default ``cfg.eval_split``) of ``cfg.eval_source``, else of
+    ``cfg.source``."""
+    return load_rows(cfg, split or cfg.eval_split, cfg.eval_source)
+
+
+def samples_from(rows: list[dict[str, Any]], cfg: DataConfig, origin: str) -> list[dict[str, Any]]:
+    """Samples from rows already in memory (the public API's ``dataset``), checked as a file's are."""
+    return normalize_rows(rows, origin=origin, question_field=cfg.question_field,
+                          answer_field=cfg.answer_field, answer_delimiter=cfg.answer_delimiter,
+                          answer_from=cfg.answer_from)

@@ -26,11 +26,14 @@ from transformers import (
 from nanogrpo.config import ModelConfig
 from nanogrpo.errors import ModelError
 from nanogrpo.models.cpu_linear import apply_cpu_linear
+from nanogrpo.models.source import (  # noqa: F401 - where a model comes from: re-exported here
+    EMBEDDED,
+    EMBEDDED_TOOLS,
+    check_model_source,
+    resolve_model_path,
+)
 
-EMBEDDED = "embedded"
 log = logging.getLogger("nanogrpo.models")
-EMBEDDED_TOOLS = "embedded-tools"
-"""The tool demo's warm start (:mod:`nanogrpo.models.warmstart_tools`), same shape and tokenizer."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,40 +52,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def _looks_like_path(s: str) -> bool:
-    """Anything but ``name`` or ``org/name`` is a filesystem path."""
-    return s.startswith((".", "/", "~")) or not _HUB_ID.match(s)
-
-
-def resolve_model_path(path: str) -> str:
-    """Map ``embedded`` to its cached directory (building it if needed); check local paths exist."""
-    if path == EMBEDDED:
-        from nanogrpo.models.warmstart import embedded_path
-
-        return str(embedded_path())
-    if path == EMBEDDED_TOOLS:
-        from nanogrpo.models.warmstart_tools import embedded_path as tools_path
-
-        return str(tools_path())
-    p = Path(path).expanduser()
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise ModelError(f"model path {p} has no config.json: not an HF model directory")
-        return str(p)
-    if _looks_like_path(path):
-        raise ModelError(f"model path not found: {path}")
-    return path  # a hub id: transformers resolves it (cache or download)
-
-
-def check_model_source(cfg: ModelConfig) -> None:
-    """Cheap early check (no weights read) so a typo fails before any expensive work."""
-    if cfg.path not in (EMBEDDED, EMBEDDED_TOOLS):
-        resolve_model_path(cfg.path)
 
 
 GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
@@ -146,7 +115,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impleme
     except (ValueError, ImportError) as e:  # ImportError: e.g. flash_attention_2 without its package
         msg = _first_line(e)
         if attn_implementation == "sdpa" and re.search(r"sdpa|scaled_dot_product_attention", msg, re.I):
-            log.warning("%s has no sdpa attention in this transformers; loading it with "
+            log.info("%s has no sdpa attention in this transformers; loading it with "
                         "model.attn_implementation=eager", path)
             try:
                 model = _from_pretrained(path, dtype, "eager", trust_remote_code)
@@ -163,7 +132,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attn_impleme
     model = model.to(device)
     off = disable_dropout(model)
     if off:
-        log.warning("%s: dropout is off in every forward (%d modules had it; the saved config keeps "
+        log.info("%s: dropout is off in every forward (%d modules had it; the saved config keeps "
                     "its values)", path, off)
     if device.type == "cpu":
         apply_cpu_linear(model, cpu_linear)
@@ -201,11 +170,13 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return changed
 
 
-def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
-    """The trainable policy and its tokenizer, on the configured device and dtype."""
+def load_policy(cfg: ModelConfig, path: str | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+    """The trainable policy and its tokenizer, on the configured device and dtype; ``path``: where
+    ``cfg.path`` was already resolved to (:func:`~nanogrpo.models.source.resolve_model_path`)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    path = resolve_model_path(cfg.path)
+    path = path or resolve_model_path(cfg.path)
     tok = load_tokenizer(path, cfg.trust_remote_code)
     model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code, cfg.cpu_linear)
     model.generation_config.pad_token_id = tok.pad_token_id

@@ -12,13 +12,14 @@ Importing this package has no side effects; math_verify loads on first use.
 """
 
 from nanogrpo.rewards.batching import batched
-from nanogrpo.rewards.builtin import correctness, format_reward, format_strict
+from nanogrpo.rewards.builtin import correctness, format_boxed, format_reward, format_strict
 from nanogrpo.rewards.extract import Answer, extract_answer, read_answer
 from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem", "RewardModel", "Judge"]
+           "format_boxed", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem", "RewardModel",
+           "Judge"]
 
 
 def __getattr__(name: str):

@@ -6,103 +6,42 @@ question) plus the reserved key ``"finish_reason"``: ``"stop"`` when the model
 ended the completion, ``"length"`` when the token limit cut it off (set by the
 rollout for every completion; absent when a reward is called directly).
 
-- :func:`correctness`: +1 when the completion's final answer (read as a grader
-  reads it, :mod:`nanogrpo.rewards.extract`) equals the reference, else -1.
-  Numbers are compared exactly, as fractions (``1,234.0`` = ``1234``, ``3/4`` =
-  ``0.75``, ``0.333`` != ``1/3``, ``25%`` = ``25``); answers that are not plain
-  numbers go to math_verify. The seed compared the last number in the text.
+- :func:`correctness`: +1 when the completion's final answer (found and read as a grader
+  does, :mod:`nanogrpo.rewards.grade`) equals the reference, else -1. Plain numbers are
+  compared exactly, as fractions (``1,234.0`` = ``1234``, ``3/4`` = ``0.75``, ``0.333`` !=
+  ``1/3``, ``25%`` = ``25``) without math_verify; LaTeX answers (``\\frac{\\sqrt3}{2}``,
+  ``[-1,4)``, ``1, 2, 3``, matrices) go to math_verify whole, with what a grader ignores taken
+  off; multiple-choice letters, words and numbers in other bases are compared as such. The
+  seed compared the last number in the text.
 - :func:`format_reward`: 1.25 / -1, the seed's format made explicit (see its docstring);
-  :func:`format_strict` allows no whitespace outside or between the blocks.
+  :func:`format_strict` allows no whitespace outside or between the blocks;
+  :func:`format_boxed`: 1.25 / -1, the R1 prompt's format (one final ``\\boxed{}``).
 """
 
 from __future__ import annotations
 
 import re
-import threading
-from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
-from nanogrpo.rewards.extract import Answer, read_answer
-from nanogrpo.rewards.numbers import read_number
+from nanogrpo.rewards.grade import answer_equals, grade
+from nanogrpo.rewards.latex import braced_end
 
-__all__ = ["BUILTIN", "correctness", "format_reward", "format_strict", "answers_match", "well_formed",
-           "warm_up"]
-
-# math_verify's own timeout uses signal.alarm, which only works on the main thread.
-_MV_TIMEOUT_S = 5
-_MV_MAX_CHARS = 120
-# What sympy could spend seconds on: factorials, long digit runs, big or stacked powers.
-_UNSAFE_RE = re.compile(r"!|[0-9]{16}|\^\s*\{?\s*[0-9]{3}|\^[^\^]*\^")
-
-
-def _mv_timeout() -> int | None:
-    """math_verify's signal-based timeout where it can work (main thread), else None."""
-    return _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-@lru_cache(maxsize=4096)
-def _parse(text: str) -> tuple[Any, ...]:
-    """math_verify parse with LaTeX and plain-expression extraction (cached: references repeat G times)."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-
-    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    if "$" not in text and "\\boxed" not in text:
-        text = f"${text}$"  # bare LaTeX is not found without delimiters ("6 \\times 7" would parse as 7)
-    return tuple(parse(text, extraction_config=configs, parsing_timeout=_mv_timeout()))
-
-
-_LONG_DECIMAL_RE = re.compile(r"[0-9]\.([0-9]{6,})\s*$")
-
-
-@lru_cache(maxsize=4096)
-def _reference(ref: str) -> tuple[tuple[Fraction, ...], Fraction] | None:
-    """``(values, tolerance)`` of a reference that is a plain number, else None (cached: it repeats G
-    times). A reference written as a long decimal (``2.666666666666667``, a float's rendering)
-    matches what rounds to it at that precision (``8/3``); otherwise the tolerance is 0."""
-    num = read_number(ref)
-    if num is None:
-        return None
-    m = _LONG_DECIMAL_RE.search(ref)
-    return num.values, (Fraction(1, 2 * 10 ** len(m.group(1))) if m else Fraction(0))
-
-
-def _math_verify(pred: str, ref: str) -> bool:
-    if len(pred) > _MV_MAX_CHARS or _UNSAFE_RE.search(pred) or sum(pred.count(c) for c in "+-*/^") > 12:
-        return False  # sympy can take seconds on these; a final answer is not that long
-    from math_verify import verify
-
-    gold, guess = _parse(ref), _parse(pred)
-    if not gold or not guess:
-        return False
-    return bool(verify(list(gold), list(guess), timeout_seconds=_mv_timeout()))
+__all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "format_reward", "format_strict",
+           "format_boxed", "answers_match", "well_formed", "boxed_well_formed", "warm_up"]
 
 
 def warm_up() -> None:
-    """Import math_verify and sympy and run one comparison through them (a first call costs seconds;
+    """Import math_verify and sympy and run comparisons through them (a first call costs seconds;
     reward workers do it before taking work, so no call's deadline pays for it)."""
-    _math_verify("\\sqrt{4}", "x+1")
     correctness("<answer>\\frac{1}{2}</answer>", {"answer": "0.5"})
+    correctness("<answer>\\frac{\\sqrt{2}}{2}, (1, 2]</answer>", {"answer": "\\frac{1}{\\sqrt{2}}, [1,2)"})
+    correctness("The answer is $x^2+1$.", {"answer": "\\sqrt{2}"})
+    correctness("<answer>\\{1, x\\}</answer>", {"answer": "(x+1)^2, \\frac{\\sqrt3}{2}"})
 
 
-def answers_match(pred: Answer | str, ref: str) -> bool:
-    """Whether the answer ``pred`` (an :class:`Answer`, or answer text) equals reference ``ref``."""
-    if isinstance(pred, str):
-        num = read_number(pred)
-        pred = Answer(pred.strip(), num.values if num is not None else ())
-    reference = _reference(ref)
-    if reference is not None:
-        ref_values, tol = reference
-        if pred.values:
-            if tol:
-                return any(abs(p - r) <= tol for p in pred.values for r in ref_values)
-            return not set(pred.values).isdisjoint(ref_values)
-        if not any(c.isdigit() or c == "\\" for c in pred.text):
-            return False  # words without a number cannot equal one
-        return _math_verify(pred.text, ref)
-    if " ".join(pred.text.split()).casefold() == " ".join(ref.split()).casefold():
-        return True
-    return _math_verify(pred.text, ref)
+def answers_match(pred: str, ref: str) -> bool:
+    """Whether the answer ``pred``, as written with nothing around it, equals reference ``ref``."""
+    return answer_equals(pred, ref)
 
 
 def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: bool = True) -> float:
@@ -115,10 +54,8 @@ def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: b
     if not truncated_correct and sample.get("finish_reason") == "length":
         return -1.0
     question = sample.get("question")
-    answer = read_answer(completion, question if isinstance(question, str) else None)
-    if answer is None:
-        return -1.0
-    return 1.0 if answers_match(answer, str(sample["answer"])) else -1.0
+    question = question if isinstance(question, str) else None
+    return 1.0 if grade(completion, str(sample["answer"]), question) else -1.0
 
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -158,4 +95,39 @@ def format_strict(completion: str, sample: dict[str, Any]) -> float:
     return 1.25 if well_formed(completion, strict=True) else -1.0
 
 
-BUILTIN = {"correctness": correctness, "format": format_reward, "format_strict": format_strict}
+_BOX_OPEN_RE = re.compile(r"\\boxed\s{0,2}\{")
+_AFTER_BOX_RE = re.compile(r"(?:\s|\$|\\\]|\\\))*")
+
+
+def boxed_well_formed(completion: str) -> bool:
+    """Exactly one ``\\boxed{…}`` in the whole completion, complete and not empty, with nothing after
+    it but whitespace and the delimiters closing the math it sits in (``$``, ``$$``, ``\\]``, ``\\)``)."""
+    if completion.count("\\boxed") != 1:
+        return False
+    m = _BOX_OPEN_RE.search(completion)
+    if m is None:
+        return False
+    end = braced_end(completion, m.end(), len(completion))
+    if end == -1 or not completion[m.end():end - 1].strip():
+        return False
+    return _AFTER_BOX_RE.fullmatch(completion, end) is not None
+
+
+def format_boxed(completion: str, sample: dict[str, Any]) -> float:
+    """1.25 if the completion ends with its one final ``\\boxed{…}`` (the R1 prompt "put your final
+    answer within \\boxed{}"; see :func:`boxed_well_formed`), else -1.0. A second box anywhere (a
+    draft in the reasoning too), an empty or unclosed box, or text after it (even a period) fail."""
+    return 1.25 if boxed_well_formed(completion) else -1.0
+
+
+BUILTIN = {"correctness": correctness, "format": format_reward, "format_strict": format_strict,
+           "format_boxed": format_boxed}
+FORMATS = ("format_boxed", "format_strict", "format")
+"""The built-in format rewards, the one a run's format rate is measured by first."""
+
+
+def format_name(functions: list[str]) -> str:
+    """The format reward a run uses: the first of :data:`FORMATS` named in ``functions`` (``format`` when
+    none is): what its ``format_rate`` metrics count."""
+    names = {f.strip() for f in functions}
+    return next((f for f in FORMATS if f in names), "format")

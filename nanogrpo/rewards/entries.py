@@ -165,7 +165,7 @@ def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch
     """Resolve every item (a bad one raises :class:`RewardError`), name it and decide where it runs;
     logs one line per callable saying where it runs."""
     entries: list[Entry] = []
-    notices: list[tuple[Entry, str]] = []
+    notices: list[tuple[Entry, str, int]] = []
     auto: list[bool] = []  # whether each entry's name was taken from a callable (it may change)
     seen_specs: set[str] = set()
     seen_objects: list[Any] = []
@@ -210,16 +210,17 @@ def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch
             if payload is None:
                 entry.where = INLINE
                 notices.append((entry, f"runs in this process: {how}; a call past its timeout is abandoned "
-                                       "on its thread (never killed) and scored the penalty"))
+                                       "on its thread (never killed) and scored the penalty",
+                                logging.WARNING))
             else:
-                notices.append((entry, f"runs in the reward worker processes ({how})"))
+                notices.append((entry, f"runs in the reward worker processes ({how})", logging.INFO))
         else:
-            notices.append((entry, "runs in this process (rewards.workers=0: no timeout)"))
+            notices.append((entry, "runs in this process (rewards.workers=0: no timeout)", logging.INFO))
         entries.append(entry)
         auto.append(builtin is None)
     _unique_names(entries, auto)
-    for entry, text in notices:
-        log.warning("reward %r (a callable) %s", entry.name, text)
+    for entry, text, level in notices:  # WARNING: no isolation the run asked for; else information
+        log.log(level, "reward %r (a callable) %s", entry.name, text)
     if not entries:
         raise RewardError("no reward functions given: name at least one")
     return entries

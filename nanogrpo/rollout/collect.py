@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from nanogrpo.algo.advantages import group_advantages, signal_mask
-from nanogrpo.algo.losses import LOSSES
+from nanogrpo.algo.advantages import Reduce, advantages, signal_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
-from nanogrpo.rewards import RewardRunner, correctness, format_reward
+from nanogrpo.rewards import RewardRunner, correctness
+from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
 
 
@@ -106,13 +106,25 @@ def generate(engine: Engine, tokenizer, prompt_ids: list[list[int]], rows: list[
                                tools.cfg.max_output_tokens)
 
 
+def batch_advantages(per_fn: torch.Tensor, weights: list[float], lengths: torch.Tensor, grpo: GrpoConfig,
+                     reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (N,) float32, scores (N,)) of a step's completions: ``per_fn`` (N, F) the unweighted
+    value of each reward function, ``lengths`` (N,) their trained tokens (``grpo.advantage`` and
+    ``grpo.reward_aggregation``, :mod:`nanogrpo.algo.advantages`)."""
+    return advantages(per_fn, torch.tensor(weights, dtype=per_fn.dtype), grpo.group_size,
+                      estimator=grpo.resolved()["advantage"], aggregation=grpo.reward_aggregation,
+                      eps=grpo.std_eps, lengths=lengths, reduce=reduce, dtype=torch.float32)
+
+
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
-            policy_version: int = 0, keep_examples: int = 2, tools=None
+            policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None
             ) -> tuple[RolloutBatch | None, RolloutStats]:
     """Sample, score and package one step's groups; ``None`` when no group carries signal.
 
-    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None."""
+    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None.
+    ``reduce``: several ranks roll out shares of one batch: sums over them for the batch-level
+    advantage estimators (every rank calls this function, with or without rows)."""
     g = grpo.group_size
     stats = RolloutStats()
     prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
@@ -120,6 +132,9 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
     stats.prompts_skipped = len(skipped)
     if not kept_rows:
+        if reduce is not None:  # the other ranks' batch-level advantages wait for this rank's (empty) share
+            batch_advantages(torch.zeros(0, len(rewards.specs), dtype=torch.float64), rewards.weights,
+                             torch.zeros(0), grpo, reduce)
         return None, stats
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=g, seed=seed, logprob_temperature=cfg.logprob_temperature())
@@ -132,7 +147,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     scored = rewards.score(texts, samples)
     r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
     acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)
-    fmt = _metric_column("format", format_reward, scored.per_function, texts, samples)
+    fmt_name = format_name(list(scored.per_function))  # the run's own format reward (format_boxed, ...)
+    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], scored.per_function, texts, samples)
     lens = [len(c) for c in gen.completion_ids]
     stats.reward_mean = float(r.mean())
     stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
@@ -153,11 +169,14 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
 
     groups = len(kept_rows)
     stats.groups_total = groups
-    keep = signal_mask(r, g, grpo.min_reward_spread)                               # (groups,)
+    per_fn = torch.tensor([scored.per_function[s] for s in rewards.specs], dtype=torch.float64).T  # (N, F)
+    trained = [sum(m) for m in gen.loss_masks] if tools is not None else lens                      # (N,)
+    adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
+                                  reduce)                                          # (N,) each
+    keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
     stats.groups_kept = int(keep.sum())
     if stats.groups_kept == 0:
         return None, stats
-    adv = group_advantages(r, g, scale_std=LOSSES[grpo.loss].scale_std, std_eps=grpo.std_eps)  # (N,)
     rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
     idx = rows_kept.tolist()
     ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [gen.completion_ids[i] for i in idx],
@@ -171,5 +190,6 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
                          rewards=r[rows_kept], advantages=adv[rows_kept], group_ids=group_ids,
                          old_logprobs=lp, prompt_len=p, group_size=g, policy_version=policy_version,
+                         truncated=torch.tensor([gen.finish_reasons[i] == "length" for i in idx]),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats

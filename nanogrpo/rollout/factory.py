@@ -31,7 +31,7 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
     """
     if name == "auto":
         name, why = choose_engine(model, max_len)
-        log.warning("rollout engine: %s (%s)", name, why)
+        log.info("rollout engine: %s (%s)", name, why)
     if name == "hf":
         from nanogrpo.rollout.hf import HFEngine
 

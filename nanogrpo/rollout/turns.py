@@ -35,7 +35,7 @@ from nanogrpo.rollout.session import open_session
 from nanogrpo.tools.protocols import Call
 
 TRUNCATED = "\n[output cut]"
-ERROR_STATUSES = ("error", "crash", "overflow", "invalid")
+ERROR_STATUSES = ("error", "denied", "crash", "overflow", "invalid")
 
 
 @dataclass
@@ -60,6 +60,7 @@ class _Trajectory:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    denied: int = 0
     fed: int = 0
     finish: str = "length"
 
@@ -161,6 +162,7 @@ def generate_with_tools(engine: Engine, tokenizer, tools, prompts: list[list[int
                 t.calls += 1
                 t.errors += res.status in ERROR_STATUSES
                 t.timeouts += res.status == "timeout"
+                t.denied += res.status == "denied"
                 t.turns[-1].update(tool_call=call.text if call.text is not None else call.error,
                                    tool_output=shown, tool_status=res.status)
                 rows.append(r)
@@ -187,6 +189,7 @@ def tool_metrics(trajs: list[_Trajectory], tool_s: float) -> dict[str, float]:
             "tools/calls": calls,
             "tools/errors": sum(t.errors for t in trajs),
             "tools/timeouts": sum(t.timeouts for t in trajs),
+            "tools/denied": sum(t.denied for t in trajs),
             "tools/turns_mean": sum(len(t.turns) for t in trajs) / n,
             "tools/max_turns_hit": sum(t.finish == "max_turns" for t in trajs),
             "tools/generated_tokens": sum(t.sampled for t in trajs),

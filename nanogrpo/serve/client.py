@@ -111,7 +111,7 @@ class ServerClient:
                 r = self.http.request(method, path, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
                 if r.status_code in ok:
                     if away_since is not None:
-                        log.warning("%s: server %s answered again after %.1f s", what, self.url,
+                        log.info("%s: server %s answered again after %.1f s", what, self.url,
                                     time.monotonic() - away_since)
                     return r
                 reason = r.text.strip().splitlines()[0][:300] if r.text.strip() else ""

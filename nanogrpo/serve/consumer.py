@@ -8,7 +8,7 @@ One process, or N ranks under a launcher, as the single-process trainer runs the
 
 Per step, each rank takes its own batch from the server (N ranks consume N batches per step,
 so a step trains on N x ``rollout.prompts_per_step`` prompts), checks how stale it is, and
-all ranks run one :func:`~nanogrpo.train.step.policy_update` together (ranks with fewer
+all ranks run one :func:`~nanogrpo.training.step.policy_update` together (ranks with fewer
 micro-batches pad with empty ones; gradients are reduced over ranks). Rank 0 alone publishes
 the weights (every ``server.publish_every`` steps), writes metrics (merged over ranks, with the
 ids of the batches trained on and dropped) and checkpoints; ``--resume`` works as on one process.
@@ -120,15 +120,16 @@ class _Feed:
 
 
 def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> int:
+    from nanogrpo.algo.entropy import EntropyControl
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient, ServerError
-    from nanogrpo.train.checkpoint import latest_checkpoint, load_state
-    from nanogrpo.train.distributed import init_distributed, make_backend
-    from nanogrpo.train.logging_sinks import RunLogger
-    from nanogrpo.train.metrics import merge_rank_metrics
-    from nanogrpo.train.step import policy_update
-    from nanogrpo.train.trainer import CONFIG_FILE, Run, _held_out_eval, lr_at
+    from nanogrpo.training.checkpoint import latest_checkpoint, load_state
+    from nanogrpo.training.distributed import init_distributed, make_backend
+    from nanogrpo.training.logging_sinks import RunLogger
+    from nanogrpo.training.metrics import merge_rank_metrics
+    from nanogrpo.training.step import policy_update, step_metrics
+    from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     if cfg.model.lora_r:
@@ -144,11 +145,11 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     ckpt_root = root / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if resume_dir else None
     if resume_dir is not None and resume_from is None:
-        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
+        log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
     start_step = load_state(resume_from)["step"] if resume_from is not None else 0
     if start_step >= cfg.train.steps:
-        print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
-              "nothing to do")
+        log.info("run %s already finished at step %d (train.steps=%d); nothing to do", root, start_step,
+                 cfg.train.steps)
         return 0
     rank, world = init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     main = rank == 0
@@ -170,30 +171,32 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     vocab = model.get_input_embeddings().num_embeddings
     backend = make_backend(cfg, model, rollout_copy=bool(cfg.eval.every))
     version = 0
+    control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
     feed = _Feed(cfg, client, Inbox(root / "inbox", rank, fresh=resume_from is None), vocab)
     if resume_from is not None:
         state = backend.restore(resume_from)
         version = state.get("policy_version", start_step)
+        control.load_state_dict(state.get("entropy_control"))
         if main:
             feed.counts.update(state.get("counts", {}))   # run totals live on rank 0
-            print(f"resuming {root} from {resume_from.name} (policy version {version})")
+            log.info("resuming %s from %s (policy version %d)", root, resume_from.name, version)
     settled = feed.inbox.settle_pending(client)
     feed.inbox.prune(start_step)
     if resume_from is not None and feed.inbox.last_step() > start_step:
-        log.warning("rank %d: replaying steps %d-%d from its inbox (%d settled hand-off(s))", rank,
+        log.info("rank %d: replaying steps %d-%d from its inbox (%d settled hand-off(s))", rank,
                     start_step + 1, feed.inbox.last_step(), settled)
     logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None) if main else None
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
-        from nanogrpo.data import load_rows
+        from nanogrpo.data import load_eval_rows
         from nanogrpo.rewards import RewardRunner
         from nanogrpo.rollout.factory import engine_for
         from nanogrpo.rollout.turns import longest_context
 
         if main:
-            eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n]
+            eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n]
             rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device, run_dir=root)
-            evaluation = (Run(cfg, root, rewards, [], resume_from, eval_rows),
+            evaluation = (PreparedRun(cfg, root, rewards, [], resume_from, eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
                               cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]
@@ -228,6 +231,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     def save(step: int) -> None:
         totals = backend.all_reduce([float(feed.counts[k]) for k in ("dropped_stale", "dropped_invalid")])
         backend.save(ckpt_root, step, tok, {"policy_version": version, "mode": "server",
+                                            "entropy_control": control.state_dict(),
                                             "counts": {"dropped_stale": int(totals[0]),
                                                        "dropped_invalid": int(totals[1])} if main else {}})
         feed.inbox.prune(step)  # the checkpoint (written by rank 0 before the save's barrier) covers them
@@ -266,8 +270,9 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             batch = batch.to(device)
             t1 = time.perf_counter()
             backend.set_lr(lr_at(step, cfg))
-            loss = kl = clip = grad_norm = float("nan")
             updates = skipped = 0
+            results = []
+            anchor = None  # the trainer's log-probs before the batch's first update (rollout corrections)
             for it in range(cfg.grpo.updates_per_batch):
                 # a worker whose engine's numerics differ from ours (vllm) asks for the clipped ratio
                 # against its log-probs even when the batch is fresh
@@ -275,11 +280,16 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 res = policy_update(backend.module, backend.optimizer, batch, cfg.grpo, cfg.train,
                                     on_policy=(it == 0 and lag == 0 and exact),
                                     max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                    logprob_temperature=cfg.rollout.logprob_temperature())
+                                    logprob_temperature=cfg.rollout.logprob_temperature(),
+                                    rollout=cfg.rollout,
+                                    old_logprobs=anchor, entropy_coef=control.applied())
+                control.update(res.bonus_entropy)
+                anchor = res.logprobs if anchor is None else anchor
+                results.append(res)
                 skipped += int(res.skipped_nonfinite)
                 updates += int(not res.skipped_nonfinite)
-                if it == 0:
-                    loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
+            upd = step_metrics(results)
+            loss = upd["loss"]
             version += updates
             if live and step % cfg.server.publish_every == 0 and version > published:
                 publish()
@@ -287,8 +297,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             roll = batch.meta.get("rollout") if isinstance(batch.meta.get("rollout"), dict) else {}
             row: dict[str, Any] = {
                 **{k: v for k, v in roll.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                "step": step, "loss": loss, "kl": kl, "clip_frac": clip, "grad_norm": grad_norm,
-                "lr": backend.optimizer.lr, "skipped_nonfinite": skipped, "policy_version": version,
+                "step": step, **upd, "lr": backend.optimizer.lr, "skipped_nonfinite": skipped,
+                "policy_version": version,
                 "wait_time_s": wait_s, "train_time_s": train_s,
             }
             mine = {"id": entry["id"], "worker": str(batch.meta.get("worker", "?")), "lag": lag,
@@ -316,7 +326,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 if evaluation is not None:
                     if getattr(evaluation[1], "owns_weights", False):
                         evaluation[1].load_from(backend.rollout_model())  # vllm evaluates with its own copy
-                    row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step))
+                    row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step,
+                                              backend.rollout_model()))
             if logger is not None:
                 examples = batch.meta.get("examples")
                 logger.log_step(row, examples if isinstance(examples, list) else None)

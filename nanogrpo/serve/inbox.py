@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from nanogrpo.train.checkpoint import fsync_dir
+from nanogrpo.training.checkpoint import fsync_dir
 
 log = logging.getLogger("nanogrpo.train.server")
 

@@ -32,7 +32,6 @@ import math
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -42,10 +41,8 @@ from starlette.routing import Route
 
 from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.serve.queue import LEASE_RE, AckResult
+from nanogrpo.serve.state import Reject, ServerState
 from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights
-
-if TYPE_CHECKING:
-    from nanogrpo.serve.server import ServerState
 
 OCTET = "application/octet-stream"
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -54,18 +51,6 @@ _UINT = re.compile(r"[0-9]{1,16}")
 _NUMBER = re.compile(r"-?[0-9]{1,16}(\.[0-9]{1,9})?")
 MAX_META_DEPTH = 16
 MAX_WORKER_LEN = 128
-
-
-class Reject(Exception):
-    """An error answer: HTTP status, a stats bucket and a one-line reason."""
-
-    def __init__(self, status: int, bucket: str, reason: str, retry_after: int | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(reason)
-        self.status, self.bucket, self.reason = status, bucket, reason
-        self.headers = dict(headers or {})
-        if retry_after is not None:
-            self.headers["Retry-After"] = str(retry_after)
 
 
 # ---------------------------------------------------------------------- request helpers

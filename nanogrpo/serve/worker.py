@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanogrpo.cli import _base_config
+    from nanogrpo.config import config_from
     from nanogrpo.data import PromptSampler, load_rows
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.rewards import RewardRunner
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     overrides = list(a.overrides) + ([f"model.device={json.dumps(a.device)}"] if a.device else [])
-    cfg = _base_config(a.config, overrides)
+    cfg = config_from(a.config, overrides)
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     token = load_token(a.token_file or cfg.server.token_file)
     rows = load_rows(cfg.data, cfg.data.split)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         # batch ids: unique across workers and restarts of one, the same over an upload's retries
         id_prefix = f"{re.sub(r'[^A-Za-z0-9._:-]', '_', worker_id)[:40]}-{secrets.token_hex(3)}"
         uploaded = attempts = 0
-        log.warning("worker %s: feeding %s (engine %s, %d prompts x %d samples per batch)", worker_id,
+        log.info("worker %s: feeding %s (engine %s, %d prompts x %d samples per batch)", worker_id,
                     a.server, engine.name, cfg.rollout.prompts_per_step, cfg.grpo.group_size)
         with torch.no_grad():
             while a.batches <= 0 or uploaded < a.batches:
@@ -164,5 +164,5 @@ def main(argv: list[str] | None = None) -> int:
         if tools is not None:
             tools.close()
         client.close()
-    log.warning("worker %s: done, %d batch(es) uploaded", worker_id, uploaded)
+    log.info("worker %s: done, %d batch(es) uploaded", worker_id, uploaded)
     return 0

@@ -1,28 +1,37 @@
-"""The sandbox's fork server: run as a script (``python -I _zygote.py``) by :mod:`nanogrpo.tools.sandbox`.
+"""The sandbox's fork server: run as a script (``python -I _zygote.py FD``) by :mod:`nanogrpo.tools.sandbox`.
 
-Standard library only: it must start without the trainer's packages. Protocol on stdin/stdout:
-length-prefixed JSON messages (4-byte big-endian length, then UTF-8 JSON).
+Standard library only: it must start without the trainer's packages (its siblings ``_kernel.py`` and
+``_seccomp.py`` are loaded by path). It talks to the trainer over the ``AF_UNIX`` ``SOCK_SEQPACKET``
+socket ``FD``, one JSON object per message:
 
-1. The trainer sends ``init``: ``sys_path``, ``tool`` (``module:function`` or ``file.py:function``),
-   ``preload`` (modules), ``limits``, ``root`` (a private directory for work dirs), ``workers``,
-   ``disable`` (protection layers to leave off: tests only). The server moves into a new network
-   namespace where it may, imports the tool and the preloads, probes Landlock and answers
-   ``{"ready": true, "protections": {...}}`` or ``{"error": "..."}``.
-2. Then, per message ``{"calls": [{"id", "call", "sample"}, ...]}``, it forks one child per call
-   (at most ``workers`` at a time) and answers ``{"results": [{"id", "status", "output"}, ...]}``.
+1. ``init`` from the trainer: ``sys_path``, ``tool`` (``module:function`` or ``file.py:function``),
+   ``preload`` (modules), ``limits``, ``root`` (a private directory: ``work/`` for the calls'
+   directories, ``fs/`` for the private root), ``disable`` (layers to leave off: tests only),
+   ``parent_pid``. The server enters its namespaces, imports the tool and the preloads, builds
+   its private root, probes the other layers and answers ``{"ready": true, "protections": {...}}``
+   or ``{"error": "..."}``.
+2. ``{"run": id}`` carrying two file descriptors: the call's input (a memfd the trainer wrote
+   ``{"call", "sample"}`` into) and the write end of the pipe its result goes back on. The
+   server forks the call's process at once, hands it the two descriptors and closes its own
+   copies: **the call's code and sample never pass through the server's memory**, so no call's
+   process (a copy of the server) holds anything of another call. ``{"kill": id}`` ends a call.
+3. ``{"done": id, "why": null | "timeout" | "killed", "exit": code | null, "signal": name | null}``
+   from the server when a call's process is gone (it is killed at the wall-clock deadline).
 
-Each child: own session and process group; stdin/stdout/stderr on /dev/null; a fresh working
-directory; privileges dropped to nobody when root; parent-death signal; no_new_privs; Landlock
-(read-only Python and system library directories, read-write work directory, no TCP, no
-signals or abstract sockets outside); rlimits (address space, CPU seconds, no new processes,
-file size, open files, no core dumps); an audit hook; then ``tool(call, sample)`` with
-``sys.stdout``/``sys.stderr`` captured up to a byte cap. The server kills the child's process
-group at the wall-clock deadline and removes its working directory.
+The server itself: not dumpable; in new network and mount namespaces (inside a user namespace when
+not root), pivoted into its private root; pid 1 of a PID namespace, under an outer process that
+only waits for it. Each call's process: its own PID namespace (it is pid 1 and sees no other
+process), its own session; stdin/stdout/stderr on /dev/null, no other descriptor but its result
+pipe; an empty working directory (a tmpfs of its own under the private root, reused once
+emptied); Landlock; privileges dropped to nobody when root, every capability dropped; not
+dumpable; parent-death signal; rlimits (address space, CPU seconds, no new processes, file size,
+open files, no core dumps); the seccomp filter (``_seccomp.py``); an audit hook; then
+``tool(call, sample)`` with ``sys.stdout``/``sys.stderr`` captured up to a byte cap.
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import importlib
 import importlib.util
 import io
@@ -30,152 +39,46 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
-import struct
+import socket
 import sys
-import sysconfig
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 NOBODY = 65534
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
-LANDLOCK_RULE_PATH_BENEATH = 1
-FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-FS_FILE_RIGHTS_V1 = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE
-NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
-SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
-
-_libc = None
+MAX_MSG = 1 << 20
+HERE = Path(__file__).resolve().parent
 
 
-def libc():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    return _libc
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(f"_nanogrpo_sandbox_{name}", HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+kernel = _sibling("_kernel")
+seccomp = _sibling("_seccomp")
 
 
 # --------------------------------------------------------------------------- messages
 
-def read_msg(f) -> dict | None:
-    head = f.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack(">I", head)
-    return json.loads(f.read(n).decode("utf-8"))
+def send(sock: socket.socket, obj: dict) -> None:
+    sock.sendall(json.dumps(obj).encode("utf-8"))
 
 
-def write_msg(f, obj) -> None:
-    data = json.dumps(obj).encode("utf-8")
-    f.write(struct.pack(">I", len(data)) + data)
-    f.flush()
+def recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MSG, 4)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data.decode("utf-8")), fds
 
 
-# --------------------------------------------------------------------------- protections
-
-def new_network_namespace() -> bool:
-    """Move this process (and so every child) into a network namespace with no interfaces up."""
-    if not sys.platform.startswith("linux"):
-        return False
-    lc = libc()
-    if os.geteuid() == 0:
-        return lc.unshare(CLONE_NEWNET) == 0
-    uid, gid = os.getuid(), os.getgid()
-    if lc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        return False
-    try:  # keep the same ids inside the namespace (unmapped ids would read as nobody)
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write(f"{uid} {uid} 1")
-        with open("/proc/self/gid_map", "w") as f:
-            f.write(f"{gid} {gid} 1")
-    except OSError:
-        pass
-    return True
-
-
-def can_drop_privileges() -> bool:
-    """Whether a child can switch to nobody here (some containers map no uid but root)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    _, code = os.waitpid(pid, 0)
-    return os.WIFEXITED(code) and os.WEXITSTATUS(code) == 0
-
-
-def landlock_abi() -> int:
-    if not sys.platform.startswith("linux"):
-        return 0
-    r = libc().syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    return int(r) if r > 0 else 0
-
-
-def _fs_rights(abi: int) -> int:
-    bits = 13 + (abi >= 2) + (abi >= 3) + (abi >= 5)     # REFER (2), TRUNCATE (3), IOCTL_DEV (5)
-    return (1 << bits) - 1
-
-
-def apply_landlock(abi: int, read_dirs: list[str], write_dir: str) -> None:
-    """Restrict this process: read ``read_dirs``, read and write ``write_dir``, nothing else on the
-    filesystem; no TCP bind or connect (ABI >= 4); no signals or abstract unix sockets to processes
-    outside (ABI >= 6). Raises OSError if the kernel refuses."""
-    lc = libc()
-    handled = _fs_rights(abi)
-    net = (NET_BIND_TCP | NET_CONNECT_TCP) if abi >= 4 else 0
-    scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
-    attr = struct.pack("<QQQ", handled, net, scoped)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    buf = ctypes.create_string_buffer(attr[:size], size)
-    fd = lc.syscall(SYS_LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if fd < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"landlock_create_ruleset: {os.strerror(e)}")
-    try:
-        file_rights = FS_FILE_RIGHTS_V1 | ((1 << 14) if abi >= 3 else 0) | ((1 << 15) if abi >= 5 else 0)
-        rules = [(p, FS_EXECUTE | FS_READ_FILE | FS_READ_DIR) for p in read_dirs] + [(write_dir, handled)]
-        for path, rights in rules:
-            try:
-                pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                if not os.path.isdir(path):
-                    rights &= file_rights
-                rule = ctypes.create_string_buffer(struct.pack("<Qi", rights, pfd), 12)
-                if lc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(fd),
-                              ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), rule, ctypes.c_uint32(0)) != 0:
-                    e = ctypes.get_errno()
-                    raise OSError(e, f"landlock_add_rule {path}: {os.strerror(e)}")
-            finally:
-                os.close(pfd)
-        if lc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"landlock_restrict_self: {os.strerror(e)}")
-    finally:
-        os.close(fd)
-
-
-def read_only_dirs() -> list[str]:
-    """The Python installation (stdlib, site-packages) and the system's shared libraries."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    kinds = ("stdlib", "platstdlib", "purelib", "platlib")
-    paths |= {v for k, v in sysconfig.get_paths().items() if k in kinds}
-    paths |= {"/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache", "/dev/null",
-              "/dev/urandom", "/usr/share/zoneinfo"}
-    return sorted(p for p in paths if p and os.path.exists(p) and os.path.realpath(p) != "/")
-
+# --------------------------------------------------------------------------- defence in depth
 
 def install_audit_hook(read_dirs: list[str], work: str) -> None:
     """Defence in depth, not a boundary (code with ctypes or a C extension can get around it): refuse
@@ -277,30 +180,53 @@ def _short_traceback(e: BaseException, fn) -> str:
     return "".join(te.format())[-2000:]
 
 
-def child(fn, call: str, sample: dict, out_fd: int, work: str, limits: dict, prot: dict,
-          read_dirs: list[str]):
+def _refused(e: BaseException) -> bool:
+    """An error only the sandbox causes: a refusal, a process out of reach (the call sees none but
+    itself), the read-only private root."""
+    return isinstance(e, (PermissionError, ProcessLookupError)) or \
+        (isinstance(e, OSError) and e.errno == errno.EROFS)
+
+
+def child(fn, in_fd: int, out_fd: int, work: str, limits: dict, prot: dict, read_dirs: list[str],
+          server_pid: int, filt):
     """Runs in the forked child; never returns."""
     status, text = "ok", ""
     try:
         os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        payload = b""
+        while chunk := os.read(in_fd, 1 << 20):
+            payload += chunk
+        os.close(in_fd)
+        msg = json.loads(payload.decode("utf-8"))
+        del payload
+        call, sample = msg["call"], msg.get("sample") or {}
+        del msg
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
+        if devnull > 2:
+            os.close(devnull)
         os.closerange(3, out_fd)
-        os.closerange(out_fd + 1, 65536)
+        os.closerange(out_fd + 1, 1 << 20)
         os.chdir(work)
+        os.environ["TMPDIR"] = os.environ["HOME"] = work
         linux = sys.platform.startswith("linux")
         if linux:
-            libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            kernel.prctl(kernel.PR_SET_NO_NEW_PRIVS, 1)
         if prot.get("landlock"):  # before dropping privileges: nobody may not reach the directories
-            apply_landlock(prot["landlock"], read_dirs, work)
+            kernel.apply_landlock(prot["landlock"], read_dirs, work)
         if prot.get("drop_privileges"):
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        if linux:  # after the uid change, which clears it
-            libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != prot["server_pid"]:
+        if linux:  # every capability: those a user namespace grants, root's where nobody is not an option
+            kernel.drop_capabilities()
+            # after the uid change, which resets both:
+            kernel.prctl(kernel.PR_SET_DUMPABLE, 0)       # no process of this uid reads or traces it
+            kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)
+            if not prot.get("pid_namespace") and os.getppid() != server_pid:
                 os._exit(70)
         mem = int(limits["memory_mb"]) << 20
         cpu = int(limits["cpu_s"])
@@ -309,6 +235,8 @@ def child(fn, call: str, sample: dict, out_fd: int, work: str, limits: dict, pro
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 0)):
             soft, hard = val if isinstance(val, tuple) else (val, val)
             resource.setrlimit(res, (soft, hard))
+        if filt is not None:
+            filt.install(kernel.libc())
         if prot.get("audit_hook"):
             install_audit_hook(read_dirs, work)
     except BaseException as e:  # the sandbox could not be set up: run nothing
@@ -332,7 +260,7 @@ def child(fn, call: str, sample: dict, out_fd: int, work: str, limits: dict, pro
             except OutputLimit:
                 status = "overflow"
     except BaseException as e:  # anything the tool raises goes back to the model as text
-        status = "error"
+        status = "denied" if _refused(e) else "error"
         try:
             buf.write(_short_traceback(e, fn))
         except OutputLimit:
@@ -352,113 +280,210 @@ def child(fn, call: str, sample: dict, out_fd: int, work: str, limits: dict, pro
 
 # --------------------------------------------------------------------------- the server
 
-def run_calls(fn, calls: list[dict], init: dict, prot: dict, read_dirs: list[str]) -> list[dict]:
-    limits = init["limits"]
-    workers = max(1, int(init["workers"]))
-    max_read = int(limits["output_bytes"]) * 6 + 65536     # JSON escaping can multiply the bytes
-    pending = list(calls)
-    running: dict[int, dict] = {}                          # read fd -> state
-    results: list[dict] = []
-    while pending or running:
-        while pending and len(running) < workers:
-            c = pending.pop(0)
-            work = tempfile.mkdtemp(prefix="call-", dir=init["root"])
-            if prot.get("drop_privileges"):
-                os.chown(work, NOBODY, NOBODY)
-            r, w = os.pipe()
-            try:
-                pid = os.fork()
-            except OSError as e:
-                os.close(r)
-                os.close(w)
-                shutil.rmtree(work, ignore_errors=True)
-                results.append({"id": c["id"], "status": "crash",
-                                "output": f"the sandbox could not fork ({e})"})
-                continue
-            if pid == 0:
-                os.close(r)
-                child(fn, c["call"], c.get("sample") or {}, w, work, limits, prot, read_dirs)
-            os.close(w)
-            running[r] = {"id": c["id"], "pid": pid, "work": work, "data": bytearray(),
-                          "deadline": time.monotonic() + float(limits["timeout_s"]), "why": None}
-        wait = max(0.0, min(s["deadline"] for s in running.values()) - time.monotonic())
-        ready, _, _ = select.select(list(running), [], [], wait)
-        for r in ready:
-            s = running[r]
-            try:
-                chunk = os.read(r, 65536)
-            except OSError:
-                chunk = b""
-            if chunk:
-                s["data"] += chunk
-                if len(s["data"]) > max_read:
-                    s["why"] = "flood"
-                    _kill(s["pid"])
-                else:
-                    continue
-            results.append(_finish(r, running.pop(r)))
-        now = time.monotonic()
-        for r, s in list(running.items()):
-            if now >= s["deadline"]:
-                s["why"] = "timeout"
-                _kill(s["pid"])
-                results.append(_finish(r, running.pop(r)))
-    return results
+class Server:
+    """Forks one process per ``run`` message, kills it at its deadline, reports when it is gone."""
 
+    def __init__(self, sock: socket.socket, fn, init: dict, prot: dict, read_dirs: list[str],
+                 pidns_fd: int | None, filt):
+        self.sock, self.fn, self.init, self.prot, self.read_dirs = sock, fn, init, prot, read_dirs
+        self.filt = filt
+        self.limits = init["limits"]
+        self.work_root = os.path.join(init["root"], "work")
+        self.pidns_fd = pidns_fd
+        self.running: dict[int, dict] = {}     # pid -> {"id", "deadline", "work", "why"}
+        self.disks: list[str] = []             # free per-call tmpfs directories (private root only)
+        if prot.get("private_root"):           # mounted once: an unmount per call cost ~4 ms
+            owner = f",uid={NOBODY},gid={NOBODY}" if prot.get("drop_privileges") else ""
+            for i in range(max(1, int(init["workers"]))):
+                path = os.path.join(self.work_root, f"disk-{i}")
+                os.mkdir(path, 0o700)
+                kernel.mount_tmpfs(path, 4 * max(1, int(self.limits["file_mb"])) + 4, owner)
+                self.disks.append(path)
 
-def _kill(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+    def _work_dir(self) -> str:
+        """A call's directory: an empty tmpfs of its own (the calls share no disk space), or a fresh
+        directory beside the trainer's files without the private root."""
+        if self.disks:
+            return self.disks.pop()
+        work = tempfile.mkdtemp(prefix="call-", dir=self.work_root)
+        if self.prot.get("drop_privileges"):
+            os.chown(work, NOBODY, NOBODY)
+        return work
+
+    def _release(self, work: str) -> None:
+        """Empty a call's tmpfs for the next call (or remove its directory)."""
+        if not os.path.basename(work).startswith("disk-"):
+            kernel.remove_tree(work)
+            return
         try:
-            target()
+            os.chmod(work, 0o700)
+            for name in os.listdir(work):
+                path = os.path.join(work, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    kernel.remove_tree(path)
+                else:
+                    os.unlink(path)
+            if not os.listdir(work):
+                self.disks.append(work)     # else it stays out of use: never reused half-empty
         except OSError:
             pass
 
-
-def _finish(r: int, s: dict) -> dict:
-    os.close(r)
-    if s["why"] is not None:
-        _kill(s["pid"])
-    _, code = os.waitpid(s["pid"], 0)
-    shutil.rmtree(s["work"], ignore_errors=True)
-    if s["why"] == "timeout":
-        return {"id": s["id"], "status": "timeout", "output": ""}
-    if s["why"] == "flood":
-        return {"id": s["id"], "status": "overflow", "output": ""}
-    try:
-        res = json.loads(bytes(s["data"]).decode("utf-8"))
-        return {"id": s["id"], "status": str(res["status"]), "output": str(res["output"])}
-    except (ValueError, KeyError, TypeError):
-        pass
-    if os.WIFSIGNALED(code):
-        sig = os.WTERMSIG(code)
+    def spawn(self, cid, fds: list[int]) -> None:
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            send(self.sock, {"done": cid, "why": "crash", "exit": None, "signal": None,
+                             "output": "the call came without its two descriptors"})
+            return
+        in_fd, out_fd = fds
+        work = None
         try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = str(sig)
-        why = {"SIGXCPU": "it used up its CPU time", "SIGKILL": "it was killed (out of memory or a limit)",
-               "SIGSEGV": "it crashed (segmentation fault)"}.get(name, f"it died of signal {name}")
-    else:
-        why = f"it exited with code {os.WEXITSTATUS(code)} before finishing"
-    return {"id": s["id"], "status": "crash", "output": f"the tool process stopped: {why}"}
+            work = self._work_dir()
+            if self.pidns_fd is not None:
+                kernel.unshare(kernel.CLONE_NEWPID)   # the next child: pid 1 of a namespace of its own
+            pid = -1
+            try:
+                pid = os.fork()
+            finally:
+                if self.pidns_fd is not None and pid != 0:
+                    kernel.setns(self.pidns_fd, kernel.CLONE_NEWPID)
+        except OSError as e:
+            os.close(in_fd)
+            os.close(out_fd)
+            if work is not None:
+                self._release(work)
+            send(self.sock, {"done": cid, "why": "crash", "exit": None, "signal": None,
+                             "output": f"the sandbox could not start the call ({e})"})
+            return
+        if pid == 0:
+            self.running.clear()           # the child keeps nothing of the other calls
+            child(self.fn, in_fd, out_fd, work, self.limits, self.prot, self.read_dirs,
+                  self.init["server_pid"], self.filt)
+        os.close(in_fd)
+        os.close(out_fd)
+        self.running[pid] = {"id": cid, "work": work, "why": None,
+                             "deadline": time.monotonic() + float(self.limits["timeout_s"])}
+
+    def kill(self, pid: int, why: str) -> None:
+        s = self.running[pid]
+        if s["why"] is None:
+            s["why"] = why
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
+            except OSError:
+                pass
+
+    def reap(self) -> None:
+        while self.running:
+            try:
+                pid, code = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            s = self.running.pop(pid, None)
+            if s is None:
+                continue
+            self._release(s["work"])
+            sig = None
+            if os.WIFSIGNALED(code):
+                try:
+                    sig = signal.Signals(os.WTERMSIG(code)).name
+                except ValueError:
+                    sig = str(os.WTERMSIG(code))
+            send(self.sock, {"done": s["id"], "why": s["why"], "signal": sig,
+                             "exit": os.WEXITSTATUS(code) if os.WIFEXITED(code) else None})
+
+    def serve(self) -> int:
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        while True:
+            now = time.monotonic()
+            for pid, s in list(self.running.items()):
+                if now >= s["deadline"] and s["why"] is None:
+                    self.kill(pid, "timeout")
+            waits = [s["deadline"] - now for s in self.running.values() if s["why"] is None]
+            ready, _, _ = select.select([self.sock, wake_r], [], [], max(0.0, min(waits)) if waits else None)
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            self.reap()
+            if self.sock in ready:
+                msg, fds = recv(self.sock)
+                if msg is None:                       # the trainer is gone
+                    for pid in list(self.running):
+                        self.kill(pid, "killed")
+                    return 0
+                if "run" in msg:
+                    self.spawn(msg["run"], fds)
+                elif "kill" in msg:
+                    for pid, s in list(self.running.items()):
+                        if s["id"] == msg["kill"]:
+                            self.kill(pid, "killed")
+
+
+def _probe(fn) -> bool:
+    """Whether ``fn()`` works in a throwaway child (a layer the kernel may refuse)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, code = os.waitpid(pid, 0)
+    return os.WIFEXITED(code) and os.WEXITSTATUS(code) == 0
+
+
+def _drop_to_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
 
 
 def main() -> int:
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a stray print must not corrupt the message stream
-    init = read_msg(stdin)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sys.stdout = sys.stderr  # a stray print must not corrupt anything
+    init, _ = recv(sock)
     if init is None:
         return 1
+    linux = sys.platform.startswith("linux")
     disable = set(init.get("disable", ()))
-    prot = {"server_pid": os.getpid()}
-    if sys.platform.startswith("linux"):
-        libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    init["server_pid"] = os.getpid()
+    if linux:
+        kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != int(init["parent_pid"]):
             return 1
-    prot["network_namespace"] = "netns" not in disable and new_network_namespace()
-    prot["drop_privileges"] = "drop" not in disable and os.geteuid() == 0 and can_drop_privileges()
-    prot["landlock"] = 0 if "landlock" in disable else landlock_abi()
-    prot["audit_hook"] = "audit" not in disable
-    prot["rlimits"] = True
+    want = {n for n, key in (("net", "netns"), ("mount", "mountns"), ("pid", "pidns")) if key not in disable}
+    ns = kernel.enter_namespaces(want)         # (writes its own /proc files: while still dumpable)
+    if linux:
+        kernel.prctl(kernel.PR_SET_DUMPABLE, 0)   # no process of this uid reads or traces the server
+    pidns_fd = None
+    if ns["pid"]:
+        inner = os.fork()
+        if inner:                          # the outer process only waits for the server (pid 1)
+            sock.close()
+            _, code = os.waitpid(inner, 0)
+            return os.WEXITSTATUS(code) if os.WIFEXITED(code) else 1
+        kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)
+        init["server_pid"] = os.getpid()
+        try:
+            pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            kernel.unshare(kernel.CLONE_NEWPID)                 # can the calls get their own?
+            kernel.setns(pidns_fd, kernel.CLONE_NEWPID)
+        except OSError:
+            if pidns_fd is not None:
+                os.close(pidns_fd)
+            pidns_fd = None
+    prot = {"user_namespace": ns["user"], "network_namespace": ns["net"],
+            "pid_namespace": pidns_fd is not None, "private_root": False}
+    prot["drop_privileges"] = "drop" not in disable and os.geteuid() == 0 and _probe(_drop_to_nobody)
+    prot["landlock"] = 0 if "landlock" in disable else kernel.landlock_abi()
     try:
         sys.path[:] = [p for p in init["sys_path"] if isinstance(p, str)]
         for name in init.get("preload", ()):
@@ -467,15 +492,23 @@ def main() -> int:
         if not callable(fn):
             raise TypeError(f"{init['tool']} is not callable")
     except BaseException as e:
-        write_msg(stdout, {"error": f"cannot load tool {init['tool']!r}: {type(e).__name__}: {e}"})
+        send(sock, {"error": f"cannot load tool {init['tool']!r}: {type(e).__name__}: {e}"})
         return 1
-    read_dirs = read_only_dirs()
-    write_msg(stdout, {"ready": True, "protections": {k: v for k, v in prot.items() if k != "server_pid"}})
-    while True:
-        msg = read_msg(stdin)
-        if msg is None:
-            return 0
-        write_msg(stdout, {"results": run_calls(fn, msg["calls"], init, prot, read_dirs)})
+    read_dirs = kernel.read_only_dirs()
+    if ns["mount"]:
+        try:
+            root = init["root"]
+            kernel.private_root(read_dirs, os.path.join(root, "work"), os.path.join(root, "fs"))
+            prot["private_root"] = True
+        except OSError as e:
+            prot["private_root_error"] = str(e)
+    filt = seccomp.Filter() if "seccomp" not in disable and linux and seccomp.arch() is not None else None
+    prot["seccomp"] = filt is not None and _probe(lambda: filt.install(kernel.libc()))
+    filt = filt if prot["seccomp"] else None
+    prot["audit_hook"] = "audit" not in disable
+    prot["rlimits"] = True
+    send(sock, {"ready": True, "protections": prot})
+    return Server(sock, fn, init, prot, read_dirs, pidns_fd, filt).serve()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nanogrpo.errors import ToolError
 from nanogrpo.tools.protocols import Call, make_protocol
-from nanogrpo.tools.sandbox import Sandbox, ToolResult
+from nanogrpo.tools.sandbox import Sandbox, ToolResult, describe
 
 log = logging.getLogger("nanogrpo.tools")
 
@@ -65,7 +65,9 @@ class ToolRunner:
         self.sandbox = Sandbox(self.spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
                                file_mb=cfg.file_mb, output_bytes=cfg.max_output_bytes, workers=cfg.workers,
                                preload=cfg.preload, require_isolation=cfg.require_isolation, disable=disable)
-        self._problems: Counter = Counter()
+        self.fields = tuple(cfg.sample_fields) if self.spec != BUILTIN["python"] else ()
+        self.counts: Counter = Counter()
+        """Calls by status over the run (``ok`` included)."""
         self._announced = False
 
     @classmethod
@@ -81,14 +83,16 @@ class ToolRunner:
         prot = self.sandbox.start()
         if not self._announced:
             self._announced = True
-            log.info("tool %s (%s protocol) in the sandbox: %s", self.spec, self.protocol.name,
-                     ", ".join(f"{k}={v}" for k, v in prot.items()))
+            text, missing = describe(prot)
+            log.log(logging.WARNING if missing else logging.INFO, "tool %s (%s protocol) in the sandbox, "
+                    "%s%s", self.spec, self.protocol.name, text,
+                    " (see nanogrpo/tools/sandbox.py: what holds without them)" if missing else "")
         return self
 
     def close(self) -> None:
         self.sandbox.close()
-        for status, n in sorted(self._problems.items()):
-            if n > _WARN_LIMIT:
+        for status, n in sorted(self.counts.items()):
+            if status != "ok" and n > _WARN_LIMIT:
                 log.warning("tool calls over the run: %d %s", n, status)
 
     def __enter__(self) -> ToolRunner:
@@ -97,16 +101,27 @@ class ToolRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def visible(self, sample: dict) -> dict:
+        """What of a dataset row the tool receives: the ``tools.sample_fields`` (none for ``python``)."""
+        missing = [k for k in self.fields if k not in sample]
+        if missing:
+            raise ToolError(f"tools.sample_fields names {missing}, which the dataset rows lack "
+                            f"(they have {sorted(sample)})")
+        return {k: sample[k] for k in self.fields}
+
     def run(self, calls: list[Call], samples: list[dict]) -> list[ToolResult]:
-        """Run the well-formed calls in the sandbox; a malformed one gets ``invalid`` and its reason."""
+        """Run the well-formed calls in the sandbox; a malformed one gets ``invalid`` and its reason.
+        Each call's process receives its code and :meth:`visible` of its sample, nothing else."""
         todo = [i for i, c in enumerate(calls) if c.text is not None]
         if todo:
             self.start()
-        done = dict(zip(todo, self.sandbox.run([(calls[i].text, samples[i]) for i in todo]), strict=True))
+        done = dict(zip(todo, self.sandbox.run([(calls[i].text, self.visible(samples[i])) for i in todo]),
+                        strict=True))
         out = []
         for i, c in enumerate(calls):
             res = done[i] if i in done else ToolResult("invalid", f"error: {c.error}")
             out.append(self.shown(res))
+            self.counts[res.status] += 1
             if res.status != "ok":
                 self._report(res)
         return out
@@ -123,9 +138,8 @@ class ToolRunner:
         return ToolResult(res.status, text)
 
     def _report(self, res: ToolResult) -> None:
-        self._problems[res.status] += 1
-        if self._problems[res.status] <= _WARN_LIMIT:
+        if self.counts[res.status] <= _WARN_LIMIT:
             first = res.output.strip().splitlines()[-1:] or [""]
-            last = self._problems[res.status] == _WARN_LIMIT
+            last = self.counts[res.status] == _WARN_LIMIT
             log.info("tool call %s: %s%s", res.status, first[0][:200],
                      "; further ones are counted, not logged" if last else "")

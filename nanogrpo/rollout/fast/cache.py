@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+PREFILL_TOKENS = 16384
+"""Prompt tokens per prefill chunk: bounds the activations of long prompts x many prompts."""
+
 
 @dataclass
 class State:

@@ -72,10 +72,8 @@ from nanogrpo.rollout.fast.forward import (
     prefill_mask,
 )
 from nanogrpo.rollout.fast.sampling import sample
+from nanogrpo.rollout.fast.session import FastSession
 from nanogrpo.rollout.hf import check_request, cut_at_eos, load_in_place, resolve_special_ids
-
-PREFILL_TOKENS = 16384
-"""Prompt tokens per prefill chunk: bounds the activations of long prompts x many prompts."""
 
 
 @dataclass
@@ -329,8 +327,6 @@ class FastEngine:
     def open_session(self, prompts: list[list[int]], params: SamplingParams, max_len: int):
         """A multi-turn :class:`~nanogrpo.rollout.engine.TurnSession` that keeps each trajectory's KV
         cache across turns (:class:`~nanogrpo.rollout.fast.session.FastSession`)."""
-        from nanogrpo.rollout.fast.session import FastSession  # (it imports this module)
-
         return FastSession(self, prompts, params, max_len)
 
     @torch.inference_mode()
@@ -400,7 +396,7 @@ class FastEngine:
             "cuda_graphs": float(st.graph is not None)})
 
     def _prefill(self, st: cache.State, prompts: list[list[int]], n: int, width: int) -> None:
-        """Run each distinct prompt once (in chunks of about ``PREFILL_TOKENS`` tokens), copy its KV
+        """Run each distinct prompt once (in chunks of about ``cache.PREFILL_TOKENS`` tokens), copy its KV
         rows to its n samples, and sample every row's first token."""
         b, rows, dev = len(prompts), len(prompts) * n, self.device
         pad = torch.tensor([width - len(p) for p in prompts])
@@ -408,7 +404,7 @@ class FastEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
         ids, pad = ids.to(dev), pad.to(dev)
-        chunk = max(1, PREFILL_TOKENS // width)
+        chunk = max(1, cache.PREFILL_TOKENS // width)
         logits = torch.cat([self._prefill_chunk(st, ids[c:c + chunk], pad[c:c + chunk], c * n, n)
                             for c in range(0, b, chunk)])  # [b, V]
         full = torch.zeros(st.rows, logits.shape[-1], device=dev)

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from nanogrpo.errors import ModelError
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.fast import cache
-from nanogrpo.rollout.fast.engine import PREFILL_TOKENS
 from nanogrpo.rollout.fast.families import length_bound_reason
 from nanogrpo.rollout.fast.forward import head, post_attn, pre_attn, prefill_attention
 from nanogrpo.rollout.hf import check_request
@@ -168,7 +167,7 @@ class FastSession:
             ids[j, p - len(t):] = torch.tensor(t)
             is_new[j, p - len(t):] = True
         ids, is_new, pad_t = ids.to(dev), is_new.to(dev), torch.tensor(pad, device=dev)
-        chunk = max(1, PREFILL_TOKENS // width)
+        chunk = max(1, cache.PREFILL_TOKENS // width)
         logits = torch.cat([self._prefill_at(st, c, ids[c:c + chunk], is_new[c:c + chunk], pad_t[c:c + chunk],
                                              width) for c in range(0, m, chunk)])  # [m, V]
         full = torch.zeros(st.rows, logits.shape[-1], device=dev)

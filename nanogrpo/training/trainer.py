@@ -7,6 +7,7 @@ model path) is checked in :func:`prepare` before any weights are read.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanogrpo.config import Config, load_config, save_config
-from nanogrpo.data import PromptSampler, load_rows
+from nanogrpo.algo.entropy import EntropyControl
+from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
+from nanogrpo.config import Config, save_config
+from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
 from nanogrpo.rewards import RewardRunner
@@ -24,17 +27,18 @@ from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
-from nanogrpo.train.checkpoint import latest_checkpoint, load_state
-from nanogrpo.train.logging_sinks import RunLogger, run_summary
-from nanogrpo.train.metrics import merge_rank_metrics
-from nanogrpo.train.step import policy_update, reference_logprobs
+from nanogrpo.training.checkpoint import latest_checkpoint, load_state
+from nanogrpo.training.logging_sinks import RunLogger, run_summary
+from nanogrpo.training.metrics import merge_rank_metrics
+from nanogrpo.training.step import policy_update, reference_logprobs, step_metrics
 
 log = logging.getLogger("nanogrpo.train")
-CONFIG_FILE = "config.yaml"
 
 
 @dataclass
-class Run:
+class PreparedRun:
+    """A run checked and ready to start (:func:`prepare`); :func:`train` runs it."""
+
     cfg: Config
     root: Path
     rewards: RewardRunner
@@ -45,22 +49,39 @@ class Run:
     tools: ToolRunner | None = None
     """The run's tool (``tools.enabled``); built from ``cfg.tools`` when not given (its sandbox
     starts on first use and stops at :meth:`ToolRunner.close` or when the object goes)."""
+    model_path: str | None = None
+    """Where ``cfg.model.path`` loads from (:func:`~nanogrpo.models.source.check_model_source`:
+    a hub id, a local directory, the HF cache's copy offline); None: resolved at load."""
 
     def __post_init__(self) -> None:
         if self.tools is None:
             self.tools = ToolRunner.from_config(self.cfg.tools)
 
 
-def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
-    """Validate everything cheap first: rewards import, data fields, model path, run directory."""
+_UNSET: Any = object()
+
+
+def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunner | None = None,
+            rows: list[dict] | None = None, eval_rows: list[dict] | None = _UNSET,
+            tools: ToolRunner | None = _UNSET, model_path: str | None = None) -> PreparedRun:
+    """Validate everything cheap first: rewards import, data fields, model path, run directory.
+
+    The keywords stand in for what the config would build (the public :func:`nanogrpo.train`
+    passes the caller's own): ``rewards`` a runner, ``rows`` / ``eval_rows`` samples already
+    normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
+    ``model_path`` the model's resolved source."""
     # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
-    rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device,
-                                       run_dir=Path(resume_dir or cfg.train.out))
+    rewards = rewards if rewards is not None else RewardRunner.from_config(
+        cfg.rewards, device=cfg.model.device, run_dir=Path(resume_dir or cfg.train.out))
     try:
-        tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
-        rows = load_rows(cfg.data, cfg.data.split)
-        eval_rows = load_rows(cfg.data, cfg.data.eval_split)[:cfg.eval.n] if cfg.eval.every else None
-        check_model_source(cfg.model)
+        if tools is _UNSET:
+            tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
+        if rows is None:
+            rows = load_rows(cfg.data, cfg.data.split)
+        if eval_rows is _UNSET:
+            eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
+        if model_path is None:
+            model_path = check_model_source(cfg.model)
         if cfg.rollout.engine == "vllm":
             from nanogrpo.rollout.vllm_engine import import_vllm
 
@@ -72,15 +93,8 @@ def prepare(cfg: Config, resume_dir: Path | None = None) -> Run:
     resume_from = latest_checkpoint(root / "checkpoints") if resume_dir else None
     if resume_dir is not None and resume_from is None:
         # killed before its first checkpoint was complete: nothing to continue, so start over
-        print(f"--resume {resume_dir}: no complete checkpoint yet; starting the run from the beginning")
-    return Run(cfg, root, rewards, rows, resume_from, eval_rows, tools)
-
-
-def load_resume_config(run_dir: Path, overrides: list[str]) -> Config:
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
-    return load_config(path, overrides)
+        log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
+    return PreparedRun(cfg, root, rewards, rows, resume_from, eval_rows or None, tools, model_path)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -93,7 +107,7 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
-def train(run: Run) -> Path:
+def train(run: PreparedRun) -> Path:
     cfg = run.cfg
     root = run.root
     root.mkdir(parents=True, exist_ok=True)
@@ -102,18 +116,18 @@ def train(run: Run) -> Path:
     if run.resume_from is not None:
         start_step = load_state(run.resume_from)["step"]
         if start_step >= cfg.train.steps:
-            print(f"run {root} already finished at step {start_step} (train.steps={cfg.train.steps}); "
-                  "nothing to do")
+            log.info("run %s already finished at step %d (train.steps=%d); nothing to do", root, start_step,
+                     cfg.train.steps)
             run.rewards.close()
             return root
-    from nanogrpo.train.distributed import dist_env, init_distributed, make_backend
+    from nanogrpo.training.distributed import dist_env, init_distributed, make_backend
 
     if dist_env()[0] == 0:  # rank 0 writes the run's files; the others may be reading this one
         save_config(cfg, root / CONFIG_FILE)
     torch.manual_seed(cfg.train.seed)
 
     init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
-    model, tok, device = load_policy(cfg.model)
+    model, tok, device = load_policy(cfg.model, run.model_path)
     adapter = check_resume_kind(run.resume_from, cfg.model.lora_r)
     if run.resume_from is not None and not adapter:
         resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
@@ -140,7 +154,7 @@ def train(run: Run) -> Path:
         from nanogrpo.models.lora import reference_for
 
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
-    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.train.distributed)
+    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed)
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
@@ -148,18 +162,21 @@ def train(run: Run) -> Path:
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
+    control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
     if run.resume_from is not None:
         state = backend.restore(run.resume_from)
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
+        control.load_state_dict(state.get("entropy_control"))
         if backend.is_main:
-            print(f"resuming {root} from {run.resume_from.name}")
+            log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
     logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None) if backend.is_main \
         else None
 
     def save(step: int) -> None:
-        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict()},
+        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict(),
+                                            "entropy_control": control.state_dict()},
                      save_merged=cfg.model.lora_save_merged)
 
     if run.resume_from is None:
@@ -168,20 +185,21 @@ def train(run: Run) -> Path:
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
-                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0)})
+                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0,
+                                                             backend.rollout_model())})
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:
         for step in bar:
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend, tools=run.tools)
+                             device, backend=backend, tools=run.tools, control=control)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 if backend.world_size > 1:
                     backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
                 if backend.is_main:
-                    row.update(_held_out_eval(cfg, model, tok, engine, run, step))
+                    row.update(_held_out_eval(cfg, model, tok, engine, run, step, backend.rollout_model()))
             if logger is not None:
                 logger.log_step(row, examples)
             bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
@@ -196,7 +214,7 @@ def train(run: Run) -> Path:
         if run.tools is not None:
             run.tools.close()
     if backend.is_main:
-        print(run_summary(root))
+        log.info(run_summary(root))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
     # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
@@ -218,24 +236,31 @@ def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
     return adapter
 
 
-def _held_out_eval(cfg: Config, model, tok, engine, run: Run, step: int) -> dict[str, Any]:
-    """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``."""
-    from nanogrpo.evaluate import evaluate_rows, write_results
+def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
+                   policy=None) -> dict[str, Any]:
+    """Evaluate on ``run.eval_rows``; returns ``eval/<field>`` metrics and writes ``RUN/eval/step_N.json``.
+    ``policy``: a full-weight copy of the policy this rank may run alone (``Backend.rollout_model()``),
+    whose entropy over the evaluation's completions is reported (``eval/entropy``)."""
+    from nanogrpo.evaluation import evaluate_rows, write_results
 
     model.eval()
     with torch.no_grad():
         summary, records = evaluate_rows(engine, tok, run.eval_rows, cfg, run.rewards,
                                          cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                          cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                                         seed=cfg.eval.seed, tools=run.tools)
+                                         seed=cfg.eval.seed, tools=run.tools, policy=policy)
     summary["split"] = cfg.data.eval_split
     write_results(summary, records, run.root / "eval" / f"step_{step}.json")
     return {f"eval/{k}": v for k, v in summary.items() if not isinstance(v, str)}
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device, backend=None, tools=None) -> dict[str, Any]:
+               device: torch.device, backend=None, tools=None, control: EntropyControl | None = None
+               ) -> dict[str, Any]:
+    """One step: rollout, reference log-probs, ``grpo.updates_per_batch`` updates, the step's metrics.
+    ``control``: the run's entropy-bonus coefficient (updated after each optimizer step)."""
     t0 = time.perf_counter()
+    control = control if control is not None else EntropyControl.from_config(cfg.grpo)
     rows = sampler.next_batch()
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     share_ok = backend is None or backend.prefix_sharing
@@ -245,9 +270,10 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     model.eval()
     batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                             template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step) + rank,
-                            policy_version=version, tools=tools)
+                            policy_version=version, tools=tools,
+                            reduce=backend.all_reduce if world > 1 else None)
     t_roll = time.perf_counter()
-    loss = kl = clip = grad_norm = float("nan")
+    results = []
     skipped = 0
     updates = 0
     if batch is not None or world > 1:  # a rank without rows still joins the update's collectives
@@ -261,22 +287,28 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
         exact = not getattr(engine, "behaviour_logprobs", False)
+        anchor = None  # the trainer's log-probs before the batch's first update (rollout corrections)
         for it in range(cfg.grpo.updates_per_batch):
             res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0 and exact),
                                 max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                logprob_temperature=cfg.rollout.logprob_temperature())
+                                logprob_temperature=cfg.rollout.logprob_temperature(), rollout=cfg.rollout,
+                                old_logprobs=anchor, entropy_coef=control.applied())
+            control.update(res.bonus_entropy)
+            anchor = res.logprobs if anchor is None else anchor
+            results.append(res)
             skipped += int(res.skipped_nonfinite)
             updates += int(not res.skipped_nonfinite)
-            if it == 0:
-                loss, kl, clip, grad_norm = res.loss, res.kl, res.clip_frac, res.grad_norm
         if updates and getattr(engine, "owns_weights", False):
             engine.load_from(model)  # vllm keeps its own copy of the weights: push this step's update
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_end = time.perf_counter()
     step_time = t_end - t0
-    row: dict[str, Any] = {"step": step, "loss": loss, **rstats.metrics(), "kl": kl, "clip_frac": clip,
-                           "grad_norm": grad_norm, "lr": optimizer.lr, "skipped_nonfinite": skipped,
+    upd = step_metrics(results) if results else \
+        dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
+    row: dict[str, Any] = {"step": step, "loss": upd.pop("loss"), **rstats.metrics(), "kl": upd.pop("kl"),
+                           "clip_frac": upd.pop("clip_frac"), "grad_norm": upd.pop("grad_norm"), **upd,
+                           "lr": optimizer.lr, "skipped_nonfinite": skipped,
                            "rollout_time_s": t_roll - t0, "train_time_s": t_end - t_roll,
                            "step_time_s": step_time,
                            "tokens_per_s": rstats.completion_tokens / step_time if step_time > 0 else 0.0,
@@ -289,4 +321,4 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
     return row
 
 
-__all__ = ["prepare", "train", "load_resume_config", "resolve_device"]
+__all__ = ["PreparedRun", "prepare", "train", "resolve_device"]

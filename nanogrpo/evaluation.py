@@ -8,15 +8,21 @@ Summary fields:
 
 - ``accuracy``: share of completions whose extracted answer verifies against the
   reference (the built-in ``correctness``); with ``k > 1`` the mean over all
-  samples, i.e. the unbiased estimate of sampled pass@1;
-- ``format_rate``: share matching the seed's ``<think>…</think><answer>…</answer>``;
+  samples, i.e. the unbiased estimate of sampled pass@1, also reported as ``pass@1``;
+- ``format_rate``: share well formed by the run's format reward (``format_boxed`` when
+  the run uses it, ``format_strict`` likewise, else the seed's ``<think>…</think><answer>…</answer>``);
 - ``reward_mean``: mean of the configured weighted reward;
 - ``pass@k``: share of problems with at least one correct completion among k;
-- ``maj@k``: share of problems whose most frequent extracted answer (ties: the
-  one seen first) is correct;
+- ``maj@k``: share of problems whose most frequent final answer (ties: the one
+  seen first) is correct; answers are compared as written down by a grader
+  (:func:`~nanogrpo.rewards.grade.final_answer`: ``\\dfrac{1}{2}`` and ``\\frac12``, ``$1,234`` and
+  ``1234.0`` vote together);
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
 - with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
-  once) and ``tool_calls_mean`` (calls per completion).
+  once) and ``tool_calls_mean`` (calls per completion);
+- given the policy model (``policy``): ``entropy``, the policy's mean per-token entropy over the
+  completions' tokens (the sampled ones: tool output left out), at the run's log-prob temperature,
+  from the same chunked pass the trainer uses (:func:`nanogrpo.algo.logprobs.token_stats`).
 
 Generation goes through the rollout engine (``make_engine``: the fast engine for the
 families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
@@ -34,10 +40,12 @@ from typing import Any
 import torch
 
 from nanogrpo.config import Config
-from nanogrpo.data import encode_prompts, load_rows
-from nanogrpo.rewards import RewardRunner, correctness, format_reward
-from nanogrpo.rewards.extract import extract_answer
-from nanogrpo.rollout.collect import generate
+from nanogrpo.data import encode_prompts, load_eval_rows
+from nanogrpo.rewards import RewardRunner, correctness
+from nanogrpo.rewards.builtin import BUILTIN, format_name
+from nanogrpo.rewards.grade import final_answer
+from nanogrpo.rewards.latex import clean, plain_values
+from nanogrpo.rollout.collect import generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
@@ -45,15 +53,15 @@ from nanogrpo.tools.registry import ToolRunner
 
 
 def vote_key(answer: str | None) -> str | None:
-    """Normalised answer for majority voting: ``$1,234.0`` -> ``1234``; other text lower-cased."""
+    """Normalised answer for majority voting: a plain number by its exact value (``$1,234.0`` ->
+    ``1234``, ``\\frac{1}{2}`` -> ``1/2``); LaTeX without its spacing (``\\frac{1}{2}`` ->
+    ``\\frac{1}{2}``, ``( 2, 3 )`` -> ``(2,3)``); other text lower-cased."""
     if answer is None:
         return None
-    text = answer.strip().replace(",", "").replace("$", "").rstrip(".%")
-    try:
-        value = float(text)
-    except ValueError:
-        return " ".join(answer.split()).lower()
-    return str(int(value)) if value.is_integer() else repr(value)
+    values = plain_values(answer.replace("$", "").rstrip(".%"))
+    if values is not None:
+        return str(values[0])
+    return "".join(clean(answer).split()).lower() or None
 
 
 def majority_index(answers: list[str | None]) -> int | None:
@@ -66,13 +74,41 @@ def majority_index(answers: list[str | None]) -> int | None:
     return next(i for i, k in enumerate(keys) if k is not None and counts[k] == best)
 
 
+@torch.no_grad()
+def completion_entropy(model, prompts: list[list[int]], completions: list[list[int]],
+                       masks: list[list[bool]] | None, pad_id: int, temperature: float = 1.0,
+                       micro_batch: int = 16, chunk: int = 1024) -> tuple[float, int]:
+    """(sum of the policy's per-token entropies over the completions' tokens, their count); ``masks``: the
+    tokens that count (multi-turn: the sampled ones), None: all. No (N, L, V) tensor is formed."""
+    from nanogrpo.algo.logprobs import token_stats
+
+    dev = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(completions), micro_batch):
+        comps = completions[i:i + micro_batch]
+        if not any(comps):
+            continue
+        zeros = [[0.0] * len(c) for c in comps]
+        ids, am, cm, _, p = pad_batch(prompts[i:i + micro_batch], comps, zeros, pad_id)
+        if masks is not None:
+            for j, m in enumerate(masks[i:i + micro_batch]):
+                cm[j, :len(m)] &= torch.tensor(m, dtype=torch.bool)
+        _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk,
+                             temperature=temperature, entropy="value")         # (n, C)
+        total += float(ent[cm.to(dev)].double().sum())
+        count += int(cm.sum())
+    return total, count
+
+
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                   max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
-                  seed: int = 0, tools=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  seed: int = 0, tools=None, policy=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
-    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None."""
+    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None.
+    ``policy``: the model whose entropy over the completions is reported (``entropy``), or None."""
     records: list[dict[str, Any]] = []
     skipped = 0
+    ent_sum, ent_n = 0.0, 0
     t0 = time.perf_counter()
     temp = 0.0 if k == 1 else (temperature or cfg.rollout.temperature)
     for b, i in enumerate(range(0, len(rows), batch_size)):
@@ -87,24 +123,31 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                 top_k=cfg.rollout.top_k if k > 1 else 0,
                                 seed=None if k == 1 else seed * 1_000_003 + b)
         gen = generate(engine, tokenizer, ids, kept, params, tools)
+        if policy is not None:
+            s_, n_ = completion_entropy(policy, [x for x in ids for _ in range(k)], gen.completion_ids,
+                                        gen.loss_masks if tools is not None else None, tokenizer.pad_token_id,
+                                        cfg.rollout.logprob_temperature(), cfg.train.micro_batch_size,
+                                        cfg.train.logprob_chunk)
+            ent_sum, ent_n = ent_sum + s_, ent_n + n_
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
         samples = [r for r in kept for _ in range(k)]
         calls = [info["tool_calls"] for info in gen.infos] if tools is not None else [0] * len(texts)
         if tools is not None:
             samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
         scored = rewards.score(texts, samples)
+        well_formed = BUILTIN[format_name(cfg.rewards.functions)]
         for p, r in enumerate(kept):
             sl = slice(p * k, (p + 1) * k)
             comps = texts[sl]
             correct = [correctness(t, r) > 0 for t in comps]
-            answers = [extract_answer(t) for t in comps]
+            answers = [final_answer(t) for t in comps]
             maj = majority_index(answers)
             records.append({
                 "id": r.get("id"), "question": r["question"], "answer": r["answer"],
                 "completions": comps, "rewards": scored.total[sl],
                 "reward_breakdown": {name: vals[sl] for name, vals in scored.per_function.items()},
                 "extracted": answers, "correct": correct,
-                "formatted": [format_reward(t, r) > 0 for t in comps],
+                "formatted": [well_formed(t, r) > 0 for t in comps],
                 "majority": answers[maj] if maj is not None else None,
                 "majority_correct": bool(maj is not None and correct[maj]),
                 "tool_calls": calls[sl],
@@ -119,12 +162,15 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
         "format_rate": sum(fmt) / len(fmt) if fmt else nan,
         "reward_mean": statistics.fmean(rew) if rew else nan,
         "n": n, "k": k, "temperature": temp,
+        "pass@1": sum(flat) / len(flat) if flat else nan,
         f"pass@{k}": sum(any(x["correct"]) for x in records) / n if n else nan,
         f"maj@{k}": sum(x["majority_correct"] for x in records) / n if n else nan,
         "completion_len_mean": statistics.fmean(len(tokenizer.encode(c, add_special_tokens=False))
                                                 for x in records for c in x["completions"]) if n else nan,
         "skipped_long_prompts": skipped, "time_s": round(time.perf_counter() - t0, 3),
     }
+    if policy is not None:
+        summary["entropy"] = ent_sum / ent_n if ent_n else nan
     if tools is not None:
         used = [c for x in records for c in x["tool_calls"]]
         summary["tool_use_rate"] = sum(c > 0 for c in used) / len(used) if used else nan
@@ -142,20 +188,27 @@ def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 
 
 def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
-             engine=None) -> dict[str, Any]:
-    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``)."""
-    rows = load_rows(cfg.data, split)[:n]
+             engine=None, rows: list[dict] | None = None,
+             rewards: RewardRunner | None = None) -> dict[str, Any]:
+    """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``; the
+    problems come from ``data.eval_source``, else ``data.source``); ``rows``: samples to take them from
+    instead, ``rewards``: a runner instead of ``cfg.rewards``'."""
+    rows = (rows if rows is not None else load_eval_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
+    runner = rewards if rewards is not None else RewardRunner.from_config(cfg.rewards,
+                                                                          device=cfg.model.device)
     try:
-        with RewardRunner.from_config(cfg.rewards, device=cfg.model.device) as rewards, torch.no_grad():
-            summary, records = evaluate_rows(engine, tokenizer, rows, cfg, rewards, max_new,
+        with torch.no_grad():
+            summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,
-                                             tools=tools)
+                                             tools=tools, policy=model)
     finally:
+        if rewards is None:
+            runner.close()
         if tools is not None:
             tools.close()
     summary["split"] = split

@@ -25,7 +25,7 @@ from typing import Any
 
 from nanogrpo.config import Config
 from nanogrpo.errors import ConfigError
-from nanogrpo.train.metrics import MetricsWriter, read_metrics, truncate_jsonl
+from nanogrpo.training.metrics import MetricsWriter, read_metrics, truncate_jsonl
 
 TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", "gpu_mem_gib", "eval/time_s")
 """Fields that differ between identical runs (wall-clock and memory)."""

@@ -8,7 +8,7 @@
 
 A :class:`Backend` holds the wrapped model (what forward is called on), the bare
 HF module (generation, saving), and does backward, clip + step, collectives and
-checkpoints. The update step (:mod:`nanogrpo.train.step`) is written once
+checkpoints. The update step (:mod:`nanogrpo.training.step`) is written once
 against it; ``single`` is a pass-through.
 
 Data: ``rollout.prompts_per_step`` is the *global* number of prompts per step;
@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import datetime
 import inspect
+import logging
 import math
 import os
 from pathlib import Path
@@ -44,9 +45,11 @@ import torch.distributed as dist
 
 from nanogrpo.algo.logprobs import lean_head
 from nanogrpo.config import Config
-from nanogrpo.train.optim import MasterAdamW
+from nanogrpo.training.optim import MasterAdamW
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+log = logging.getLogger("nanogrpo.train")
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -135,6 +138,19 @@ class Backend:
             out[idx] = part
         return out.tolist()
 
+    def all_gather_values(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D float tensor, concatenated in rank order (lengths may differ)."""
+        if self.world_size == 1:
+            return t
+        n = int(self.all_reduce([float(t.numel())], ["max"])[0])
+        dev = self._coll_device()
+        pad = torch.full((n + 1,), float("nan"), dtype=torch.float64, device=dev)
+        pad[0] = t.numel()
+        pad[1:1 + t.numel()] = t.to(dev, torch.float64)
+        parts = [torch.empty_like(pad) for _ in range(self.world_size)]
+        dist.all_gather(parts, pad)
+        return torch.cat([q[1:1 + int(q[0])] for q in parts]).to(t)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -192,7 +208,7 @@ class Backend:
     def save(self, ckpt_root: Path, step: int, tokenizer, state: dict[str, Any] | None = None,
              save_merged: bool = False) -> Path:
         """An HF checkpoint written by rank 0 (atomic), after every rank has given its part."""
-        from nanogrpo.train.checkpoint import save_checkpoint
+        from nanogrpo.training.checkpoint import save_checkpoint
 
         sd = self.full_state_dict()
         opt = self.optimizer_state()
@@ -202,6 +218,7 @@ class Backend:
             final = save_checkpoint(Path(ckpt_root), step, self.module, tokenizer, None, state,
                                     state_dict=sd, optimizer_state=opt, extra=extra,
                                     save_merged=save_merged)
+            log.info("checkpoint %s", final)
         self.barrier()
         return final
 
@@ -210,7 +227,7 @@ class Backend:
 
     def restore(self, ckpt: Path) -> dict[str, Any]:
         """Optimizer + RNG state from ``ckpt`` (model weights are loaded before wrapping)."""
-        from nanogrpo.train.checkpoint import restore
+        from nanogrpo.training.checkpoint import restore
 
         self.load_optimizer_state(Path(ckpt))
         return restore(Path(ckpt), None)

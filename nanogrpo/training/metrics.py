@@ -58,7 +58,7 @@ MAX_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "gpu_mem_gib")
 """The slowest (largest) rank's value."""
 MEAN_KEYS = ("reward_mean", "accuracy", "format_rate", "completion_len_mean", "stop_rate")
 """Per-completion means: weighted by each rank's completions (as are the ``reward/<function>`` means)."""
-TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum",
+TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum", "tools/denied": "sum",
              "tools/max_turns_hit": "sum", "tools/generated_tokens": "sum", "tools/tool_tokens": "sum",
              "tools/calls_per_completion": "mean", "tools/use_rate": "mean", "tools/turns_mean": "mean",
              "tools/time_s": "max"}
@@ -89,7 +89,7 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     slowest rank's, ``tokens_per_s`` follows from those; the update's metrics (loss, kl, grad norm)
     are already global. A rank without completions weighs nothing.
 
-    ``all_reduce(values, ops)`` is :meth:`nanogrpo.train.distributed.Backend.all_reduce`."""
+    ``all_reduce(values, ops)`` is :meth:`nanogrpo.training.distributed.Backend.all_reduce`."""
     tools = {**{k: op for k, op in TOOL_KEYS.items() if k in row}, **_reward_metric_ops(row)}
     means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
     counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]

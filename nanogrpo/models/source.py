@@ -1,0 +1,137 @@
+"""Where a model is loaded from: ``embedded``, a local directory, or an HF hub id, checked in seconds.
+
+Nothing here imports torch or transformers, so a bad model path is reported before they load.
+
+A hub id is asked about once, with a short timeout and no retries (huggingface_hub's own
+download path retries a dead network for about a minute): the hub's answer says whether the
+model exists and may be read. Without network, a copy in the HF cache is used (its snapshot
+directory, so that transformers does not reach for the network again), said in one line;
+with no copy, a one-line :class:`~nanogrpo.errors.ModelError` says what to do (pass a local
+directory, or download the model and set ``HF_HUB_OFFLINE=1``). With ``HF_HUB_OFFLINE=1`` the
+hub is not asked at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from nanogrpo import hub
+from nanogrpo.errors import ModelError
+
+__all__ = ["EMBEDDED", "EMBEDDED_TOOLS", "check_model_source", "hub_source", "resolve_model_path"]
+
+log = logging.getLogger("nanogrpo.models")
+
+EMBEDDED = "embedded"
+EMBEDDED_TOOLS = "embedded-tools"
+"""The tool demo's warm start (:mod:`nanogrpo.models.warmstart_tools`), same shape and tokenizer."""
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _looks_like_path(s: str) -> bool:
+    """Anything but ``name`` or ``org/name`` is a filesystem path."""
+    return s.startswith((".", "/", "~")) or not _HUB_ID.match(s)
+
+
+def resolve_model_path(path: str) -> str:
+    """Where to load ``path`` from: the embedded models' directories (built on first use), a local
+    directory (checked to hold an HF model), or for a hub id the id itself or, offline, its
+    directory in the HF cache (:func:`hub_source`)."""
+    if path == EMBEDDED:
+        from nanogrpo.models.warmstart import embedded_path
+
+        return str(embedded_path())
+    if path == EMBEDDED_TOOLS:
+        from nanogrpo.models.warmstart_tools import embedded_path as tools_path
+
+        return str(tools_path())
+    p = Path(path).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model path {p} has no config.json: not an HF model directory")
+        return str(p)
+    if _looks_like_path(path):
+        raise ModelError(f"model path not found: {path}")
+    return hub_source(path)
+
+
+def check_model_source(cfg) -> str | None:
+    """Cheap early check of ``cfg.model.path`` (a :class:`~nanogrpo.config.ModelConfig`), no weights
+    read: where the model will load from, or None for the embedded models (built on first use)."""
+    if cfg.path in (EMBEDDED, EMBEDDED_TOOLS):
+        return None
+    return resolve_model_path(cfg.path)
+
+
+def _cached_snapshot(repo_id: str) -> tuple[str | None, bool]:
+    """(the snapshot directory of ``repo_id`` in the HF cache or None, whether it holds weights)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id for the hub
+        return None, False
+    if not isinstance(found, str):
+        return None, False
+    snap = Path(found).parent
+    return str(snap), any((snap / f).is_file() for f in WEIGHT_FILES)
+
+
+def hub_source(repo_id: str, timeout_s: float = hub.TIMEOUT_S, endpoint: str | None = None) -> str:
+    """``repo_id`` when the hub has it; its HF cache directory when the hub cannot be reached (or
+    ``HF_HUB_OFFLINE`` is set) and the cache holds it; otherwise a one-line ModelError.
+    ``endpoint``: the hub's address (default: ``HF_ENDPOINT``, else huggingface.co)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+    )
+
+    snap, complete = _cached_snapshot(repo_id)
+    cache = constants.HF_HUB_CACHE
+    endpoint = endpoint or hub.endpoint()
+    if hub.offline():
+        if snap is not None and complete:
+            return snap
+        what = "has no weights of it" if snap is not None else "does not hold it"
+        raise ModelError(f"model {repo_id!r}: HF_HUB_OFFLINE is set and the HF cache ({cache}) {what}; "
+                         f"download it where there is network (`hf download {repo_id}`), or pass a local "
+                         "model directory")
+    try:
+        url = hf_hub_url(repo_id, "config.json", endpoint=endpoint)
+        hub.ask(lambda: get_hf_file_metadata(url, timeout=timeout_s), timeout_s)
+    except GatedRepoError:
+        raise ModelError(f"model {repo_id!r} is gated on the HF hub: accept its terms on its page and log in "
+                         "(`hf auth login`, or set HF_TOKEN), or pass a local model directory") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"model {repo_id!r} is not on the HF hub ({endpoint}), or is private "
+                         "(log in with `hf auth login` or set HF_TOKEN); a local directory must exist "
+                         "(it does not here)") from None
+    except EntryNotFoundError:
+        raise ModelError(f"model {repo_id!r} on the HF hub has no config.json: not a transformers "
+                         "model") from None
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        problem = f"the HF hub answered {status}" if status else f"the HF hub failed ({hub.reason(e)})"
+        if snap is not None and complete:
+            log.info("%s; using the copy of %s in the HF cache (%s)", problem, repo_id, snap)
+            return snap
+        raise ModelError(f"model {repo_id!r}: {problem}; try again later, or pass a local model "
+                         "directory") from None
+    except hub.network_errors() as e:
+        problem = f"the HF hub ({endpoint}) cannot be reached ({hub.reason(e)})"
+        if snap is not None and complete:
+            log.info("%s; using the copy of %s in the HF cache (%s)", problem, repo_id, snap)
+            return snap
+        what = "has no weights of it" if snap is not None else "does not hold it"
+        raise ModelError(f"model {repo_id!r}: {problem} and the HF cache ({cache}) {what}: pass "
+                         "a local model directory (--model /path/to/model), or download it where there is "
+                         f"network (`hf download {repo_id}`) and set HF_HUB_OFFLINE=1") from None
+    return repo_id

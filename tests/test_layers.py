@@ -1,0 +1,198 @@
+"""The house rules of the package's imports, read from the source (``ast``), so they hold for code
+that is never run by the other tests:
+
+- **no import circles** between modules, counting every import: module level, inside functions,
+  and ``if TYPE_CHECKING:`` blocks alike (a circle that only typing sees is still one in the design);
+- **no import up the layers**: each top-level part of ``nanogrpo`` may import its own modules and the
+  parts of lower layers, never a part of its own layer or of a higher one.
+
+The layers, lowest first (README, "The source tree"):
+
+    errors
+    algo, batch                              the algorithm's pure functions, the wire record
+    config                                   (which names the algorithm's variants)
+    console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
+    data                                     datasets and prompts (may read answers with rewards)
+    models                                   loading, the embedded models and their warm starts
+    rollout                                  engines and rollouts
+    evaluation                               evaluation with the training rewards
+    training                                 the trainer, its update step, checkpoints, logs
+    serve, report, bench                     split mode, plots, benchmarks (each over training)
+    api                                      the public functions (nanogrpo.train, ...)
+    cli                                      the command line, a thin layer over api
+    __init__                                 the package: lazy names from api
+
+A package's ``__init__`` re-exporting its submodules (``from nanogrpo.data.sources import
+load_rows``) is no circle: ``from nanogrpo.data import arithmetic`` imports the module
+``nanogrpo.data.arithmetic``, and is counted as that.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import nanogrpo
+
+PKG = Path(nanogrpo.__file__).parent
+
+LAYERS = [
+    {"errors"},
+    {"algo", "batch"},
+    {"config"},
+    {"console", "hub", "rewards", "tools"},
+    {"data"},
+    {"models"},
+    {"rollout"},
+    {"evaluation"},
+    {"training"},
+    {"serve", "report", "bench"},
+    {"api"},
+    {"cli"},
+    {"__init__"},
+]
+LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = ["nanogrpo", *path.relative_to(PKG).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that the module ``name`` (its ``source``) imports, anywhere in it."""
+    package = name if is_package else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for a in node.names:  # a submodule by name counts as that module
+                sub = f"{module}.{a.name}"
+                targets.add(sub if sub in known else module)
+    edges = set()
+    for t in targets:
+        while t and t not in known:  # "nanogrpo.x.y.attr" -> the module it names
+            t = t.rpartition(".")[0]
+        if t and t != name:
+            edges.add(t)
+    return edges
+
+
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    """``module -> modules of nanogrpo it imports``."""
+    mods = _modules()
+    return {name: imports_of(path.read_text(), name, path.name == "__init__.py", set(mods))
+            for name, path in mods.items()}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            a, b = _part(src), _part(dst)
+            if a != b and LAYER[b] >= LAYER[a]:
+                bad.append(f"{src} -> {dst} ({a} is layer {LAYER[a]}, {b} layer {LAYER[b]})")
+    return sorted(bad)
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in _modules()}
+    assert parts <= set(LAYER), f"parts without a layer in LAYERS: {sorted(parts - set(LAYER))}"
+
+
+def test_no_import_circles():
+    assert find_cycles(import_graph()) == []
+
+
+def test_no_import_up_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_walker_sees_what_it_must():
+    """The walker is not blind: imports inside functions, under TYPE_CHECKING, relative ones and
+    submodules named in a ``from`` are edges; a circle or an upward import made of them is found."""
+    known = {"nanogrpo", "nanogrpo.cli", "nanogrpo.serve", "nanogrpo.serve.state", "nanogrpo.serve.server",
+             "nanogrpo.serve.routes", "nanogrpo.data", "nanogrpo.data.sources"}
+    src = ("from typing import TYPE_CHECKING\n"
+           "import json\n"
+           "if TYPE_CHECKING:\n    from nanogrpo.serve.server import ServerState\n"
+           "from . import state\n"
+           "def f():\n    from nanogrpo.cli import main\n"
+           "class C:\n    def g(self):\n        import nanogrpo.data.sources\n")
+    assert imports_of(src, "nanogrpo.serve.routes", False, known) == {
+        "nanogrpo.serve.server", "nanogrpo.serve.state", "nanogrpo.cli", "nanogrpo.data.sources"}
+    reexport = "from nanogrpo.data import load_rows"
+    assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 9, cli layer 11)"]
+    graph = import_graph()
+    assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
+    assert "nanogrpo.data.arithmetic" in graph["nanogrpo.data.sources"]  # not the package __init__
+
+
+def test_import_nanogrpo_is_cheap():
+    """``import nanogrpo`` loads no torch, transformers or numpy (the public names load on first use)."""
+    code = ("import sys, time; t = time.perf_counter(); import nanogrpo; dt = time.perf_counter() - t; "
+            "heavy = [m for m in ('torch', 'transformers', 'numpy', 'pydantic', 'yaml') "
+            "if m in sys.modules]; "
+            "print(heavy, dt)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    heavy, dt = out.rsplit(" ", 1)
+    assert heavy == "[]", heavy
+    assert float(dt) < 0.5, dt
