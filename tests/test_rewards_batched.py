@@ -213,7 +213,7 @@ def test_the_decorator_checks_its_arguments() -> None:
 def test_reward_failures_and_model_metrics_merge_over_ranks() -> None:
     """Two ranks' rows: per-function failure counts and a judge's request counts add up, its latency and
     time are the slowest rank's; other keys are left to their own rules."""
-    from nanogrpo.train.metrics import merge_rank_metrics
+    from nanogrpo.training.metrics import merge_rank_metrics
 
     def row(fails: int, requests: int, latency: float) -> dict:
         return {"step": 1, "reward_mean": 0.0, "reward_std": 1.0, "num_completions": 4,

@@ -16,11 +16,11 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
-from nanogrpo.config import RewardsConfig
+from nanogrpo.config import Config, RewardsConfig
 from nanogrpo.errors import RewardError
+from nanogrpo.models.reward import RewardModel, model_rewards, reward_runner
 from nanogrpo.models.tiny import make_tokenizer, model_config
 from nanogrpo.rewards import RewardRunner
-from nanogrpo.rewards.rm import RewardModel
 
 QUESTIONS = ["Tom has 3 apples and buys 4 more. How many apples does Tom have?", "2+2?", "What is 6*7?"]
 COMPLETIONS = ["<think>3+4=7</think><answer>7</answer>", "<answer>5</answer>", "", "x" * 90,
@@ -152,9 +152,11 @@ def test_models_that_are_not_one_output_classifiers_are_refused_at_start(tmp_pat
     with pytest.raises(RewardError, match="has 2 outputs; a reward model has one"):
         RewardModel(str(tmp_path / "two"))
     with pytest.raises(RewardError, match="rm:./no/such/dir.*not found"):
-        RewardRunner.from_config(RewardsConfig(functions=["rm:./no/such/dir"], workers=0))
+        reward_runner(Config(rewards=RewardsConfig(functions=["rm:./no/such/dir"], workers=0)))
     with pytest.raises(RewardError, match="name the model after 'rm:'"):
-        RewardRunner.from_config(RewardsConfig(functions=["rm:"], workers=0))
+        reward_runner(Config(rewards=RewardsConfig(functions=["rm:"], workers=0)))
+    with pytest.raises(RewardError, match="reward models load through nanogrpo.models"):
+        RewardRunner([f"rm:{tmp_path / 'two'}"], workers=0)  # the rewards layer alone cannot load one
 
 
 def test_the_runner_scales_a_reward_model_and_reports_its_throughput(tmp_path) -> None:
@@ -164,7 +166,7 @@ def test_the_runner_scales_a_reward_model_and_reports_its_throughput(tmp_path) -
     raw = [_direct(model, tok, c, s) for c, s in zip(comps, samples)]
     for scale in ("none", "zscore"):
         cfg = RewardsConfig(functions=[spec, "format"], weights=[2.0, 1.0], rm_scale=scale, workers=0)
-        with RewardRunner.from_config(cfg, device="cpu") as runner:
+        with RewardRunner.from_config(cfg, make_rm=model_rewards(cfg, device="cpu")) as runner:
             res = runner.score(comps, samples)
         got = res.per_function[spec]
         if scale == "none":

@@ -35,13 +35,11 @@ the rule at run time. Shipped in ``nanogrpo/models/embedded_rm/`` (~3 MB); rebui
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import random
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -55,21 +53,9 @@ EPOCHS, PAIRS_PER_BATCH, LR = 3, 32, 3e-4
 
 
 def packaged_path() -> Path:
-    return Path(str(resources.files("nanogrpo") / "models" / "embedded_rm"))
+    from nanogrpo.models.reward import embedded_rm_dir
 
-
-def embedded_rm_path() -> Path:
-    """Directory of the shipped demo reward model, building it into the cache once if it is missing."""
-    p = packaged_path()
-    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
-        return p
-    root = Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
-    key = f"{SEED}-{PROMPTS}-{SAMPLES}-{TEMPERATURES}-{EPOCHS}-{PAIRS_PER_BATCH}-{LR}-{torch.__version__}"
-    out = root / f"embedded-rm-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if not (out / "model.safetensors").is_file():
-        print(f"building the demo reward model into {out} (once; about half an hour on 2 CPU cores)")
-        build(out)
-    return out
+    return embedded_rm_dir()
 
 
 def label(completion: str, row: dict) -> float:
@@ -118,31 +104,35 @@ def training_pairs(sampled: list[tuple[dict, str]], seed: int) -> list[tuple[dic
 
 
 def sample_completions(model, tok, rows: list[dict], n: int, seed: int) -> list[tuple[dict, str]]:
-    """``n`` completions of each row by ``model`` (the demo's prompts), cycling through ``TEMPERATURES``."""
+    """``n`` completions of each row by ``model`` (the demo's prompts; HF ``generate``, pure sampling),
+    64 rows per call, the calls cycling through ``TEMPERATURES``."""
     from nanogrpo.config import load_config
     from nanogrpo.data import encode_prompts
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.factory import make_engine
 
     data_cfg = load_config(preset="demo").data
-    engine = make_engine("fast", model, tok, max_len=data_cfg.max_prompt_tokens + MAX_NEW_TOKENS)
     out: list[tuple[dict, str]] = []
     chunk = 64
     for b, start in enumerate(range(0, len(rows), chunk)):
         part = rows[start:start + chunk]
         ids, skipped = encode_prompts(tok, part, data_cfg, "auto")
         kept = [r for i, r in enumerate(part) if i not in set(skipped)]
-        params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, n=n, seed=seed * 1_000_003 + b,
-                                temperature=TEMPERATURES[b % len(TEMPERATURES)])
-        gen = engine.generate(ids, params)
-        texts = [tok.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-        out += [(kept[i // n], t) for i, t in enumerate(texts)]
+        width = max(map(len, ids))
+        prompt = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # left-padded
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        torch.manual_seed(seed * 1_000_003 + b)
+        with torch.no_grad():
+            gen = model.generate(input_ids=prompt, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                                 temperature=TEMPERATURES[b % len(TEMPERATURES)], num_return_sequences=n,
+                                 max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(gen[:, width:], skip_special_tokens=True)
+        out += [(kept[i // n], t) for i, t in enumerate(texts)]  # prompt-major: a row's n samples together
     return out
 
 
 def encode_pair(tok, row: dict, completion: str) -> list[int]:
     """The ids the reward-model reward reads for (row, completion) (chat template, no added specials)."""
-    from nanogrpo.rewards.rm import prompt_turns_of
+    from nanogrpo.models.reward import prompt_turns_of
 
     conv = [*prompt_turns_of(row), {"role": "assistant", "content": completion}]
     return tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]

@@ -1,9 +1,9 @@
 """Rewards: answer extraction, the built-in rewards, user rewards by spec or as callables, and the runner.
 
 A reward is a plain function ``fn(completion: str, sample: dict) -> float``, or the same over lists
-(``fn(completions, samples) -> list[float]``, marked with :func:`batched`); a reward model
-(:class:`RewardModel`, ``rm:PATH``) or an LLM judge (:class:`Judge`, ``judge:URL``) sits behind the
-same interface. ``sample`` is the
+(``fn(completions, samples) -> list[float]``, marked with :func:`batched`); an LLM judge
+(:class:`Judge`, ``judge:URL``) or a reward model (``rm:PATH``, :mod:`nanogrpo.models.reward`) sits
+behind the same interface. ``sample`` is the
 completion's own dict: a copy of its dataset row (every column) plus the reserved key
 ``finish_reason`` (``"stop"``: the model ended the completion; ``"length"``: the token limit cut it
 off), which replaces a dataset column of that name.
@@ -18,16 +18,11 @@ from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "format_boxed", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem", "RewardModel",
-           "Judge"]
+           "format_boxed", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem", "Judge"]
 
 
 def __getattr__(name: str):
-    """``RewardModel`` and ``Judge`` load on first use (the judge brings asyncio and httpx)."""
-    if name == "RewardModel":
-        from nanogrpo.rewards.rm import RewardModel
-
-        return RewardModel
+    """``Judge`` loads on first use (it brings asyncio and httpx)."""
     if name == "Judge":
         from nanogrpo.rewards.judge import Judge
 

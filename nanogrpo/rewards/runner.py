@@ -125,7 +125,7 @@ class RewardRunner:
         if make_model is None:  # rm: / judge: specs with the config's defaults
             from nanogrpo.config import RewardsConfig
 
-            make_model = _model_factory(RewardsConfig(), "auto", None)
+            make_model = _model_factory(RewardsConfig(), None, None)
         self.entries: list[Entry] = build_entries(
             rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
             chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model)
@@ -147,19 +147,20 @@ class RewardRunner:
         return list(self.specs)
 
     @classmethod
-    def from_config(cls, cfg: Any, rewards: Sequence[RewardItem] | None = None, *, device: str = "auto",
-                    run_dir: Any = None) -> RewardRunner:
+    def from_config(cls, cfg: Any, rewards: Sequence[RewardItem] | None = None, *, run_dir: Any = None,
+                    make_rm: Callable[[str, str], ModelReward] | None = None) -> RewardRunner:
         """Build from a :class:`nanogrpo.config.RewardsConfig`; ``rewards`` (names, callables, model
         rewards) replaces ``cfg.functions`` when given, with ``cfg.weights`` still one per entry.
-        ``device``: where a reward model goes when ``rm_device`` is ``auto`` (the trainer's device);
-        ``run_dir``: the run directory (a judge's persistent cache lives there)."""
+        ``run_dir``: the run directory (a judge's persistent cache lives there); ``make_rm``: builds the
+        reward model of an ``rm:`` spec (models load in :mod:`nanogrpo.models`, a layer above this one:
+        :func:`nanogrpo.models.reward.reward_runner` passes it)."""
         items = list(rewards) if rewards is not None else list(cfg.functions)
         weights = cfg.weights
         if weights is not None and len(weights) != len(items):
             raise RewardError(f"rewards.weights has {len(weights)} entries for {len(items)} rewards")
         return cls(items, weights, cfg.timeout_s, cfg.penalty, cfg.workers, cfg.truncated_correct,
                    chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
-                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, device, run_dir))
+                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, run_dir, make_rm))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -321,7 +322,8 @@ def _shut_down(pool: WorkerPool | None, models: list[ModelReward]) -> None:
         m.close()
 
 
-def _model_factory(cfg: Any, device: str, run_dir: Any) -> Callable[[str], ModelReward]:
+def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelReward] | None
+                   ) -> Callable[[str], ModelReward]:
     """Builds the model reward an ``rm:`` / ``judge:`` spec names, from the rewards config."""
     made: Counter = Counter()
 
@@ -334,10 +336,11 @@ def _model_factory(cfg: Any, device: str, run_dir: Any) -> Callable[[str], Model
         made[kind] += 1
         prefix = kind if made[kind] == 1 else f"{kind}_{made[kind]}"
         if kind == "rm":
-            from nanogrpo.rewards.rm import RewardModel
-
-            return RewardModel(target, device=device if cfg.rm_device == "auto" else cfg.rm_device,
-                               batch_tokens=cfg.rm_batch_tokens, name=spec, metric_prefix=prefix)
+            if make_rm is None:
+                raise RewardError(f"reward {spec!r}: reward models load through nanogrpo.models: build the "
+                                  "runner with nanogrpo.models.reward.reward_runner(config), or list a "
+                                  "nanogrpo.models.reward.RewardModel object")
+            return make_rm(spec, prefix)
         from nanogrpo.rewards.judge import Judge
         from nanogrpo.rewards.judge_cache import NullCache, ReplyCache
 

@@ -189,13 +189,13 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
         from nanogrpo.data import load_eval_rows
-        from nanogrpo.rewards import RewardRunner
+        from nanogrpo.models.reward import reward_runner
         from nanogrpo.rollout.factory import engine_for
         from nanogrpo.rollout.turns import longest_context
 
         if main:
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n]
-            rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device, run_dir=root)
+            rewards = reward_runner(cfg, run_dir=root)
             evaluation = (PreparedRun(cfg, root, rewards, [], resume_from, eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
                               cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.config import config_from
     from nanogrpo.data import PromptSampler, load_rows
     from nanogrpo.models.load import check_model_source, load_policy
-    from nanogrpo.rewards import RewardRunner
+    from nanogrpo.models.reward import reward_runner
     from nanogrpo.rollout.collect import rollout
     from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         (cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % 2**31
     client = ServerClient(a.server, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
     client.health()
-    rewards = RewardRunner.from_config(cfg.rewards, device=cfg.model.device)  # rm: on this worker's device
+    rewards = reward_runner(cfg)  # rm: reward models on this worker's device, where generation happens
     tools = ToolRunner.from_config(cfg.tools)
     try:
         model, tok, _ = load_policy(cfg.model)

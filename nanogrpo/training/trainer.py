@@ -22,6 +22,7 @@ from nanogrpo.config import Config, save_config
 from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
+from nanogrpo.models.reward import reward_runner
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
@@ -71,8 +72,8 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
     normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
     ``model_path`` the model's resolved source."""
     # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
-    rewards = rewards if rewards is not None else RewardRunner.from_config(
-        cfg.rewards, device=cfg.model.device, run_dir=Path(resume_dir or cfg.train.out))
+    if rewards is None:
+        rewards = reward_runner(cfg, run_dir=Path(resume_dir or cfg.train.out))
     try:
         if tools is _UNSET:
             tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here

@@ -1,10 +1,14 @@
 """``rm:PATH_OR_HUB_ID``: a sequence-classification reward model scores each (prompt, completion).
 
+A reward model is a model: it loads here, with the policy's loaders, and joins a run's rewards through
+:func:`reward_runner` (the runner every command builds), which gives
+:class:`~nanogrpo.rewards.RewardRunner` the maker of ``rm:`` specs (``judge:`` specs it builds itself).
+
 The model is a Hugging Face ``AutoModelForSequenceClassification`` with one output (Skywork-Reward,
 the OpenAssistant DeBERTa reward models and the like; a local directory or a hub id), loaded once, on
 first use, on ``rewards.rm_device`` (``auto``: the trainer's device; in split mode the rollout
 worker's), in bfloat16 on a GPU and float32 on the CPU. ``rm:embedded-rm`` is the demo's own reward
-model (:mod:`nanogrpo.models.reward_model`).
+model, shipped in the package (built by :mod:`nanogrpo.models.reward_model`).
 
 What it reads, as such models expect it:
 
@@ -26,12 +30,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
-from nanogrpo.errors import RewardError
+from nanogrpo.errors import ModelError, RewardError
+from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES, _saved_tokenizer_class, resolve_device
+from nanogrpo.models.source import resolve_model_path
 from nanogrpo.rewards.calls import ERROR, OK, Outcome, check_value, one_line
+from nanogrpo.rewards.entries import ModelReward
+from nanogrpo.rewards.runner import RewardRunner
 
-__all__ = ["RewardModel", "EMBEDDED_RM", "prompt_turns_of", "resolve_rm_source"]
+__all__ = ["RewardModel", "EMBEDDED_RM", "prompt_turns_of", "resolve_rm_source", "reward_runner",
+           "model_rewards"]
 
 log = logging.getLogger("nanogrpo.rewards")
 
@@ -39,15 +51,19 @@ EMBEDDED_RM = "embedded-rm"
 """The demo's reward model, shipped with the package (:mod:`nanogrpo.models.reward_model`)."""
 
 
+def embedded_rm_dir() -> Path:
+    """Where the package ships the demo reward model (``nanogrpo/models/embedded_rm``)."""
+    return Path(str(resources.files("nanogrpo") / "models" / "embedded_rm"))
+
+
 def resolve_rm_source(source: str) -> str:
     """A local directory (checked) or a hub id; ``embedded-rm`` is the shipped demo reward model."""
     if source == EMBEDDED_RM:
-        from nanogrpo.models.reward_model import embedded_rm_path
-
-        return str(embedded_rm_path())
-    from nanogrpo.errors import ModelError
-    from nanogrpo.models.load import resolve_model_path
-
+        path = embedded_rm_dir()
+        if not (path / "model.safetensors").is_file():
+            raise RewardError(f"reward 'rm:{EMBEDDED_RM}': not in this install ({path}); build it with "
+                              f"python -m nanogrpo.models.reward_model --out {path}")
+        return str(path)
     try:
         return resolve_model_path(source)
     except ModelError as e:
@@ -66,8 +82,6 @@ def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     """The tokenizer saved with the model (a generic fast tokenizer, like the embedded char-level one, as
     exactly that; see :func:`nanogrpo.models.load.load_tokenizer`). A classifier needs no EOS token."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES, _saved_tokenizer_class
 
     if _saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(path)
@@ -122,8 +136,6 @@ class RewardModel:
             return
         import torch
         from transformers import AutoModelForSequenceClassification
-
-        from nanogrpo.models.load import resolve_device
 
         try:
             device = resolve_device(self.device_name)
@@ -256,3 +268,23 @@ class RewardModel:
 
     def __repr__(self) -> str:
         return f"RewardModel({self.source!r}, device={self.device_name!r})"
+
+
+def model_rewards(cfg: Any, device: str = "auto") -> Callable[[str, str], ModelReward]:
+    """The maker of ``rm:`` entries for :meth:`RewardRunner.from_config` (``make_rm``): ``(spec, metric
+    prefix) -> RewardModel`` with the ``rewards`` config's settings (``rm_device`` ``auto``: ``device``)."""
+    def make(spec: str, prefix: str) -> ModelReward:
+        return RewardModel(spec.partition(":")[2].strip(), device=device if cfg.rm_device == "auto"
+                           else cfg.rm_device, batch_tokens=cfg.rm_batch_tokens, name=spec,
+                           metric_prefix=prefix)
+
+    return make
+
+
+def reward_runner(cfg: Any, rewards: Sequence[Any] | None = None, *, run_dir: Any = None) -> RewardRunner:
+    """A run's :class:`~nanogrpo.rewards.RewardRunner` from its :class:`~nanogrpo.config.Config`:
+    ``cfg.rewards`` (or ``rewards``: names, callables, model rewards, with ``cfg.rewards.weights``),
+    reward models on ``cfg.model.device`` unless ``rewards.rm_device`` names one, a judge's cache in
+    ``run_dir``."""
+    return RewardRunner.from_config(cfg.rewards, rewards, run_dir=run_dir,
+                                    make_rm=model_rewards(cfg.rewards, cfg.model.device))
