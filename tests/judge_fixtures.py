@@ -8,7 +8,8 @@ What it answers depends on the user message (the tests' template is just ``{comp
 - ``slow:S``: waits S seconds, then ``5``;
 - ``malformed``: a 200 whose body is not JSON; ``nochoices``: JSON without ``choices``;
 - ``bad_request``: 400 (not worth asking again);
-- ``key?``: ``yes`` when the ``Authorization`` header carries ``Bearer`` + the server's ``expected_key``.
+- ``key?``: ``yes`` when the ``Authorization`` header carries ``Bearer`` + the server's ``expected_key``;
+- anything else: ``Score: N``, N (0-9) a checksum of the message.
 
 ``GET /v1/models`` lists one model, ``tiny-judge``. The server counts requests (``hits``, by message),
 tracks how many are in flight at once (``peak``) and records every request body (``bodies``).
@@ -119,7 +120,7 @@ class FaultServer:
                 if msg == "key?":
                     ok = self.headers.get("Authorization") == f"Bearer {server.expected_key}"
                     return reply("yes" if ok else "no")
-                return reply("no idea")
+                return reply(f"Score: {sum(map(ord, msg)) % 10}")  # anything else: a score of its text
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

@@ -156,7 +156,7 @@ def test_the_api_key_comes_from_the_environment_and_is_never_logged(template, tm
         assert key.encode() not in cache.read_bytes()
         monkeypatch.delenv("MY_JUDGE_KEY")
         judge = _judge(srv, template, scoring="yes_no", api_key_env="MY_JUDGE_KEY")
-        assert judge.score(["key? "], [S]) == [("ok", 0.0)]  # no key: no Authorization header
+        assert judge.score(["key?"], [S]) == [("ok", 0.0)]  # no key: no Authorization header
         assert "Authorization" not in srv.headers[-1]
         judge.close()
 

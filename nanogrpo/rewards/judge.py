@@ -129,7 +129,10 @@ class Judge:
         """Start the judge's event loop (its thread) once."""
         if self._loop is not None:
             return
-        import httpx  # noqa: F401 - fail here, clearly, when it is missing
+        try:
+            import httpx  # noqa: F401 - fail here, clearly, when it is missing
+        except ImportError:
+            raise RewardError("judge: rewards need httpx: pip install 'nanogrpo[judge]'") from None
 
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True, name="nanogrpo-judge")
