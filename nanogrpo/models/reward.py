@@ -8,7 +8,7 @@ The model is a Hugging Face ``AutoModelForSequenceClassification`` with one outp
 the OpenAssistant DeBERTa reward models and the like; a local directory or a hub id), loaded once, on
 first use, on ``rewards.rm_device`` (``auto``: the trainer's device; in split mode the rollout
 worker's), in bfloat16 on a GPU and float32 on the CPU. ``rm:embedded-rm`` is the demo's own reward
-model, shipped in the package (built by :mod:`nanogrpo.models.reward_model`).
+model, in the package directory once :mod:`nanogrpo.models.reward_model` has built it.
 
 What it reads, as such models expect it:
 

@@ -28,8 +28,8 @@ binary cross-entropy alone (version 2) it learned "the answer differs from the e
 GRPO found that. Minimal pairs with a ranking loss leave the model only the difference that matters.
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
-the rule at run time. Shipped in ``nanogrpo/models/embedded_rm/`` (~3 MB); rebuild with
-``python -m nanogrpo.models.reward_model --out DIR``.
+the rule at run time. ``python -m nanogrpo.models.reward_model`` builds it into
+``nanogrpo/models/embedded_rm/`` (~3 MB), where ``rm:embedded-rm`` finds it; ``--out DIR`` elsewhere.
 """
 
 from __future__ import annotations
