@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.cli import main
+from nanogrpo.models import cpu_linear
 from nanogrpo.models.cpu_linear import onednn_available
+from nanogrpo.training.checkpoint import latest_checkpoint
 from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,9 +82,29 @@ def test_resume_of_finished_run_does_nothing(assets, straight, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpts
 
 
+_CLI = """
+import os, sys
+from nanogrpo.models import cpu_linear
+faster = os.environ.get("TEST_ONEDNN_FASTER")  # the shape classes (their rows) oneDNN times faster for
+if faster is not None:
+    cpu_linear.onednn_faster = lambda rows, *a: str(rows) in faster.split(",")
+from nanogrpo.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+"""``nanogrpo`` with model.cpu_linear=auto's timing set by ``TEST_ONEDNN_FASTER`` (the test's own hook)."""
+
+
+def _timing(straight: list[dict], same: bool) -> dict[str, str]:
+    """The timing the straight run's decisions came from (``same``), or the opposite one for both shape
+    classes, as a resumed process on a loaded machine can measure."""
+    decided = {cpu_linear.TRAIN_ROWS: straight[-1]["cpu_linear/trainer"],
+               cpu_linear.DECODE_ROWS: straight[-1]["cpu_linear/engine"]}
+    return {"TEST_ONEDNN_FASTER": ",".join(str(r) for r, v in decided.items() if (v == "onednn") == same)}
+
+
 def _spawn(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", _CLI, *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -109,7 +131,10 @@ def _saving(out: Path) -> bool:
 
 @pytest.mark.slow
 def test_kill9_anywhere_then_resume_is_exact(assets, straight):
-    """kill -9 at several points (mid-step, mid-checkpoint-save, twice in one run), resume, finish."""
+    """kill -9 at several points (mid-step, mid-checkpoint-save, twice in one run), resume, finish.
+    ``model.cpu_linear=auto``: every resumed process times the opposite of what the run decided and
+    must reuse the checkpoint's decisions. A fresh start (nothing to resume yet) times as the straight
+    run did: two separate runs may pick differently on a loaded machine, which no record can help."""
     rng = random.Random(0)
     scenarios = [
         ("during the save of step_2", [lambda o: _saving(o) and _steps_logged(o) >= 2]),
@@ -121,7 +146,8 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
         out = assets / f"kill-{name.split()[0]}-{len(kill_points)}-{rng.randrange(1000)}"
         args = _args(assets, out, 6)
         for i, point in enumerate(kill_points):
-            env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else None
+            env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else {}
+            env.update(_timing(straight, same=latest_checkpoint(out / "checkpoints") is None))
             proc = _spawn(args if i == 0 else _resume_args(out, 6), env)
             reached = _wait_for(lambda p=point, o=out: p(o), proc)
             assert reached, f"{name}: run ended before the kill point: {proc.stderr.read().decode()[-800:]}"
@@ -131,9 +157,12 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
             proc.stderr.close()
             if "save" in name:
                 assert _saving(out), "the kill was meant to land inside save_checkpoint"
-        resumed = subprocess.run([sys.executable, "-m", "nanogrpo.cli", *_resume_args(out, 6)], cwd=REPO,
-                                 env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+        same = latest_checkpoint(out / "checkpoints") is None
+        resumed = subprocess.run([sys.executable, "-c", _CLI, *_resume_args(out, 6)], cwd=REPO, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO), **_timing(straight, same)},
+                                 capture_output=True)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert same or "as the checkpoint recorded" in resumed.stderr, resumed.stderr[-2000:]
         assert _comparable(out) == straight, f"kill {name}: metrics differ from the uninterrupted run"
         assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")], name
 
@@ -175,8 +204,6 @@ def test_resume_reuses_the_cpu_linear_decisions_when_the_timing_says_otherwise(a
     both the trainer's and the engine's shapes (as it can on a loaded machine). It reuses what the
     checkpoint recorded, times nothing, and logs the same metrics as the uninterrupted run; an
     explicit ``model.cpu_linear`` on resume wins (and then the metrics show what ran)."""
-    from nanogrpo.models import cpu_linear
-
     timed = []
 
     def timing(trainer_fast: bool):
