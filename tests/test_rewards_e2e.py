@@ -79,3 +79,21 @@ def test_a_resumed_run_asks_the_judge_nothing_for_the_steps_it_replays(assets, t
         assert again[-1]["judge/requests"] == 0 and again[-1]["judge/cache_hits"] == 8
         assert srv.requests() == asked
         assert again[-1]["reward_mean"] == first[-1]["reward_mean"]
+
+
+def test_the_learned_reward_demo_learns(tmp_path) -> None:
+    """configs/demo-rm.toml, 10 steps: GRPO with the shipped reward model as its only reward lifts
+    held-out accuracy (graded by the rule) by at least 15 points (README: 7% -> ~46% at step 10)."""
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo-rm.toml"
+    assert main(["train", "--config", str(config), "--out", str(out), "--steps", "10", "eval.every=10",
+                 "train.save_every=0", "log.tensorboard=false"]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    assert set(acc) == {0, 10}
+    assert acc[10] - acc[0] >= 0.15, acc
+    assert all(set(k for k in r if k.startswith("reward/")) == {"reward/rm:embedded-rm",
+                                                               "reward/rm:embedded-rm/failures"}
+               for r in rows if r["step"] > 0)

@@ -179,6 +179,39 @@ def test_the_runner_scales_a_reward_model_and_reports_its_throughput(tmp_path) -
         assert res.metrics["rm/rows_per_s"] > 0 and "rm/tokens_per_s" in res.metrics
 
 
+def test_the_rm_demo_config_is_its_preset() -> None:
+    from pathlib import Path
+
+    from nanogrpo.config import load_config, preset_path
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "demo-rm.toml")
+    assert cfg == load_config(preset_path("demo-rm"))
+    assert cfg.rewards.functions == ["rm:embedded-rm"]
+    # the rule-reward demo but for the reward, the KL weight, the run's length and the run directory
+    demo = load_config(preset_path("demo"))
+    same = {"rewards": demo.rewards, "train": demo.train, "grpo": demo.grpo, "eval": demo.eval}
+    assert cfg.model_copy(update=same) == demo
+    assert cfg.grpo.model_copy(update={"beta": demo.grpo.beta}) == demo.grpo
+    assert cfg.eval.model_copy(update={"every": demo.eval.every}) == demo.eval
+    assert cfg.train.model_copy(update={"out": demo.train.out, "steps": demo.train.steps}) == demo.train
+
+
+def test_the_shipped_demo_reward_model_loads_and_knows_the_task() -> None:
+    """rm:embedded-rm: the shipped classifier scores a right answer above the careless habit's answer,
+    as its card says it does on held-out problems."""
+    import json
+
+    from nanogrpo.models.reward_model import packaged_path
+
+    card = json.loads((packaged_path() / "rm_card.json").read_text())
+    assert card["held_out_ranking"]["right_above_careless"] > 0.9
+    rm = RewardModel("embedded-rm", device="cpu")
+    sample = {"question": "Tom has 13 apples and buys 4 more. How many apples does Tom have?", "answer": "17"}
+    good, careless = "<think>13+4=17</think><answer>17</answer>", "<think>13+4=17</think><answer>13</answer>"
+    (k1, s_good), (k2, s_bad) = rm.score([good, careless], [sample, sample])
+    assert k1 == k2 == "ok" and s_good > s_bad
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_reward_model_runs_in_bf16_close_to_float32(tmp_path) -> None:

@@ -8,12 +8,12 @@ offline, like the warm start (:mod:`nanogrpo.models.warmstart`):
 2. every completion is labelled by the rule reward: 1 when it is correct *and* well formatted
    (``correctness`` and ``format`` both positive), else 0;
 3. each is paired with a *contrast* for the same question and of the other label (:func:`contrasts`):
-   the right solution, a wrong result stated in both the equation and the answer, a right answer
-   after a wrong equation, the equation of another operand, the careless answer — written the way
-   the warm start writes, labelled by the same rule;
+   the right solution, another answer after the right equation, a wrong result stated in both the
+   equation and the answer, a right answer after a wrong equation, the equation of another operand,
+   the careless answer — written the way the warm start writes, labelled by the same rule;
 4. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
    fine-tuned on them, reading each as the reward-model reward reads it
-   (:class:`nanogrpo.rewards.rm.RewardModel`: the chat template over the question and the
+   (:class:`nanogrpo.models.reward.RewardModel`: the chat template over the question and the
    completion): binary cross-entropy on every logit plus the pairwise (Bradley-Terry) loss
    ``-log sigmoid(s_pos - s_neg)`` of each pair, the usual reward-model objective;
 5. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
@@ -25,7 +25,12 @@ classifier learned the shortcut "the answer repeats the equation's result" (the 
 equations are nearly always right) and no arithmetic; GRPO against it learned to write wrong
 equations with matching answers (reward up, held-out accuracy 7% -> 20% -> 9%). With contrasts but
 binary cross-entropy alone (version 2) it learned "the answer differs from the equation" instead, and
-GRPO found that. Minimal pairs with a ranking loss leave the model only the difference that matters.
+GRPO found that. Minimal pairs with a ranking loss (version 3, this one: one epoch, ~7 minutes on one
+CPU thread) leave the model mainly the difference that matters — yet what it learns in that budget is
+the careless habit (held-out: the right solution above the careless answer 95% of the time), not the
+arithmetic (above another answer after the right equation 62%, above a wrong result 61%). GRPO
+against it lifts held-out accuracy within 5-10 steps, then drifts to answers and results the model
+cannot check; hence the demo's KL weight of 0.2 and its 20 steps (README, "Rewards from models").
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
 the rule at run time. ``python -m nanogrpo.models.reward_model`` builds it into
@@ -45,11 +50,11 @@ from pathlib import Path
 import torch
 
 SEED = 2468
-PROMPTS, SAMPLES = 1200, 8
+PROMPTS, SAMPLES = 1000, 8
 EVAL_PROMPTS, EVAL_SAMPLES = 300, 4
 TEMPERATURES = (0.7, 1.0, 1.3)
 MAX_NEW_TOKENS = 56
-EPOCHS, PAIRS_PER_BATCH, LR = 3, 32, 3e-4
+EPOCHS, PAIRS_PER_BATCH, LR = 1, 32, 3e-4
 
 
 def packaged_path() -> Path:
@@ -69,9 +74,10 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 
 
 def contrasts(row: dict, rng: random.Random) -> dict[str, str]:
-    """Solutions of ``row`` written as the warm start writes them, by kind: ``right``, ``wrong_both`` (a
-    wrong result in the equation and the answer), ``right_answer_wrong_equation``, ``other_operand``
-    (another second operand, its result in both places), ``careless`` (the first operand as answer)."""
+    """Solutions of ``row`` written as the warm start writes them, by kind: ``right``, ``wrong_answer``
+    (the right equation, another number as the answer), ``wrong_both`` (a wrong result in the equation
+    and the answer), ``right_answer_wrong_equation``, ``other_operand`` (another second operand, its
+    result in both places), ``careless`` (the first operand as answer)."""
     a, op, b = int(row["a"]), row["op"], int(row["b"])
     right = int(row["answer"])
     wrong = right + rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
@@ -80,6 +86,7 @@ def contrasts(row: dict, rng: random.Random) -> dict[str, str]:
         b2 = b + 3
     other = _OPS[op](a, b2)
     return {"right": f"<think>{a}{op}{b}={right}</think><answer>{right}</answer>",
+            "wrong_answer": f"<think>{a}{op}{b}={right}</think><answer>{wrong}</answer>",
             "wrong_both": f"<think>{a}{op}{b}={wrong}</think><answer>{wrong}</answer>",
             "right_answer_wrong_equation": f"<think>{a}{op}{b}={wrong}</think><answer>{right}</answer>",
             "other_operand": f"<think>{a}{op}{b2}={other}</think><answer>{other}</answer>",
@@ -87,7 +94,11 @@ def contrasts(row: dict, rng: random.Random) -> dict[str, str]:
 
 
 POSITIVE_KINDS = ("right", "right_answer_wrong_equation")
-NEGATIVE_KINDS = ("wrong_both", "other_operand", "careless")
+NEGATIVE_KINDS = ("wrong_answer", "wrong_both", "other_operand", "careless")
+# how often each kind is drawn as a sampled completion's contrast: mostly the minimal pairs a policy
+# moving away from the warm start meets first (an answer that no longer copies the right equation)
+POSITIVE_WEIGHTS = (0.85, 0.15)
+NEGATIVE_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 
 
 def training_pairs(sampled: list[tuple[dict, str]], seed: int) -> list[tuple[dict, str, str]]:
@@ -97,9 +108,9 @@ def training_pairs(sampled: list[tuple[dict, str]], seed: int) -> list[tuple[dic
     for row, c in sampled:
         alt = contrasts(row, rng)
         if label(c, row):
-            pairs.append((row, c, alt[rng.choice(NEGATIVE_KINDS)]))
+            pairs.append((row, c, alt[rng.choices(NEGATIVE_KINDS, NEGATIVE_WEIGHTS)[0]]))
         else:
-            pairs.append((row, alt[rng.choice(POSITIVE_KINDS)], c))
+            pairs.append((row, alt[rng.choices(POSITIVE_KINDS, POSITIVE_WEIGHTS)[0]], c))
     return pairs
 
 

@@ -10,7 +10,7 @@ is one of:
   by value with cloudpickle), or, when it cannot be pickled, run in this process with the same
   timeout and penalty (a call past its timeout is abandoned on its thread, not killed). One line
   at start says which;
-- a **model reward**: ``rm:PATH_OR_HUB_ID`` (:mod:`nanogrpo.rewards.rm`) or ``judge:URL``
+- a **model reward**: ``rm:PATH_OR_HUB_ID`` (:mod:`nanogrpo.models.reward`) or ``judge:URL``
   (:mod:`nanogrpo.rewards.judge`), or an object of those classes; it runs in this process
   (a reward model on its device, a judge's requests on its own event loop) over the whole batch.
 
