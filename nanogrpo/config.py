@@ -268,7 +268,20 @@ class GrpoConfig(_Strict):
     min_reward_spread: float = Field(0.01, ge=0)
     """Groups whose rewards span less than this carry no signal and are dropped."""
     updates_per_batch: int = Field(1, ge=1)
-    """Optimizer steps taken on each rollout batch (>1 makes later updates off-policy: clipped ratio)."""
+    """Passes (epochs, μ) over each rollout batch; each pass takes ``mini_batches`` optimizer steps (later
+    ones are off-policy: clipped ratio). TRL ``num_iterations``, verl ``ppo_epochs``."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass over a rollout batch: its groups are cut into this many mini-batches, each
+    one optimizer step normalised by its own totals (TRL ``steps_per_generation``; verl's PPO mini-batch,
+    ``ppo_mini_batch_size`` = the batch / this). Each optimizer step is one policy version
+    (``nanogrpo.training.schedule``)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards all agree are dropped and more prompts are generated,
+    up to ``max_refills`` more rounds, until ``rollout.prompts_per_step`` informative groups are kept (the
+    surplus of the last round is dropped too, and counted). False: the step trains on what is kept."""
+    max_refills: int = Field(4, ge=0)
+    """``dynamic_sampling``: extra generation rounds per step at most (verl ``max_num_gen_batches`` - 1); a
+    step that has not filled its batch by then trains on the groups it has."""
 
     @model_validator(mode="after")
     def _combinations(self) -> GrpoConfig:
@@ -434,6 +447,11 @@ class TrainConfig(_Strict):
     """Completion tokens per chunk of the fused LM-head + log-softmax (one (chunk, vocab) float32 buffer)."""
     save_every: int = Field(200, ge=0)
     """0: only the final checkpoint (and step_0)."""
+    save_every_updates: int = Field(0, ge=0)
+    """Also checkpoint every this many optimizer steps (policy versions) inside a step, between the
+    optimizer steps of one rollout batch (``grpo.mini_batches`` x ``updates_per_batch`` > 1), as
+    ``step_N_update_U`` with the batch itself: a run killed there resumes at that update, exactly. Only
+    the newest such checkpoint is kept. 0: checkpoints at step boundaries only (``save_every``)."""
     seed: int = 0
     out: str = "runs/nanogrpo"
     gradient_checkpointing: bool = False
@@ -484,7 +502,8 @@ class ServerConfig(_Strict):
     """Split mode: ``nanogrpo serve`` / ``nanogrpo rollout`` / ``nanogrpo train --server``."""
 
     publish_every: int = Field(1, ge=1)
-    """The trainer publishes its weights to the server every this many optimizer steps."""
+    """The trainer publishes its weights to the server every this many optimizer steps (policy versions;
+    between the mini-batches of one batch too)."""
     max_staleness: int = Field(4, ge=0)
     """Batches generated more than this many policy versions ago are dropped (and counted)."""
     queue_size: int = Field(16, gt=0)
@@ -501,7 +520,7 @@ class ServerConfig(_Strict):
     connection did); the rank acknowledges as soon as the batch is safe in its run directory."""
     max_version_step: int = Field(1000, ge=1)
     """Server: how far one publish may move the policy version forward (the trainer moves it by
-    ``publish_every x grpo.updates_per_batch``); a larger jump is refused."""
+    ``publish_every`` optimizer steps); a larger jump is refused."""
 
 
 class VllmConfig(_Strict):
@@ -549,6 +568,14 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
+        g, r = self.grpo, self.rollout
+        if g.mini_batches > r.prompts_per_step:
+            raise ValueError(f"grpo.mini_batches={g.mini_batches} cuts a batch of rollout.prompts_per_step="
+                             f"{r.prompts_per_step} groups into more mini-batches than it has groups")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -354,12 +354,16 @@ def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: f
     return {k: (v if math.isfinite(v) else math.nan) for k, v in out.items()}
 
 
-def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
+def step_metrics(results: list[UpdateResult], per_pass: int = 1) -> dict[str, float]:
     """One step's metrics from its updates: loss, kl, grad norm, entropy and the correction stats of the
-    first (the batch as generated); clip fractions averaged and ratio extremes over all of them."""
+    first pass over the batch (its first ``per_pass`` = ``grpo.mini_batches`` optimizer steps: the batch as
+    generated; means of their values, extremes of their extremes); clip fractions averaged and ratio
+    extremes over all of them."""
     first = results[0]
     out = {"loss": first.loss, "kl": first.kl, "clip_frac": first.clip_frac, "grad_norm": first.grad_norm,
            **first.metrics}
+    if per_pass > 1:
+        out.update(_pass_metrics(results[:per_pass]))
     done = [r for r in results if not r.skipped_nonfinite and r.metrics]
     if len(done) > 1:
         out["clip_frac"] = sum(r.clip_frac for r in done) / len(done)
@@ -368,6 +372,20 @@ def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
                 out[k] = sum(r.metrics[k] for r in done) / len(done)
         for k, pick in (("ratio_min", min), ("ratio_max", max)):
             out[k] = pick((r.metrics[k] for r in done if not math.isnan(r.metrics[k])), default=math.nan)
+    return out
+
+
+def _pass_metrics(results: list[UpdateResult]) -> dict[str, float]:
+    """The first pass's metrics over its mini-batches' optimizer steps: ``*_min`` / ``*_max`` their extremes,
+    the rest their mean (skipped, non-finite steps left out)."""
+    done = [r for r in results if not r.skipped_nonfinite and r.metrics]
+    if not done:
+        return {}
+    out = {k: sum(getattr(r, k) for r in done) / len(done) for k in ("loss", "kl", "clip_frac", "grad_norm")}
+    for k in done[0].metrics:
+        vals = [r.metrics[k] for r in done if k in r.metrics and not math.isnan(r.metrics[k])]
+        pick = min if k.endswith("_min") else max if k.endswith("_max") else None
+        out[k] = (pick(vals) if pick else sum(vals) / len(vals)) if vals else math.nan
     return out
 
 
