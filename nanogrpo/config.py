@@ -339,7 +339,8 @@ def _check_loss_combination(g: GrpoConfig) -> None:
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``, ``format_strict``), ``module:function`` or
+    """Built-in names (``correctness``, ``format``, ``format_strict``, ``format_boxed``, ``overlong``),
+    ``module:function`` or
     ``path/to/file.py:function`` (per-completion or batched, ``nanogrpo.rewards.batching``). (Python's
     API also takes callables: ``nanogrpo.rewards.entries``.)"""
     weights: list[float] | None = None
@@ -359,6 +360,12 @@ class RewardsConfig(_Strict):
     """Whether the built-in ``correctness`` credits a completion the token limit cut off
     (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
     -1 whatever it says (DAPO's overlong filtering), so answers that never finish earn nothing."""
+    overlong_buffer: int | None = Field(None, gt=0)
+    """The built-in ``overlong`` reward (DAPO's soft overlong punishment): its penalty ramps from 0 to
+    -``overlong_penalty`` over the last this many tokens before ``rollout.max_new_tokens``. None: a fifth
+    of the limit (DAPO: 4,096 of 20,480)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The built-in ``overlong``'s penalty at the token limit (verl's ``penalty_factor``)."""
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardsConfig:
@@ -575,6 +582,10 @@ class Config(_Strict):
         if g.mini_batches > r.prompts_per_step:
             raise ValueError(f"grpo.mini_batches={g.mini_batches} cuts a batch of rollout.prompts_per_step="
                              f"{r.prompts_per_step} groups into more mini-batches than it has groups")
+        buf = self.rewards.overlong_buffer
+        if buf is not None and buf > r.max_new_tokens:
+            raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
+                             f"{r.max_new_tokens}: the punishment would start before the first token")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rewards.grade import final_answer
 from nanogrpo.rewards.latex import clean, plain_values
-from nanogrpo.rollout.collect import generate, pad_batch
+from nanogrpo.rollout.collect import completion_samples, generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
@@ -130,7 +130,9 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                         cfg.train.logprob_chunk)
             ent_sum, ent_n = ent_sum + s_, ent_n + n_
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-        samples = [r for r in kept for _ in range(k)]
+        sampled = [sum(m) for m in gen.loss_masks] if tools is not None else \
+            [len(c) for c in gen.completion_ids]
+        samples = completion_samples(kept, k, gen.finish_reasons, sampled, max_new_tokens)  # as in training
         calls = [info["tool_calls"] for info in gen.infos] if tools is not None else [0] * len(texts)
         if tools is not None:
             samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
-                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools)
+                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
+                                       more=sampler.next_batch)  # grpo.dynamic_sampling's refill rounds
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)

@@ -307,7 +307,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                 template=cfg.model.chat_template,
                                 seed=_step_seed(cfg.train.seed, step) + rank,
                                 policy_version=version, tools=tools,
-                                reduce=be.all_reduce if world > 1 else None)
+                                reduce=be.all_reduce if world > 1 else None,
+                                more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
         roll = {"metrics": rstats.metrics(), "examples": rstats.examples,
                 "rollout_time_s": time.perf_counter() - t0}
         if batch is not None:
