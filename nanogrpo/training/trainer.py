@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,8 @@ def train(run: PreparedRun) -> Path:
         version = state.get("policy_version", start_step)
         control.load_state_dict(state.get("entropy_control"))
         pending = read_pending(run.resume_from, state, backend.rank, device)
+        if pending is not None:  # its version counts the step's updates so far; the step adds them
+            version -= updates_taken(pending.sched)
         if backend.is_main:
             log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
@@ -202,6 +205,7 @@ def train(run: PreparedRun) -> Path:
                                                 "pending": pending_state(step, sched)},
                      save_merged=cfg.model.lora_save_merged, name=f"step_{step}_update_{sched.done}",
                      rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
+        _test_stop(f"step_{step}_update_{sched.done}")
 
     if run.resume_from is None:
         save(0)
@@ -247,6 +251,13 @@ def train(run: PreparedRun) -> Path:
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
     backend.barrier()
     return root
+
+
+def _test_stop(name: str) -> None:
+    """Test hook: ``NANOGRPO_TEST_STOP_AFTER=step_N_update_U`` ends the run (SystemExit) right after that
+    mid-batch checkpoint is written, as a kill there would, minus the kill."""
+    if os.environ.get("NANOGRPO_TEST_STOP_AFTER") == name:
+        raise SystemExit(f"stopped after {name} (NANOGRPO_TEST_STOP_AFTER)")
 
 
 def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
