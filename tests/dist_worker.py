@@ -79,7 +79,7 @@ def main() -> None:
     batch = make_batch(len(tok))
     mine = batch.select(torch.arange(batch.num_seqs)[rank::world])
     res = policy_update(be.model, be.optimizer, mine, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be)
+                        backend=be, rollout=cfg.rollout)
     sd = be.full_state_dict()
     out = Path(a.out)
     be.save(out / "ckpt", 1, tok, {"policy_version": 1})

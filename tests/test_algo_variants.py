@@ -262,8 +262,8 @@ def test_corrections_by_hand():
 
 def test_anchor_rule():
     t, b = torch.zeros(1, 1), torch.ones(1, 1)
-    assert anchor("none", True, t, b) == (None, b)               # on-policy: engine measured only
-    assert anchor("none", False, t, b) == (b, None)              # the seed's: the recorded log-probs
+    assert anchor("none", True, t, b) == (None, None)            # on-policy, exact engine: nothing to compare
+    assert anchor("none", False, t, b) == (b, b)                 # the seed's: the recorded ones, measured
     assert anchor("token_truncate", False, t, b) == (t, b)       # decoupled: the trainer's, weighted
     assert anchor("sequence_mask", True, None, b) == (None, b)
 

@@ -43,7 +43,7 @@ def _single_step():
     cfg = make_cfg("single")
     be = make_backend(cfg, model)
     res = policy_update(model, be.optimizer, make_batch(len(tok)), cfg.grpo, cfg.train, on_policy=True,
-                        max_new_tokens=9, backend=be)
+                        max_new_tokens=9, backend=be, rollout=cfg.rollout)
     return model, res
 
 

@@ -144,15 +144,18 @@ def test_correction_anchors_later_updates_on_the_first_updates_log_probs():
 
 
 def test_without_a_correction_the_seeds_anchor_is_kept():
-    """No correction: off-policy updates take the recorded behaviour log-probs, as before this change."""
+    """No correction: off-policy updates take the recorded behaviour log-probs, as before this change, and
+    the gap to the trainer's own is measured; on-policy (an exact engine) nothing is compared."""
     b = _batch()
     res, _ = _update([], 8, batch=b)
     trained = batch_logprobs(_model(), b, load_config().train, True)[0].double()
     ratio = torch.exp(trained - b.old_logprobs)[b.completion_mask]
     assert res.metrics["ratio_max"] == pytest.approx(ratio.max().item(), rel=1e-9)
-    assert "is_weight_mean" not in res.metrics                   # nothing compared: none measured
+    assert res.metrics["is_weight_max"] == pytest.approx(ratio.max().item(), rel=1e-9)  # pi_trainer / mu
+    assert "is_corrected_frac" not in res.metrics                # measured, not corrected
     on, _ = _update([], 8, batch=_batch(), on_policy=True)
-    assert on.metrics["ratio_min"] == on.metrics["ratio_max"] == 1.0 and on.metrics["is_kl"] > 0
+    assert on.metrics["ratio_min"] == on.metrics["ratio_max"] == 1.0
+    assert not any(k.startswith("is_") for k in on.metrics)
 
 
 def test_entropy_bonus_moves_the_gradient_and_is_logged():

@@ -120,14 +120,16 @@ def off_policy_mask(logp: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tens
 
 def anchor(correction: str, on_policy: bool, trainer: torch.Tensor | None, behaviour: torch.Tensor | None
            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(old, behaviour) for :func:`nanogrpo.algo.losses.policy_loss`: the log-probs the ratio is anchored on
-    (None: the policy's own, detached) and the engine's log-probs the correction compares them with.
+    """(old, behaviour) for :func:`nanogrpo.algo.losses.policy_loss`: the log-probs the PPO ratio is anchored
+    on (None: the policy's own, detached) and the engine's behaviour log-probs, which the correction and
+    the mismatch stats compare with the trainer's own log-probs before the update (``proximal``:
+    ``trainer``, or None on the batch's first update, whose forward computes them).
 
-    ``none`` (the seed's rule): on-policy, the policy's own, with the engine's only measured against
-    them; off-policy, the engine's recorded log-probs (nothing left to compare). A correction: the
-    trainer's own log-probs before the batch's first update (``trainer``; None on that first
-    update, whose forward computes them), the engine's as behaviour: decoupled PPO, the ratio
-    measures the update, the weight the gap between the engine (or an older policy) and the trainer."""
+    ``none`` (the seed's rule): on-policy (samples from these weights through an engine that computes
+    as the trainer does), the policy's own and nothing to compare; off-policy (vLLM, a stale batch),
+    the engine's recorded log-probs, measured against the trainer's. A correction: the trainer's own
+    log-probs, the engine's as behaviour: decoupled PPO, the ratio measures the update, the weight
+    the gap between the engine (or an older policy) and the trainer."""
     if correction == "none":
-        return (None, behaviour) if on_policy else (behaviour, None)
+        return (None, None) if on_policy else (behaviour, behaviour)
     return trainer, behaviour

@@ -219,16 +219,18 @@ LOSSES = LOSS_PRESETS
 def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                 adv: torch.Tensor, mask: torch.Tensor, tot: BatchTotals, *, beta: float | None = None,
                 eps_low: float | None = None, eps_high: float | None = None,
-                behaviour: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                entropy_mask: torch.Tensor | None = None, entropy_coef: float = 0.0
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                behaviour: torch.Tensor | None = None, proximal: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
+                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reduced loss for one micro-batch (its share of the whole batch's loss) and its stats.
 
     logp: (N, T) policy log-probs, requires grad; old: (N, T) the log-probs the ratio is anchored on,
     or None (on-policy: ``logp.detach()``); ref: (N, T) reference log-probs or None when beta == 0;
     adv: (N,); mask: (N, T) the trained tokens; ``tot`` the same mask's whole-batch counts.
     behaviour: (N, T) the engine's log-probs when the correction or the off-policy mask needs them, or
-    for the mismatch stats. entropy: (N, T) per-token policy entropy (with gradient when
+    for the mismatch stats; proximal: (N, T) the trainer's own log-probs before the update, which the
+    correction weighs against ``behaviour`` (None: ``logp.detach()``, the first update's; with a
+    correction it is ``old``). entropy: (N, T) per-token policy entropy (with gradient when
     ``entropy_coef`` != 0), entropy_mask: (N, T) bool, the top-ρ tokens the policy term keeps.
 
     ``spec`` may be a preset name (then ``beta``, ``eps_low``, ``eps_high`` fill it in; with a
@@ -260,10 +262,10 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
         loss_t = loss_t * entropy_mask.to(logp.dtype)                  # (N, T)
     if behaviour is not None:
         beh = behaviour.to(logp.dtype)                                 # (N, T)
+        prox = logp.detach() if proximal is None else proximal.to(logp.dtype)  # (N, T) pi_old
         with torch.no_grad():
-            corr = CORRECTIONS[spec.correction](old.detach(), beh, mf, spec.correction_min,
-                                                spec.correction_max)
-            stats.update(correction_stats(old.detach(), beh, m, corr))
+            corr = CORRECTIONS[spec.correction](prox, beh, mf, spec.correction_min, spec.correction_max)
+            stats.update(correction_stats(prox, beh, m, corr))
         if corr[0] is not None:
             loss_t = loss_t * corr[0]                                  # (N, T|1) weight, no gradient
     if spec.beta > 0:

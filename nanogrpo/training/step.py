@@ -19,11 +19,12 @@ ranks), from one forward without gradients before the update (:func:`entropy_thr
 sequence-level quantities (GSPO's ratio, the off-policy mask, sequence corrections) are per row
 and micro-batches hold whole rows.
 
-Which log-probs the ratio is anchored on (``old``) and which the correction compares them with
-(``behaviour``) is :func:`nanogrpo.algo.corrections.anchor`'s rule: without a correction, the
-recorded behaviour log-probs whenever the update is off-policy (the seed's); with one, the
-trainer's own log-probs before the batch's first update (``old_logprobs``, e.g. the first
-update's :attr:`UpdateResult.logprobs`), against the engine's as behaviour.
+Which log-probs the ratio is anchored on (``old``) and which the correction compares with the
+trainer's own (``behaviour``) is :func:`nanogrpo.algo.corrections.anchor`'s rule: without a
+correction, the recorded behaviour log-probs whenever the update is off-policy (the seed's), and
+nothing on-policy; with one, the trainer's own log-probs before the batch's first update
+(``old_logprobs``, e.g. the first update's :attr:`UpdateResult.logprobs`), against the engine's.
+The mismatch stats (``is_*``) are logged wherever the behaviour log-probs are compared.
 
 A non-finite loss or gradient norm skips the whole update (gradients dropped,
 weights untouched) and is reported, so one bad batch never corrupts the model.
@@ -275,7 +276,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
                 loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
-                                          behaviour=beh, entropy=ent,
+                                          behaviour=beh, proximal=trainer_old, entropy=ent,
                                           entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
                                           entropy_coef=coef)
                 kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
