@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     md = table(lines)
     (a.out / "variants.md").write_text(md + "\n")
     print(md)
-    if not a.no_report and lines:
-        from nanogrpo.report import main as report
-
-        report([str(a.out / x["setting"]) for x in lines] + ["--out", str(a.out / "report")])
+    if not a.no_report and lines:  # `nanogrpo report` over every run (its own process: a layer beside this)
+        return subprocess.run([sys.executable, "-m", "nanogrpo.cli", "report",
+                               *[str(a.out / x["setting"]) for x in lines], "--out", str(a.out / "report")],
+                              env=env).returncode
     return 0
