@@ -172,8 +172,10 @@ class RolloutConfig(_Strict):
     top_k: int = Field(0, ge=0)
     tempered_logprobs: bool = False
     """False: log-probs of the untempered model distribution (the seed's convention); True: of
-    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's). Applies to
-    the engine's behaviour log-probs and the policy and reference forwards alike."""
+    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's), and with
+    ``top_k`` / ``top_p`` of that distribution restricted to each position's top-k / top-p support and
+    renormalised, exactly what is sampled (``nanogrpo.algo.support``). Applies to the engine's behaviour
+    log-probs and the policy and reference forwards alike."""
 
     correction: Literal[CORRECTION_NAMES] = "none"
     """Importance weights between the trainer's log-probs and the engine's behaviour log-probs (vLLM,
@@ -200,6 +202,14 @@ class RolloutConfig(_Strict):
     def logprob_temperature(self) -> float:
         """The temperature every log-prob of a run is computed at (see ``tempered_logprobs``)."""
         return self.temperature if self.tempered_logprobs else 1.0
+
+    def logprob_support(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when every log-prob of the run is over each position's top-k / top-p support
+        (tempered log-probs with a truncated sampler: the distribution samples are drawn from,
+        ``nanogrpo.algo.support``); None: over the whole vocabulary."""
+        if self.tempered_logprobs and (self.top_k > 0 or self.top_p < 1.0):
+            return self.top_k, self.top_p
+        return None
 
 
 LossName = Literal[LOSS_NAMES]

@@ -155,7 +155,8 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
         return _Round([], [], None, [], [], None, len(skipped))
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=grpo.group_size, seed=seed,
-                            logprob_temperature=cfg.logprob_temperature())
+                            logprob_temperature=cfg.logprob_temperature(),
+                            support_logprobs=cfg.logprob_support() is not None)
     gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools)
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
     sampled = [sum(m) for m in gen.loss_masks] if tools is not None else [len(c) for c in gen.completion_ids]

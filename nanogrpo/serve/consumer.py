@@ -109,6 +109,11 @@ class _Feed:
                     raise ConfigError(f"a rollout worker took log-probs at temperature {theirs:g}, this "
                                       f"trainer takes them at {ours:g}: give workers and trainer the same "
                                       "rollout.tempered_logprobs and rollout.temperature")
+                sup, mine = batch.meta.get("logprob_support"), cfg.rollout.logprob_support()
+                if action == TRAIN and (tuple(sup) if sup else None) != mine:
+                    raise ConfigError(f"a rollout worker took log-probs over the top-k/top-p support {sup}, "
+                                      f"this trainer over {list(mine) if mine else None}: give workers "
+                                      "and trainer the same rollout.top_k, top_p and tempered_logprobs")
             entry = {"id": got.batch_id, "step": step, "n": self.inbox.next_n(step), "action": action,
                      "lag": lag, "worker": batch.meta.get("worker", "?") if batch is not None else "?"}
             if not self.inbox.hand_off(self.client, entry, got.lease, got.body if action == TRAIN else None):

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
                                   behaviour_logprobs=bool(getattr(engine, "behaviour_logprobs", False)),
                                   logprob_temperature=cfg.rollout.logprob_temperature(),
+                                  logprob_support=list(cfg.rollout.logprob_support() or []) or None,
                                   rollout_time_s=time.perf_counter() - t0,
                                   examples=[_clean(ex) for ex in stats.examples])
                 batch_id = f"{id_prefix}-{uploaded}"

@@ -112,7 +112,8 @@ def proximal_logprobs(batch: RolloutBatch | None, cfg: Config, be, share_prefix:
                     ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
                     lp, _ = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
                                         share_prefix=share_prefix,
-                                        temperature=cfg.rollout.logprob_temperature())  # (n, c)
+                                        temperature=cfg.rollout.logprob_temperature(),
+                                        support=cfg.rollout.logprob_support())  # (n, c)
                     out[mbs[k], :lp.shape[1]] = lp.to(out.dtype)
                 else:
                     _zero_loss(fwd, be.device, train.logprob_chunk)
@@ -166,6 +167,7 @@ def run_updates(model, optimizer, batch: RolloutBatch | None, cfg: Config, sched
         res = policy_update(model, optimizer, mb, cfg.grpo, cfg.train, on_policy=(u == 0 and fresh and exact),
                             max_new_tokens=max_new_tokens, backend=be,
                             logprob_temperature=cfg.rollout.logprob_temperature(), rollout=cfg.rollout,
+                            logprob_support=cfg.rollout.logprob_support(),
                             old_logprobs=old, entropy_coef=control.applied())
         control.update(res.bonus_entropy)
         if whole and sched.proximal is None and batch is not None:

@@ -327,7 +327,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
             if ref is not None:
                 batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train,
                                                         cfg.train.share_prefix and share_ok,
-                                                        temperature=cfg.rollout.logprob_temperature())
+                                                        temperature=cfg.rollout.logprob_temperature(),
+                                                        support=cfg.rollout.logprob_support())
         sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, be)) \
             if batch is not None or world > 1 else None
     else:
