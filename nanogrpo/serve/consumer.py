@@ -332,6 +332,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 "policy_version": version,
                 "wait_time_s": wait_s, "train_time_s": train_s,
             }
+            if cfg.grpo.mini_batches > 1:
+                row["mini_batches"] = sched.parts
             mine = {"id": entry["id"], "worker": str(batch.meta.get("worker", "?")), "lag": lag,
                     "version": batch.policy_version, "drops": [e["id"] for e in drops]}
             ranks = _gather(mine, world)
