@@ -113,7 +113,7 @@ def test_overlong_needs_the_lengths_the_rollout_sets():
         overlong("text", {"answer": "1"})
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_overlong_settings_reach_the_reward_in_and_out_of_process(workers):
     cfg = load_config(overrides=["rewards.functions=['overlong']", "rewards.overlong_buffer=4",
                                  "rewards.overlong_penalty=2", f"rewards.workers={workers}"])
