@@ -5,13 +5,15 @@ punishment (the built-in ``overlong`` reward), against hand-worked values."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from nanogrpo.algo.advantages import refill_size, surplus_mask
 from nanogrpo.config import load_config
 from nanogrpo.data import PromptSampler
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner, overlong
-from nanogrpo.rollout.collect import refill_size, rollout
+from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.engine import Generation
 
 TOK = make_tokenizer()
@@ -87,6 +89,12 @@ def test_without_dynamic_sampling_nothing_is_refilled_and_nothing_new_is_logged(
     assert engine.calls == [4] and stats.groups_kept == 2 and sampler.state_dict()["index"] == 4
     m = stats.metrics()
     assert "refills" not in m and "groups_surplus" not in m and "groups_no_signal" not in m
+
+
+def test_surplus_mask():
+    keep = torch.tensor([True, False, True, True, False, True])
+    assert surplus_mask(keep, 2).tolist() == [False, False, False, True, False, True]
+    assert not surplus_mask(keep, 4).any()
 
 
 def test_refill_size():

@@ -9,14 +9,13 @@ the rewards see its whole text and, in the sample dict, its ``turns`` and
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, signal_mask
+from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, refill_size, signal_mask, surplus_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
@@ -181,13 +180,6 @@ def _sum(reduce: Reduce | None, values: list[float]) -> list[float]:
     return list(values) if reduce is None else list(reduce(values))
 
 
-def refill_size(target: int, kept: int, generated: int, cap: int) -> int:
-    """Prompts to draw for the next round of dynamic sampling: the missing groups over the keep rate seen so
-    far, with a 25% margin (a first round that kept nothing counts as a 10% rate), at most ``cap``."""
-    rate = max(kept / generated if generated else 0.0, 0.1)
-    return max(1, min(cap, math.ceil((target - kept) / rate * 1.25)))
-
-
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
             policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None,
@@ -281,8 +273,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
     if dynamic:
         stats.groups_no_signal = int((~keep).sum())
-        surplus = torch.cumsum(keep.long(), 0) > target                            # (groups,) past the batch
-        stats.groups_surplus = int((keep & surplus).sum())
+        surplus = surplus_mask(keep, target)                                       # (groups,) past the batch
+        stats.groups_surplus = int(surplus.sum())
         keep &= ~surplus
     stats.groups_kept = int(keep.sum())
     if stats.groups_kept == 0:
