@@ -88,3 +88,49 @@ def test_kill9_between_two_optimizer_steps_then_resume_is_exact(assets):
     assert comparable_metrics(killed) == comparable_metrics(straight)
     state = json.loads((killed / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert "pending" not in state and state["step"] == 4
+
+
+@pytest.mark.slow
+def test_split_mode_trainer_stopped_mid_batch_resumes_exactly(tmp_path, monkeypatch):
+    """Split mode: the mid-batch checkpoint holds the schedule (the batch stays in the trainer's inbox), and
+    the resumed trainer finishes the step and the run as an uninterrupted one does."""
+    from transformers import AutoModelForCausalLM
+
+    from nanogrpo.config import load_config
+    from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.server import ServerState, Settings
+    from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
+
+    d = write_tiny_run_assets(tmp_path)
+    vocab = AutoModelForCausalLM.from_pretrained(d / "model").get_input_embeddings().num_embeddings
+    monkeypatch.setenv("NANOGRPO_TOKEN", TOKEN)
+
+    def run(out, stop: str | None):
+        st = ServerState(Settings(vocab_size=vocab, max_weights_body=8 << 20, lease_s=30), TOKEN)
+        cfg = load_config(overrides=[f"model.path={d / 'model'}", "grpo.beta=0", "train.steps=3",
+                                     f"train.out={out}", "train.save_every=0", "log.tensorboard=false",
+                                     "rewards.workers=0", "train.lr=1e-2", "server.max_staleness=20",
+                                     *SCHEDULE, "rollout.correction=token_truncate"])
+        with LiveServer(st) as srv:
+            with ServerClient(srv.url, TOKEN) as c:
+                for i in range(3):
+                    c.upload(make_batch(vocab=vocab, seed=i, groups=2), f"b{i}")
+            if stop is None:
+                assert train_from_server(cfg, srv.url) == 0
+                return
+            monkeypatch.setenv("NANOGRPO_TEST_STOP_AFTER", stop)
+            with pytest.raises(SystemExit, match=f"stopped after {stop}"):
+                train_from_server(cfg, srv.url)
+            monkeypatch.delenv("NANOGRPO_TEST_STOP_AFTER")
+            assert latest_checkpoint(out / "checkpoints").name == stop
+            assert train_from_server(cfg, srv.url, resume_dir=out) == 0
+
+    run(tmp_path / "straight", None)
+    run(tmp_path / "cut", "step_2_update_3")
+    drop = ("batch_ids", "dropped_ids", "wait_time_s", "client_retries")
+    a, b = (comparable_metrics(tmp_path / r) for r in ("straight", "cut"))
+    assert [{k: v for k, v in r.items() if k not in drop} for r in b] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in a]
+    assert [r["policy_version"] for r in a] == [4, 8, 12] and all(r["mini_batches"] == 2 for r in a)
+    assert all(r["loss"] != 0.0 for r in a)

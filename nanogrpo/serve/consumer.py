@@ -147,7 +147,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         write_pending,
     )
     from nanogrpo.training.step import step_metrics
-    from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, lr_at
+    from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, _test_stop, lr_at
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     if cfg.model.lora_r:
@@ -312,6 +312,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                 every = cfg.train.save_every_updates
                 if every and not res.skipped_nonfinite and version % every == 0 and s.done < s.total(cfg):
                     save(step - 1, s)
+                    _test_stop(f"step_{step}_update_{s.done}")
 
             # a worker whose engine's numerics differ from ours (vllm) asks for the clipped ratio against
             # its log-probs even when the batch is fresh
