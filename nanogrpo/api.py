@@ -249,9 +249,9 @@ def _rewards(cfg: Config, rewards: Any, run_dir: Path | None = None) -> tuple[Co
     items = [rewards] if isinstance(rewards, str) or callable(rewards) else list(rewards)
     if all(isinstance(r, str) for r in items):
         return cfg.with_overrides({"rewards.functions": items}), None
-    from nanogrpo.rewards import RewardRunner
+    from nanogrpo.models.reward import reward_runner
 
-    runner = RewardRunner.from_config(cfg.rewards, rewards=items, run_dir=run_dir)  # one line per callable
+    runner = reward_runner(cfg, items, run_dir=run_dir)  # one line per callable
     names = [item if isinstance(item, str) else f"<{name}>" for item, name in zip(items, runner.specs)]
     return cfg.with_overrides({"rewards.functions": names}), runner
 
@@ -382,9 +382,9 @@ def evaluate(model: str | os.PathLike | Run, *,
                                       "rewards.weights": [w for _, w in kept]})
         cfg, runner = _rewards(cfg, rewards)
         if runner is None:  # built now: a reward that does not resolve fails before any weights are read
-            from nanogrpo.rewards import RewardRunner
+            from nanogrpo.models.reward import reward_runner
 
-            runner = RewardRunner.from_config(cfg.rewards)
+            runner = reward_runner(cfg)
         try:
             if dataset is not None:
                 from nanogrpo.data.sources import samples_from

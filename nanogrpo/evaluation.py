@@ -201,7 +201,12 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
-    runner = rewards if rewards is not None else RewardRunner.from_config(cfg.rewards)
+    if rewards is None:
+        from nanogrpo.models.reward import reward_runner
+
+        runner = reward_runner(cfg)  # rm: reward models on the policy's device
+    else:
+        runner = rewards
     try:
         with torch.no_grad():
             summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,

@@ -50,6 +50,11 @@ def die(completion: str, sample: dict) -> float:
     return 3.0
 
 
+def pid(completion: str, sample: dict) -> float:
+    """The id of the process the reward runs in."""
+    return float(os.getpid())
+
+
 def cut_off(completion: str, sample: dict) -> float:
     """1 for a completion the token limit cut off (``finish_reason == "length"``), 0 if the model ended it."""
     return {"length": 1.0, "stop": 0.0}[sample["finish_reason"]]

@@ -145,3 +145,88 @@ def test_fast_engine_on_onednn_matches_generate():
     assert ours.completion_ids == ref.completion_ids and len({tuple(c) for c in ours.completion_ids}) > 1
     for lp, rlp in zip(ours.logprobs, ref.logprobs):
         assert torch.allclose(torch.tensor(lp), torch.tensor(rlp), atol=1e-4)
+
+
+@needs_onednn
+def test_settle_decides_once_reuses_a_record_and_lets_an_explicit_setting_win(monkeypatch, caplog):
+    """A run's decisions (:func:`settle`): ``auto`` times both shape classes and applies the trainer's;
+    given the decisions a checkpoint recorded it reuses them, timing nothing, even where this
+    process's timing says otherwise; ``onednn`` / ``torch`` ignore the record; a record it cannot use
+    (damaged, or missing the engine's) is timed again."""
+    tok = make_tokenizer()
+    asked = []
+
+    def timed(rows, k, n, threads):
+        asked.append(rows)
+        return rows == cpu_linear.TRAIN_ROWS  # oneDNN for the trainer, torch for the decode
+
+    def settled(setting, recorded=None, engine=True):
+        m = make_model("tiny", tok)
+        with caplog.at_level("INFO", logger="nanogrpo.models"):
+            out = cpu_linear.settle(setting, m, recorded, engine=engine)
+        assert any(isinstance(x, OneDnnLinear) for x in m.modules()) == (out.get("trainer") == "onednn")
+        return out
+
+    monkeypatch.setattr(cpu_linear, "onednn_faster", timed)
+    first = settled("auto")
+    assert first == {"trainer": "onednn", "engine": "torch"} and asked == [256, 32]
+    assert "timed on this CPU" in caplog.text
+    monkeypatch.setattr(cpu_linear, "onednn_faster", lambda *a: not timed(*a))  # now the other way
+    asked.clear()
+    caplog.clear()
+    assert settled("auto", first) == first and asked == []        # the resumed process times nothing
+    said = [r.getMessage() for r in caplog.records if "as the checkpoint recorded" in r.getMessage()]
+    assert len(said) == 1 and "trainer's float32 linears on oneDNN" in said[0]
+    assert settled("torch", first) == {"trainer": "torch", "engine": "torch"} and asked == []
+    assert settled("onednn", {"trainer": "torch"}, engine=False) == {"trainer": "onednn"}
+    assert settled("auto", {"trainer": "torch"}) == {"trainer": "torch", "engine": "onednn"}  # timed
+    assert settled("auto", {"trainer": "mkl", "engine": "torch"}) == {"trainer": "torch", "engine": "onednn"}
+    assert len(asked) == 4
+    assert cpu_linear.settle("auto", make_model("tiny", tok).to(torch.bfloat16), first) == {}
+
+
+def test_fast_engine_says_what_its_cpu_gemms_run_on():
+    tok = make_tokenizer()
+    m = make_model("tiny", tok)
+    assert FastEngine(m, tokenizer=tok, cpu_linear="torch").cpu_linear == "torch"
+    assert FastEngine(m, tokenizer=tok, cpu_linear="onednn").cpu_linear == ("onednn" if onednn_available()
+                                                                             else "torch")
+
+
+
+_RANK = """
+import json, sys
+import torch, torch.distributed as dist
+from nanogrpo.models import cpu_linear
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+timed = []
+cpu_linear.onednn_faster = lambda rows, *a: timed.append(rows) or rank == 1  # the ranks' timings disagree
+decided = cpu_linear.settle("auto", torch.nn.Sequential(torch.nn.Linear(8, 8)))
+print(json.dumps({"decided": decided, "timed": timed}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@needs_onednn
+def test_ranks_take_rank_0s_decisions():
+    """Under torch.distributed rank 0 times and every rank runs on its decisions (one record for all)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-1500:] for _, e in outs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert [g["decided"] for g in got] == [{"trainer": "torch", "engine": "torch"}] * 2
+    assert got[0]["timed"] == [cpu_linear.TRAIN_ROWS, cpu_linear.DECODE_ROWS] and got[1]["timed"] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.cli import main
+from nanogrpo.models import cpu_linear
+from nanogrpo.models.cpu_linear import onednn_available
+from nanogrpo.training.checkpoint import latest_checkpoint
 from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,9 +82,29 @@ def test_resume_of_finished_run_does_nothing(assets, straight, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpts
 
 
+_CLI = """
+import os, sys
+from nanogrpo.models import cpu_linear
+faster = os.environ.get("TEST_ONEDNN_FASTER")  # the shape classes (their rows) oneDNN times faster for
+if faster is not None:
+    cpu_linear.onednn_faster = lambda rows, *a: str(rows) in faster.split(",")
+from nanogrpo.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+"""``nanogrpo`` with model.cpu_linear=auto's timing set by ``TEST_ONEDNN_FASTER`` (the test's own hook)."""
+
+
+def _timing(straight: list[dict], same: bool) -> dict[str, str]:
+    """The timing the straight run's decisions came from (``same``), or the opposite one for both shape
+    classes, as a resumed process on a loaded machine can measure."""
+    decided = {cpu_linear.TRAIN_ROWS: straight[-1]["cpu_linear/trainer"],
+               cpu_linear.DECODE_ROWS: straight[-1]["cpu_linear/engine"]}
+    return {"TEST_ONEDNN_FASTER": ",".join(str(r) for r, v in decided.items() if (v == "onednn") == same)}
+
+
 def _spawn(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", _CLI, *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -107,7 +131,10 @@ def _saving(out: Path) -> bool:
 
 @pytest.mark.slow
 def test_kill9_anywhere_then_resume_is_exact(assets, straight):
-    """kill -9 at several points (mid-step, mid-checkpoint-save, twice in one run), resume, finish."""
+    """kill -9 at several points (mid-step, mid-checkpoint-save, twice in one run), resume, finish.
+    ``model.cpu_linear=auto``: every resumed process times the opposite of what the run decided and
+    must reuse the checkpoint's decisions. A fresh start (nothing to resume yet) times as the straight
+    run did: two separate runs may pick differently on a loaded machine, which no record can help."""
     rng = random.Random(0)
     scenarios = [
         ("during the save of step_2", [lambda o: _saving(o) and _steps_logged(o) >= 2]),
@@ -119,7 +146,8 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
         out = assets / f"kill-{name.split()[0]}-{len(kill_points)}-{rng.randrange(1000)}"
         args = _args(assets, out, 6)
         for i, point in enumerate(kill_points):
-            env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else None
+            env = {"NANOGRPO_TEST_SAVE_SLEEP": "3"} if "save" in name else {}
+            env.update(_timing(straight, same=latest_checkpoint(out / "checkpoints") is None))
             proc = _spawn(args if i == 0 else _resume_args(out, 6), env)
             reached = _wait_for(lambda p=point, o=out: p(o), proc)
             assert reached, f"{name}: run ended before the kill point: {proc.stderr.read().decode()[-800:]}"
@@ -129,9 +157,12 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
             proc.stderr.close()
             if "save" in name:
                 assert _saving(out), "the kill was meant to land inside save_checkpoint"
-        resumed = subprocess.run([sys.executable, "-m", "nanogrpo.cli", *_resume_args(out, 6)], cwd=REPO,
-                                 env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+        same = latest_checkpoint(out / "checkpoints") is None
+        resumed = subprocess.run([sys.executable, "-c", _CLI, *_resume_args(out, 6)], cwd=REPO, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO), **_timing(straight, same)},
+                                 capture_output=True)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert same or "as the checkpoint recorded" in resumed.stderr, resumed.stderr[-2000:]
         assert _comparable(out) == straight, f"kill {name}: metrics differ from the uninterrupted run"
         assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")], name
 
@@ -152,10 +183,9 @@ LOSS_RUNS = {  # every loss, each with the options that carry state or bind only
 def test_resume_is_exact_for_every_loss(assets, loss):
     """Two updates per batch (the ratio moves off 1, the clip and corrections bind) and the loss's own
     options; stopped after step 2 and resumed, the run logs what the uninterrupted one does."""
-    # the engine's log-probs enter these updates (corrections, the later update's anchor): pin the CPU
-    # linears, whose `auto` timing may pick another BLAS in the resumed process on a loaded machine
-    over = ["eval.every=0", "log.samples_every=0", "grpo.updates_per_batch=2", "model.cpu_linear=torch",
-            *LOSS_RUNS[loss]]
+    # the engine's log-probs enter these updates (corrections, the later update's anchor): exact only as
+    # the resumed run reuses the CPU linears `auto` picked (recorded in the checkpoint)
+    over = ["eval.every=0", "log.samples_every=0", "grpo.updates_per_batch=2", *LOSS_RUNS[loss]]
     straight, halves = assets / f"{loss}-straight", assets / f"{loss}-halves"
     assert main(_args(assets, straight, 4)[:-2] + over) == 0
     assert main(_args(assets, halves, 2)[:-2] + over) == 0
@@ -165,3 +195,61 @@ def test_resume_is_exact_for_every_loss(assets, loss):
     trained = [r for r in rows if r.get("loss") is not None]
     assert trained and all("entropy" in r and "ratio_max" in r for r in trained)
     assert any(r["ratio_max"] != 1.0 for r in trained), "the second update should move the ratio"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN's linear")
+def test_resume_reuses_the_cpu_linear_decisions_when_the_timing_says_otherwise(assets, monkeypatch, capsys):
+    """``model.cpu_linear=auto`` decided by timing; the resumed process's timing says the opposite for
+    both the trainer's and the engine's shapes (as it can on a loaded machine). It reuses what the
+    checkpoint recorded, times nothing, and logs the same metrics as the uninterrupted run; an
+    explicit ``model.cpu_linear`` on resume wins (and then the metrics show what ran)."""
+    timed = []
+
+    def timing(trainer_fast: bool):
+        def onednn_faster(rows, k, n, threads):
+            timed.append(rows)
+            return trainer_fast if rows == cpu_linear.TRAIN_ROWS else not trainer_fast
+        return onednn_faster
+
+    # the engine's log-probs enter the later update (its anchor) and the correction
+    over = ["eval.every=0", "log.samples_every=0", "grpo.updates_per_batch=2",
+            "rollout.correction=token_truncate"]
+    straight, halves, forced = (assets / f"linears-{n}" for n in ("straight", "halves", "forced"))
+    monkeypatch.setattr(cpu_linear, "onednn_faster", timing(False))
+    assert main(_args(assets, straight, 4)[:-2] + over) == 0
+    assert main(_args(assets, halves, 2)[:-2] + over) == 0
+    assert sorted(timed) == [32, 32, 256, 256]                     # each run timed both, once
+    for run in (halves, forced):
+        if run == forced:
+            shutil.copytree(halves, forced)
+        ckpt = json.loads((run / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+        assert ckpt["cpu_linear"] == {"trainer": "torch", "engine": "onednn"}
+    monkeypatch.setattr(cpu_linear, "onednn_faster", timing(True))  # the resumed process: the other way
+    timed.clear()
+    capsys.readouterr()
+    assert main(_resume_args(halves, 4)) == 0
+    assert timed == [] and "as the checkpoint recorded" in capsys.readouterr().err
+    rows = _comparable(straight)
+    assert all(r["cpu_linear/trainer"] == "torch" and r["cpu_linear/engine"] == "onednn" for r in rows)
+    assert _comparable(halves) == rows
+    assert main(_resume_args(forced, 4) + ["model.cpu_linear=torch"]) == 0
+    after = _comparable(forced)                                    # steps 1-4
+    assert after[:2] == rows[:2]
+    assert {(r.pop("cpu_linear/trainer"), r.pop("cpu_linear/engine")) for r in after[2:]} == {("torch",) * 2}
+    if _libraries_differ():  # then the other BLAS changes the engine's float32 log-probs, and the metrics
+        assert after[2:] != [{k: v for k, v in r.items() if not k.startswith("cpu_linear")} for r in rows[2:]]
+
+
+def _libraries_differ() -> bool:
+    """Whether oneDNN's and torch's float32 linears differ in some bit on the tiny model's decode products
+    (they do on the shared AMD EPYC machines, at 1-4 rows; they agree at many rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    from nanogrpo.models.cpu_linear import _lp
+
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(r, k, generator=g), torch.randn(n, k, generator=g))
+          for r in (1, 2, 4) for k, n in ((64, 128), (128, 64), (64, 64))]
+    return any(not torch.equal(_lp(x, w, None), F.linear(x, w)) for x, w in xs)

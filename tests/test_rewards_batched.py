@@ -100,23 +100,19 @@ def test_a_hanging_batched_call_is_cut_and_the_other_chunks_scored() -> None:
 # ----------------------------------------------------------------------------- callables
 
 
-def _pid(completion: str, sample: dict) -> float:
-    return float(os.getpid())
-
-
 def test_callables_of_every_kind_run_in_the_workers(caplog) -> None:
     offset = 100.0
     closure = lambda c, s: offset + len(c)  # noqa: E731 - a closure over a local
     partial = functools.partial(lambda c, s, k: k * len(c), k=2.0)
     scorer = fx.Scorer(bonus=0.5)
-    fns = [_pid, fx.length, closure, partial, scorer, batched(lambda cs, ss: [1.0] * len(cs))]
+    fns = [fx.pid, fx.length, closure, partial, scorer, batched(lambda cs, ss: [1.0] * len(cs))]
     with caplog.at_level(logging.INFO, logger="nanogrpo.rewards"):  # information, not a warning
         runner = RewardRunner(fns, weights=[0, 1, 1, 1, 1, 1], workers=1)
     with runner:
         assert [e.where for e in runner.entries] == [POOL] * 6
         res = runner.score(["ab", "abcd"], [SAMPLE] * 2)
-    assert runner.specs == ["_pid", "length", "lambda", "lambda_2", "Scorer", "lambda_3"]
-    assert all(p != os.getpid() for p in res.per_function["_pid"])
+    assert runner.specs == ["pid", "length", "lambda", "lambda_2", "Scorer", "lambda_3"]
+    assert all(p != os.getpid() for p in res.per_function["pid"])
     assert res.per_function["lambda"] == [102.0, 104.0]
     assert res.per_function["lambda_2"] == [4.0, 8.0]
     assert res.per_function["Scorer"] == [2.5, 4.5]
@@ -212,3 +208,25 @@ def test_the_decorator_checks_its_arguments() -> None:
     assert (f.batched, f.chunk_size, f.timeout_s) == (True, 8, 2.5)
     with RewardRunner([f], workers=0, timeout_s=1.0) as runner:
         assert (runner.entries[0].chunk_size, runner.entries[0].timeout_s) == (8, 2.5)
+
+
+def test_reward_failures_and_model_metrics_merge_over_ranks() -> None:
+    """Two ranks' rows: per-function failure counts and a judge's request counts add up, its latency and
+    time are the slowest rank's; other keys are left to their own rules."""
+    from nanogrpo.training.metrics import merge_rank_metrics
+
+    def row(fails: int, requests: int, latency: float) -> dict:
+        return {"step": 1, "reward_mean": 0.0, "reward_std": 1.0, "num_completions": 4,
+                "reward/f": 0.5, "reward/f/failures": fails, "judge/requests": requests,
+                "judge/latency_s": latency, "judge/time_s": latency * 2, "rm_2/rows_per_s": 10.0}
+
+    rows = [row(1, 5, 0.3), row(2, 7, 0.5)]
+    sent = []
+    for r in rows:
+        merge_rank_metrics(r, lambda vals, ops: sent.append((vals, ops)) or vals, ["reward/f"])
+    (va, _), (vb, _) = sent
+    both = lambda vals, ops: [x + y if op == "sum" else max(x, y) for x, y, op in zip(va, vb, ops)]  # noqa: E731
+    merged = merge_rank_metrics(rows[0], both, ["reward/f"])
+    assert merged["reward/f/failures"] == 3 and merged["judge/requests"] == 12
+    assert merged["judge/latency_s"] == 0.5 and merged["judge/time_s"] == 1.0
+    assert merged["rm_2/rows_per_s"] == 20

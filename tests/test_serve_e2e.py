@@ -356,6 +356,9 @@ def test_two_rank_split_training_learns_and_hands_over_each_batch_once_across_a_
         assert r["batch_ids"] == before[r["step"]]["batch_ids"]
         assert r["loss"] == pytest.approx(before[r["step"]]["loss"], rel=1e-5, abs=1e-7)
     assert not any((out / "inbox").rglob("*.json"))           # the last checkpoint covers everything
+    # model.cpu_linear=auto: decided once (rank 0), recorded, and reused by the resumed ranks
+    assert len({r["cpu_linear/trainer"] for r in rows}) == 1
+    assert "as the checkpoint recorded" in (tmp_path / "resumed.log").read_text()
     accs = {}
     for step in (0, steps):
         cfg = load_config(preset="demo", overrides=[f"model.path={out / 'checkpoints' / f'step_{step}'}"])

@@ -144,8 +144,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     from nanogrpo.models.cpu_linear import apply_cpu_linear
     from nanogrpo.models.cpu_linear import linear as onednn_linear
     from nanogrpo.models.load import frozen_copy
+    from nanogrpo.models.reward import reward_runner
     from nanogrpo.models.tiny import make_model, make_tokenizer
-    from nanogrpo.rewards import RewardRunner
     from nanogrpo.rollout.factory import make_engine
     from nanogrpo.training.optim import MasterAdamW
     from nanogrpo.training.trainer import train_step
@@ -175,7 +175,7 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     engine = _TimedEngine(make_engine(a.engine, model, tok, ignore_eos=True, cpu_linear=a.cpu_linear), device)
     sampler = PromptSampler(question_rows(max(64, a.prompts * (a.steps + 2)), a.seed), a.prompts,
                             seed=a.seed, shuffle=True)
-    rewards = RewardRunner.from_config(cfg.rewards)
+    rewards = reward_runner(cfg)
     _reset_peak(device)
     times, cpu, kept, version = [], [], [], 0
     try:

@@ -11,6 +11,11 @@ for the shape class at hand (few rows: the rollout engine's decode; many rows:
 the trainer's forward and backward) and picks oneDNN only if it is clearly
 faster. ``"onednn"`` / ``"torch"`` force one.
 
+A training run decides once (:func:`settle`) and keeps its decisions: the
+checkpoint records them and a resumed run reuses them rather than timing again.
+On a loaded machine a second timing can pick the other library, whose float32
+results differ in their last bits, and exact resume would be lost.
+
 oneDNN's matmul is reachable as ``torch.ops.mkldnn._linear_pointwise`` (the op
 Inductor uses for CPU linears); it has no autograd formula, so
 :class:`OneDnnLinearFn` supplies one: ``dx = g @ W`` and ``dW = g.T @ x`` through
@@ -59,8 +64,12 @@ MAX_TIMED = (1024, 2048)
 """The timed product's (in, out) are capped at these: a 7B model's [3584 x 18944] would take
 seconds to time, and the ranking of the two libraries does not change past this size."""
 MARGIN = 1.25
-"""``auto`` picks oneDNN only if it is at least this much faster: close calls keep torch's default, so
-that two processes on one machine (a run and its resume) do not pick differently by timing noise."""
+"""``auto`` picks oneDNN only if it is at least this much faster: close calls keep torch's default. This
+does not stop two processes on a loaded machine from deciding differently (measured: the tiny model's
+decode shape flipped in 1 of 5 timings on a shared 2-core machine), which is why a run records its
+decisions (:func:`settle`)."""
+PARTS = ("trainer", "engine")
+"""The two decisions of a run: the trainer's linears (many rows) and the fast rollout engine's (decode)."""
 
 
 def _best_time(fn, reps: int = 3) -> float:
@@ -114,6 +123,44 @@ def choose(setting: str, rows: int, k: int, n: int) -> bool:
         return False
     k, n = min(k, MAX_TIMED[0]), min(n, MAX_TIMED[1])
     return setting == "onednn" or onednn_faster(rows, k, n, torch.get_num_threads())
+
+
+def settle(setting: str, model: torch.nn.Module, recorded: dict[str, str] | None = None,
+           engine: bool = True) -> dict[str, str]:
+    """``model.cpu_linear`` decided once for a training run, applied to its ``model`` (loaded with
+    ``"torch"``): returns ``{"trainer": "onednn" | "torch", "engine": ...}``, what runs, for the
+    checkpoint to record (``{}`` for a model that is not float32 on the CPU; no ``engine`` entry
+    when ``engine`` is False: the run's engine has no CPU linears of its own, hf or vllm).
+
+    ``recorded``: the decisions of the checkpoint being resumed; ``auto`` reuses them instead of
+    timing again (one INFO line says so), an explicit ``onednn`` / ``torch`` wins. Under
+    ``torch.distributed`` rank 0 decides and every rank takes its decisions (they are recorded once)."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return {}
+    parts = PARTS if engine else PARTS[:1]
+    rows = {"trainer": TRAIN_ROWS, "engine": DECODE_ROWS}
+    dims = model_dims(model)
+    reuse = setting == "auto" and bool(recorded) and all(recorded.get(k) in SETTINGS[1:] for k in parts)
+    settings = {k: recorded[k] if reuse else setting for k in parts}
+    import torch.distributed as dist
+
+    ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    main = not ranks or dist.get_rank() == 0
+    box = [{k: "onednn" if choose(settings[k], rows[k], *dims) else "torch" for k in parts} if main else None]
+    if ranks:
+        dist.broadcast_object_list(box, src=0)
+    decided = box[0]
+    if decided["trainer"] == "onednn":
+        use_onednn_linears(model)
+    said = ", ".join(f"the {'rollout engine' if k == 'engine' else k}'s float32 linears on "
+                     f"{'oneDNN' if v == 'onednn' else 'torch BLAS'}" for k, v in decided.items())
+    if main and reuse:
+        log.info("model.cpu_linear=auto: as the checkpoint recorded, %s (not timed again: the resumed run "
+                 "computes as the original did)", said)
+    elif main and setting == "auto":
+        log.info("model.cpu_linear=auto: %s (timed on this CPU; kept for the run and its resumes)", said)
+    return decided
 
 
 def model_dims(model: torch.nn.Module) -> tuple[int, int]:

@@ -170,15 +170,18 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return changed
 
 
-def load_policy(cfg: ModelConfig, path: str | None = None
+def load_policy(cfg: ModelConfig, path: str | None = None, cpu_linear: str | None = None
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
     """The trainable policy and its tokenizer, on the configured device and dtype; ``path``: where
-    ``cfg.path`` was already resolved to (:func:`~nanogrpo.models.source.resolve_model_path`)."""
+    ``cfg.path`` was already resolved to (:func:`~nanogrpo.models.source.resolve_model_path`);
+    ``cpu_linear``: in place of ``cfg.cpu_linear`` (a trainer loads with ``torch`` and settles it
+    afterwards, :func:`~nanogrpo.models.cpu_linear.settle`)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     path = path or resolve_model_path(cfg.path)
     tok = load_tokenizer(path, cfg.trust_remote_code)
-    model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code, cfg.cpu_linear)
+    model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code,
+                       cpu_linear or cfg.cpu_linear)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok, device
 

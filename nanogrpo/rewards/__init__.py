@@ -1,7 +1,9 @@
 """Rewards: answer extraction, the built-in rewards, user rewards by spec or as callables, and the runner.
 
 A reward is a plain function ``fn(completion: str, sample: dict) -> float``, or the same over lists
-(``fn(completions, samples) -> list[float]``, marked with :func:`batched`). ``sample`` is the
+(``fn(completions, samples) -> list[float]``, marked with :func:`batched`); an LLM judge
+(:class:`Judge`, ``judge:URL``) or a reward model (``rm:PATH``, :mod:`nanogrpo.models.reward`) sits
+behind the same interface. ``sample`` is the
 completion's own dict: a copy of its dataset row (every column) plus the reserved keys
 ``finish_reason`` (``"stop"``: the model ended the completion; ``"length"``: the token limit cut it
 off), ``completion_tokens`` (the tokens the model sampled) and ``max_new_tokens`` (the limit on
@@ -17,4 +19,14 @@ from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "format_boxed", "overlong", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem"]
+           "format_boxed", "overlong", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem",
+           "Judge"]
+
+
+def __getattr__(name: str):
+    """``Judge`` loads on first use (it brings asyncio and httpx)."""
+    if name == "Judge":
+        from nanogrpo.rewards.judge import Judge
+
+        return Judge
+    raise AttributeError(f"module 'nanogrpo.rewards' has no attribute {name!r}")

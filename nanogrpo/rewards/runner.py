@@ -30,6 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nanogrpo.errors import RewardError
@@ -94,7 +95,8 @@ class RewardRunner:
     Python callables (per-completion or batched) or model reward objects, in any mix; ``weights``
     one per reward (None: all 1.0). Names in the breakdown: a spec is its own name, a callable its
     ``__name__`` (``lambda``; a second of the same name gets ``_2``). ``make_model`` builds the
-    model reward a ``rm:`` / ``judge:`` spec names (:meth:`from_config` supplies it)."""
+    model reward a ``rm:`` / ``judge:`` spec names (default: with the ``rewards`` config's defaults;
+    :meth:`from_config` supplies one with the run's settings)."""
 
     def __init__(self, rewards: Sequence[RewardItem], weights: Sequence[float] | None = None,
                  timeout_s: float = 5.0, penalty: float = -1.0, workers: int = 1,
@@ -121,6 +123,10 @@ class RewardRunner:
         self.rm_scale = rm_scale
         self._closed = False
         self._pool: WorkerPool | None = None
+        if make_model is None:  # rm: / judge: specs with the config's defaults
+            from nanogrpo.config import RewardsConfig
+
+            make_model = _model_factory(RewardsConfig(), None, None)
         self.entries: list[Entry] = build_entries(
             rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
             chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model,
@@ -132,33 +138,32 @@ class RewardRunner:
         self.abandoned_threads = 0
         in_pool = [e for e in self.entries if e.where == POOL]
         self._pool_index = {id(e): k for k, e in enumerate(in_pool)}
-        models = [e.model for e in self.entries if e.model is not None]
-        self._finalizer = weakref.finalize(self, _shut_down, None, models)
         if in_pool:
             self._pool = WorkerPool([e.source for e in in_pool], workers, [e.timeout_s for e in in_pool],
                                     truncated_correct=truncated_correct, batched=[e.batched for e in in_pool],
                                     overlong_settings=overlong_settings)
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
+        models = [e.model for e in self.entries if e.model is not None]
+        self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
 
     @property
     def names(self) -> list[str]:
         return list(self.specs)
 
     @classmethod
-    def from_config(cls, cfg: Any, rewards: Sequence[RewardItem] | None = None, *, device: str = "auto",
-                    run_dir: Any = None) -> RewardRunner:
+    def from_config(cls, cfg: Any, rewards: Sequence[RewardItem] | None = None, *, run_dir: Any = None,
+                    make_rm: Callable[[str, str], ModelReward] | None = None) -> RewardRunner:
         """Build from a :class:`nanogrpo.config.RewardsConfig`; ``rewards`` (names, callables, model
         rewards) replaces ``cfg.functions`` when given, with ``cfg.weights`` still one per entry.
-        ``device``: where a reward model goes when ``rm_device`` is ``auto`` (the trainer's device);
-        ``run_dir``: the run directory (a judge's persistent cache lives there)."""
+        ``run_dir``: the run directory (a judge's persistent cache lives there); ``make_rm``: builds the
+        reward model of an ``rm:`` spec (models load in :mod:`nanogrpo.models`, a layer above this one:
+        :func:`nanogrpo.models.reward.reward_runner` passes it)."""
         items = list(rewards) if rewards is not None else list(cfg.functions)
         weights = cfg.weights
         if weights is not None and len(weights) != len(items):
             raise RewardError(f"rewards.weights has {len(weights)} entries for {len(items)} rewards")
         return cls(items, weights, cfg.timeout_s, cfg.penalty, cfg.workers, cfg.truncated_correct,
                    chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
-                   rm_scale=getattr(cfg, "rm_scale", "none"), make_model=_model_factory(cfg, device, run_dir),
+                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, run_dir, make_rm),
                    overlong_settings=(getattr(cfg, "overlong_buffer", None),
                                       getattr(cfg, "overlong_penalty", 1.0)))
 
@@ -204,6 +209,8 @@ class RewardRunner:
         completions, samples = list(completions), list(samples)
         tasks = self._plan(len(completions))
         results: dict[int, Any] = {}
+        waits = {tid: self.entries[k].model.submit(completions, samples) for tid, k, _ in tasks
+                 if self.entries[k].where == MODEL and hasattr(self.entries[k].model, "submit")}
         pool_calls: list[Call] = []
         inline: list[Task] = []
         for task in tasks:
@@ -222,8 +229,8 @@ class RewardRunner:
         metrics: dict[str, float] = {}
         for tid, k, _ in tasks:
             e = self.entries[k]
-            if e.where == MODEL:
-                results[tid] = e.model.score(completions, samples)
+            if e.where == MODEL:  # a judge's requests ran while the functions above did
+                results[tid] = waits[tid]() if tid in waits else e.model.score(completions, samples)
                 metrics.update(e.model.metrics())
         result = self._collect(tasks, results, len(completions))
         result.metrics = metrics
@@ -320,8 +327,37 @@ def _shut_down(pool: WorkerPool | None, models: list[ModelReward]) -> None:
         m.close()
 
 
-def _model_factory(cfg: Any, device: str, run_dir: Any) -> Callable[[str], ModelReward]:
+def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelReward] | None
+                   ) -> Callable[[str], ModelReward]:
+    """Builds the model reward an ``rm:`` / ``judge:`` spec names, from the rewards config."""
+    made: Counter = Counter()
+
     def make(spec: str) -> ModelReward:
-        raise RewardError(f"reward {spec!r}: model rewards (rm:, judge:) are not available in this build")
+        kind, _, target = spec.partition(":")
+        target = target.strip()
+        if not target:
+            raise RewardError(f"reward {spec!r}: name the {'model' if kind == 'rm' else 'server URL'} after "
+                              f"'{kind}:'")
+        made[kind] += 1
+        prefix = kind if made[kind] == 1 else f"{kind}_{made[kind]}"
+        if kind == "rm":
+            if make_rm is None:
+                raise RewardError(f"reward {spec!r}: reward models load through nanogrpo.models: build the "
+                                  "runner with nanogrpo.models.reward.reward_runner(config), or list a "
+                                  "nanogrpo.models.reward.RewardModel object")
+            return make_rm(spec, prefix)
+        from nanogrpo.rewards.judge import Judge
+        from nanogrpo.rewards.judge_cache import NullCache, ReplyCache
+
+        where = cfg.judge_cache
+        if where == "auto":
+            cache = ReplyCache(Path(run_dir) / "judge_cache.sqlite" if run_dir is not None else None)
+        else:
+            cache = NullCache() if where == "off" else ReplyCache(None if where == "memory" else where)
+        return Judge(target, model=cfg.judge_model, template=cfg.judge_template, scoring=cfg.judge_score,
+                     score_range=tuple(cfg.judge_range), concurrency=cfg.judge_concurrency,
+                     timeout_s=cfg.judge_timeout_s, deadline_s=cfg.judge_deadline_s,
+                     retries=cfg.judge_retries, max_tokens=cfg.judge_max_tokens, request=cfg.judge_request,
+                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix)
 
     return make

@@ -48,10 +48,12 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINES)}")
 
 
-def engine_for(cfg, model, tokenizer=None, **kwargs) -> Engine:
-    """The engine ``cfg.rollout.engine`` names, with its settings from ``cfg`` (a :class:`Config`)."""
+def engine_for(cfg, model, tokenizer=None, *, cpu_linear: str | None = None, **kwargs) -> Engine:
+    """The engine ``cfg.rollout.engine`` names, with its settings from ``cfg`` (a :class:`Config`);
+    ``cpu_linear``: the fast engine's, in place of ``cfg.model.cpu_linear`` (a training run's settled
+    decision, :func:`~nanogrpo.models.cpu_linear.settle`)."""
     if cfg.rollout.engine in ("fast", "auto"):
-        kwargs = {"cpu_linear": cfg.model.cpu_linear, **kwargs}
+        kwargs = {"cpu_linear": cpu_linear or cfg.model.cpu_linear, **kwargs}
     if cfg.rollout.engine == "vllm":
         from nanogrpo.rollout.vllm_engine import vllm_options
 

@@ -130,6 +130,7 @@ class _Feed:
 
 def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> int:
     from nanogrpo.algo.entropy import EntropyControl
+    from nanogrpo.models.cpu_linear import settle
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient, ServerError
@@ -177,10 +178,14 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         save_config(cfg, root / CONFIG_FILE)
     torch.manual_seed(cfg.train.seed)
 
-    model, tok, device = load_policy(cfg.model)
+    model, tok, device = load_policy(cfg.model, cpu_linear="torch")
+    # model.cpu_linear decided once per run (its engine: held-out evaluation); a resume reuses it
+    linears = settle(cfg.model.cpu_linear, model,
+                     load_state(resume_from).get("cpu_linear") if resume_from is not None else None,
+                     engine=bool(cfg.eval.every) and cfg.rollout.engine in ("fast", "auto"))
     if resume_from is not None:
         resumed = load_model(str(resume_from), next(model.parameters()).dtype, device,
-                             cfg.model.attn_implementation, cfg.model.trust_remote_code)
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code, "torch")
         model.load_state_dict(resumed.state_dict())
         del resumed
     if cfg.train.gradient_checkpointing:
@@ -204,20 +209,22 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     if resume_from is not None and feed.inbox.last_step() > start_step:
         log.info("rank %d: replaying steps %d-%d from its inbox (%d settled hand-off(s))", rank,
                     start_step + 1, feed.inbox.last_step(), settled)
-    logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None) if main else None
+    logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None,
+                       fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if main else None
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
         from nanogrpo.data import load_eval_rows
-        from nanogrpo.rewards import RewardRunner
+        from nanogrpo.models.reward import reward_runner
         from nanogrpo.rollout.factory import engine_for
         from nanogrpo.rollout.turns import longest_context
 
         if main:
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n]
-            evaluation = (PreparedRun(cfg, root, RewardRunner.from_config(cfg.rewards), [], resume_from,
-                                      eval_rows),
+            rewards = reward_runner(cfg, run_dir=root)
+            evaluation = (PreparedRun(cfg, root, rewards, [], resume_from, eval_rows),
                           engine_for(cfg, backend.rollout_model(), tok, max_len=longest_context(
-                              cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)))
+                              cfg, tok, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
+                              cpu_linear=linears.get("engine")))
     reward_keys = [f"reward/{s.strip()}" for s in cfg.rewards.functions]
     published = -1  # the version the server holds, as far as all ranks know (the same on every rank)
     live = False    # past the replayed steps: taking batches from the server
@@ -253,7 +260,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         totals = backend.all_reduce([float(feed.counts[k]) for k in ("dropped_stale", "dropped_invalid")])
         counts = {"dropped_stale": int(totals[0]), "dropped_invalid": int(totals[1])} if main else {}
         state = {"policy_version": version, "mode": "server", "entropy_control": control.state_dict(),
-                 "counts": counts}
+                 "cpu_linear": linears, "counts": counts}
         if sched is None:
             backend.save(ckpt_root, step, tok, state)
         else:

@@ -11,6 +11,11 @@ prompts with its own seed. The server being away stalls the worker (retries
 with backoff) rather than killing it; published weights it cannot load (they do not
 fit its model, or are damaged) leave it generating with the weights it has while it
 retries with backoff (:class:`WeightFollower`).
+
+On the CPU a worker times ``model.cpu_linear=auto`` itself, at each start (its start line says what
+it picked): it keeps no checkpoint, and nothing it decides needs reproducing, as a trainer's resume
+does: the batches it uploaded carry their own log-probs, and a resumed trainer replays them from its
+inbox as they were.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.config import config_from
     from nanogrpo.data import PromptSampler, load_rows
     from nanogrpo.models.load import check_model_source, load_policy
-    from nanogrpo.rewards import RewardRunner
+    from nanogrpo.models.reward import reward_runner
     from nanogrpo.rollout.collect import rollout
     from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         (cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % 2**31
     client = ServerClient(a.server, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
     client.health()
-    rewards = RewardRunner.from_config(cfg.rewards)
+    rewards = reward_runner(cfg)  # rm: reward models on this worker's device, where generation happens
     tools = ToolRunner.from_config(cfg.tools)
     try:
         model, tok, _ = load_policy(cfg.model)
@@ -134,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         # batch ids: unique across workers and restarts of one, the same over an upload's retries
         id_prefix = f"{re.sub(r'[^A-Za-z0-9._:-]', '_', worker_id)[:40]}-{secrets.token_hex(3)}"
         uploaded = attempts = 0
-        log.info("worker %s: feeding %s (engine %s, %d prompts x %d samples per batch)", worker_id,
-                    a.server, engine.name, cfg.rollout.prompts_per_step, cfg.grpo.group_size)
+        linears = getattr(engine, "cpu_linear", None)  # the fast engine's float32 CPU GEMMs
+        log.info("worker %s: feeding %s (engine %s%s, %d prompts x %d samples per batch)", worker_id,
+                 a.server, engine.name, f", float32 CPU linears on {linears}" if linears else "",
+                 cfg.rollout.prompts_per_step, cfg.grpo.group_size)
         with torch.no_grad():
             while a.batches <= 0 or uploaded < a.batches:
                 follower.poll()

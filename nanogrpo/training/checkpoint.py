@@ -3,7 +3,8 @@
 Layout of ``RUN/checkpoints/step_N/``::
 
     config.json, model.safetensors, tokenizer files   (``save_pretrained``: loadable by transformers)
-    trainer_state.json                                (step, policy version, data position, python RNG)
+    trainer_state.json                                (step, policy version, data position, python RNG,
+                                                       what model.cpu_linear=auto decided)
     optimizer.pt                                      (optimizer state; torch tensors only)
     rng.pt                                            (torch CPU/CUDA RNG states)
 

@@ -42,11 +42,15 @@ def _number(v: Any) -> float | None:
 
 
 class RunLogger:
-    """All of a run's logging; ``resume_step`` is the step of the checkpoint resumed (None: fresh run)."""
+    """All of a run's logging; ``resume_step`` is the step of the checkpoint resumed (None: fresh run);
+    ``fields``: facts of the run every metrics row carries (``cpu_linear/trainer``: "onednn" or
+    "torch", what its float32 CPU linears run on), also in the W&B run's config."""
 
-    def __init__(self, root: Path, cfg: Config, resume_step: int | None = None):
+    def __init__(self, root: Path, cfg: Config, resume_step: int | None = None,
+                 fields: dict[str, Any] | None = None):
         self.root = Path(root)
         self.cfg = cfg
+        self.fields = dict(fields or {})
         self.metrics = MetricsWriter(self.root / "metrics.jsonl", resume_step=resume_step)
         self.samples_path = self.root / "samples.jsonl"
         truncate_jsonl(self.samples_path, resume_step)
@@ -60,10 +64,11 @@ class RunLogger:
             self.tb = SummaryWriter(str(self.root / "tb"),
                                     purge_step=resume_step + 1 if resume_step is not None else None)
         if cfg.log.wandb:
-            self.wandb = _start_wandb(self.root, cfg, resumed=resume_step is not None)
+            self.wandb = _start_wandb(self.root, cfg, resumed=resume_step is not None, extra=self.fields)
 
     def log_step(self, row: dict[str, Any], examples: list[dict[str, Any]] | None = None) -> None:
         step = int(row["step"])
+        row = {**row, **self.fields}
         self.metrics.write(row)
         scalars = {k: x for k, v in row.items() if k != "step" and (x := _number(v)) is not None}
         if self.tb is not None:
@@ -105,7 +110,7 @@ def _sample_markdown(ex: dict[str, Any]) -> str:
     return f"**Q:** {ex.get('question', '')}\n\n```\n{ex.get('completion', '')}\n```\n\n{scores}"
 
 
-def _start_wandb(root: Path, cfg: Config, resumed: bool):
+def _start_wandb(root: Path, cfg: Config, resumed: bool, extra: dict[str, Any] | None = None):
     try:
         import wandb
     except ImportError:
@@ -115,7 +120,7 @@ def _start_wandb(root: Path, cfg: Config, resumed: bool):
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
     id_file.write_text(run_id + "\n")
     return wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or root.name, id=run_id,
-                      dir=str(root), config=cfg.to_dict(), resume="allow")
+                      dir=str(root), config={**cfg.to_dict(), **(extra or {})}, resume="allow")
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum
 """Multi-turn rollouts' metrics (present on every rank or on none: the config decides)."""
 DYNAMIC_KEYS = {"groups_no_signal": "sum", "groups_surplus": "sum", "refills": "max"}
 """``grpo.dynamic_sampling``'s counts (on every rank or on none); every rank runs the same rounds."""
+REWARD_METRIC_OPS = {"failures": "sum", "requests": "sum", "retries": "sum", "cache_hits": "sum",
+                     "prompt_tokens": "sum", "completion_tokens": "sum", "unparseable": "sum",
+                     "errors": "sum", "timeouts": "sum", "truncated": "sum", "rows_per_s": "sum",
+                     "tokens_per_s": "sum",
+                     "latency_s": "max", "latency_max_s": "max", "time_s": "max"}
+"""Reward metrics by their last part: each function's ``reward/<name>/failures`` and model rewards'
+figures (``judge/…``, ``rm/…``, ``rm_2/…``; the same keys on every rank: the config decides)."""
+
+
+def _reward_metric_ops(row: dict[str, Any]) -> dict[str, str]:
+    ops = {}
+    for k in row:
+        head, _, last = k.rpartition("/")
+        if last in REWARD_METRIC_OPS and ((k.startswith("reward/") and last == "failures")
+                                           or re.fullmatch(r"(judge|rm)(_\d+)?", head)):
+            ops[k] = REWARD_METRIC_OPS[last]
+    return ops
 
 
 def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] = ()) -> dict[str, Any]:
@@ -74,7 +92,8 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     are already global. A rank without completions weighs nothing.
 
     ``all_reduce(values, ops)`` is :meth:`nanogrpo.training.distributed.Backend.all_reduce`."""
-    tools = {k: op for k, op in {**TOOL_KEYS, **DYNAMIC_KEYS}.items() if k in row}
+    tools = {**{k: op for k, op in {**TOOL_KEYS, **DYNAMIC_KEYS}.items() if k in row},
+             **_reward_metric_ops(row)}
     means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
     counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]
     maxes = list(MAX_KEYS) + [k for k, op in tools.items() if op == "max"]

@@ -22,7 +22,9 @@ from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, save_config
 from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
 from nanogrpo.errors import ConfigError
+from nanogrpo.models.cpu_linear import settle
 from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
+from nanogrpo.models.reward import reward_runner
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
 from nanogrpo.rollout.factory import engine_for
@@ -81,7 +83,9 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
     passes the caller's own): ``rewards`` a runner, ``rows`` / ``eval_rows`` samples already
     normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
     ``model_path`` the model's resolved source."""
-    rewards = rewards if rewards is not None else RewardRunner.from_config(cfg.rewards)
+    # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
+    if rewards is None:
+        rewards = reward_runner(cfg, run_dir=Path(resume_dir or cfg.train.out))
     try:
         if tools is _UNSET:
             tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
@@ -136,18 +140,22 @@ def train(run: PreparedRun) -> Path:
     torch.manual_seed(cfg.train.seed)
 
     init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
-    model, tok, device = load_policy(cfg.model, run.model_path)
+    model, tok, device = load_policy(cfg.model, run.model_path, cpu_linear="torch")
+    # model.cpu_linear decided once per run: a resumed run reuses the checkpoint's decisions
+    recorded = load_state(run.resume_from).get("cpu_linear") if run.resume_from is not None else None
+    linears = settle(cfg.model.cpu_linear, model, recorded, engine=cfg.rollout.engine in ("fast", "auto"))
     adapter = check_resume_kind(run.resume_from, cfg.model.lora_r)
     if run.resume_from is not None and not adapter:
         resumed = load_model(str(run.resume_from), next(model.parameters()).dtype, device,
-                             cfg.model.attn_implementation, cfg.model.trust_remote_code)
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code, "torch")
         model.load_state_dict(resumed.state_dict())
         del resumed
     ref = None
     if cfg.grpo.beta > 0 and not cfg.model.lora_r:  # LoRA: the reference is the adapter-disabled model
         if run.resume_from is not None and (ckpt_root / "step_0").is_dir():
             ref = load_model(str(ckpt_root / "step_0"), next(model.parameters()).dtype, device,
-                             cfg.model.attn_implementation, cfg.model.trust_remote_code, cfg.model.cpu_linear)
+                             cfg.model.attn_implementation, cfg.model.trust_remote_code,
+                             linears.get("trainer", cfg.model.cpu_linear))
             ref.eval().requires_grad_(False)
         else:
             ref = None
@@ -167,7 +175,7 @@ def train(run: PreparedRun) -> Path:
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
-                        max_len=longest_context(cfg, tok, longest_new))
+                        max_len=longest_context(cfg, tok, longest_new), cpu_linear=linears.get("engine"))
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
@@ -184,12 +192,12 @@ def train(run: PreparedRun) -> Path:
         if backend.is_main:
             log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
-    logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None) if backend.is_main \
-        else None
+    logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None,
+                       fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if backend.is_main else None
 
     def save(step: int) -> None:
         backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict(),
-                                            "entropy_control": control.state_dict()},
+                                            "entropy_control": control.state_dict(), "cpu_linear": linears},
                      save_merged=cfg.model.lora_save_merged)
 
     def save_mid_batch(step: int, batch, sched: Schedule, roll: dict) -> None:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from nanogrpo.errors import ModelError
-from nanogrpo.models.cpu_linear import DECODE_ROWS, choose, model_dims
+from nanogrpo.models.cpu_linear import DECODE_ROWS, choose, model_dims, onednn_available
 from nanogrpo.models.cpu_linear import linear as onednn_linear
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.fast import cache
@@ -194,6 +194,9 @@ class FastEngine:
             cpu_linear = (self.device.type == "cpu" and self.dtype == torch.float32
                           and choose(cpu_linear, DECODE_ROWS, *model_dims(model)))
         self._lin = onednn_linear if cpu_linear and self.device.type == "cpu" else F.linear
+        # what its float32 CPU GEMMs run on ("onednn" / "torch"; None: not float32 on the CPU)
+        self.cpu_linear = (("onednn" if self._lin is onednn_linear and onednn_available() else "torch")
+                           if self.device.type == "cpu" and self.dtype == torch.float32 else None)
         self._pre, self._post, self._head = pre_attn, post_attn, head
         if self.use_compile:
             self._pre, self._post, self._head = (torch.compile(f, fullgraph=True)
