@@ -210,7 +210,7 @@ def train(run: PreparedRun) -> Path:
             return  # (the step's end is a step checkpoint's business: train.save_every)
         backend.save(ckpt_root, step - 1, tok, {"policy_version": now, "sampler": sampler.state_dict(),
                                                 "entropy_control": control.state_dict(),
-                                                "pending": pending_state(step, sched)},
+                                                "cpu_linear": linears, "pending": pending_state(step, sched)},
                      save_merged=cfg.model.lora_save_merged, name=f"step_{step}_update_{sched.done}",
                      rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
         _test_stop(f"step_{step}_update_{sched.done}")
