@@ -30,13 +30,18 @@ SETTINGS: dict[str, list[str]] = {
     "dapo": ["grpo.loss=dapo"],
     "dr_grpo": ["grpo.loss=dr_grpo"],
     "gspo": ["grpo.loss=gspo", "grpo.mini_batches=4"],
+    "grpo+mb4": ["grpo.loss=grpo", "grpo.mini_batches=4"],
     "cispo": ["grpo.loss=cispo"],
+    "cispo+mb4": ["grpo.loss=cispo", "grpo.mini_batches=4"],
     "sapo": ["grpo.loss=sapo"],
+    "sapo+mb4": ["grpo.loss=sapo", "grpo.mini_batches=4"],
     "grpo+dynamic": ["grpo.loss=grpo", "grpo.dynamic_sampling=true"],
     "grpo+entropy": ["grpo.loss=grpo", "grpo.entropy_coef=0.01"],
 }
-"""Setting name -> its keys on top of the demo preset. GSPO's sequence ratio differs from GRPO's only off
-policy: it gets four optimizer steps per batch (``grpo.mini_batches``), where its clip binds."""
+"""Setting name -> its keys on top of the demo preset. With one optimizer step per batch the ratio is exactly
+1 and the losses' gradients coincide (CISPO's is DAPO's, SAPO's and GSPO's are GRPO's); they differ off
+policy, so GSPO, and CISPO and SAPO beside their on-policy runs, get four optimizer steps per batch
+(``grpo.mini_batches``, where the clip or gate binds), with GRPO under the same schedule as their baseline."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
