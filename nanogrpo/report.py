@@ -143,7 +143,8 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
     except ImportError:
         raise ConfigError("nanogrpo report needs matplotlib: pip install 'nanogrpo[report]'") from None
     out.mkdir(parents=True, exist_ok=True)
-    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    # tab10's colours, then (11-20 runs) their light shades from tab20, so that no two runs share a colour
+    colors = [plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i in range(len(runs))]
     files = []
     for panel in PANELS:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
