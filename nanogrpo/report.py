@@ -104,6 +104,8 @@ def moving_average(ys: list[float], window: int) -> list[float]:
 
 def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
     drew = False
+    both = bool(panel.train_key and panel.eval_key)
+    compact = both and len(runs) > 4  # one legend entry per run (the title says solid / dashed)
     for run, color in zip(runs, colors):
         xs, ys = run.series(panel.train_key) if panel.train_key else ([], [])
         if xs:
@@ -112,26 +114,32 @@ def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
             if window > 1:
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
                 ax.plot(xs, moving_average(ys, window), color=color, linewidth=1.8,
-                        label=f"{run.label} (train, avg {window})" if panel.eval_key else run.label)
+                        label=f"{run.label} (train, avg {window})" if both and not compact else run.label)
             else:
                 ax.plot(xs, ys, color=color, linewidth=1.6, marker="." if len(xs) < 30 else None,
-                        label=f"{run.label} (train)" if panel.eval_key else run.label)
+                        label=f"{run.label} (train)" if both and not compact else run.label)
         if panel.eval_key:
             ex, ey = run.series(panel.eval_key)
             if ex:
                 drew = True
+                label = run.label if not panel.train_key else None if compact and xs else \
+                    run.label if compact else f"{run.label} (held-out)"
                 ax.plot(ex, ey, color=color, linestyle="--" if panel.train_key else "-", marker="o",
-                        markersize=4, linewidth=1.6,
-                        label=f"{run.label} (held-out)" if panel.train_key else run.label)
+                        markersize=4, linewidth=1.6, label=label)
     ax.set_title(panel.title)
     ax.set_xlabel("training step")
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, alpha=0.3)
     if drew:
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="best", ncol=2 if len(ax.get_legend_handles_labels()[1]) > 8 else 1)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     return drew
+
+
+def run_colors(plt, n: int) -> list:
+    """tab10's colours, then (runs 11-20) their light shades from tab20: no two of 20 runs share one."""
+    return [plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i in range(n)]
 
 
 def plot(runs: list[RunData], out: Path) -> list[Path]:
@@ -143,8 +151,7 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
     except ImportError:
         raise ConfigError("nanogrpo report needs matplotlib: pip install 'nanogrpo[report]'") from None
     out.mkdir(parents=True, exist_ok=True)
-    # tab10's colours, then (11-20 runs) their light shades from tab20, so that no two runs share a colour
-    colors = [plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i in range(len(runs))]
+    colors = run_colors(plt, len(runs))
     files = []
     for panel in PANELS:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
