@@ -23,7 +23,9 @@ Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
 breakdown, question ids, ...), JSON-serialisable. Keys the split-mode trainer and server read:
 ``behaviour_logprobs`` (true: the engine's numerics are not the trainer's, take the clipped
 ratio from the first update), ``logprob_temperature`` (the temperature the log-probs are of;
-absent: 1.0, the seed's untempered convention), ``worker``.
+absent: 1.0, the seed's untempered convention), ``logprob_support`` (``[top_k, top_p]``: the
+log-probs are over each position's top-k / top-p support, ``nanogrpo.algo.support``; absent: over
+the vocabulary), ``worker``.
 """
 
 from __future__ import annotations

@@ -172,8 +172,10 @@ class RolloutConfig(_Strict):
     top_k: int = Field(0, ge=0)
     tempered_logprobs: bool = False
     """False: log-probs of the untempered model distribution (the seed's convention); True: of
-    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's). Applies to
-    the engine's behaviour log-probs and the policy and reference forwards alike."""
+    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's), and with
+    ``top_k`` / ``top_p`` of that distribution restricted to each position's top-k / top-p support and
+    renormalised, exactly what is sampled (``nanogrpo.algo.support``). Applies to the engine's behaviour
+    log-probs and the policy and reference forwards alike."""
 
     correction: Literal[CORRECTION_NAMES] = "none"
     """Importance weights between the trainer's log-probs and the engine's behaviour log-probs (vLLM,
@@ -200,6 +202,14 @@ class RolloutConfig(_Strict):
     def logprob_temperature(self) -> float:
         """The temperature every log-prob of a run is computed at (see ``tempered_logprobs``)."""
         return self.temperature if self.tempered_logprobs else 1.0
+
+    def logprob_support(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when every log-prob of the run is over each position's top-k / top-p support
+        (tempered log-probs with a truncated sampler: the distribution samples are drawn from,
+        ``nanogrpo.algo.support``); None: over the whole vocabulary."""
+        if self.tempered_logprobs and (self.top_k > 0 or self.top_p < 1.0):
+            return self.top_k, self.top_p
+        return None
 
 
 LossName = Literal[LOSS_NAMES]
@@ -268,7 +278,20 @@ class GrpoConfig(_Strict):
     min_reward_spread: float = Field(0.01, ge=0)
     """Groups whose rewards span less than this carry no signal and are dropped."""
     updates_per_batch: int = Field(1, ge=1)
-    """Optimizer steps taken on each rollout batch (>1 makes later updates off-policy: clipped ratio)."""
+    """Passes (epochs, μ) over each rollout batch; each pass takes ``mini_batches`` optimizer steps (later
+    ones are off-policy: clipped ratio). TRL ``num_iterations``, verl ``ppo_epochs``."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass over a rollout batch: its groups are cut into this many mini-batches, each
+    one optimizer step normalised by its own totals (TRL ``steps_per_generation``; verl's PPO mini-batch,
+    ``ppo_mini_batch_size`` = the batch / this). Each optimizer step is one policy version
+    (``nanogrpo.training.schedule``)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards all agree are dropped and more prompts are generated,
+    up to ``max_refills`` more rounds, until ``rollout.prompts_per_step`` informative groups are kept (the
+    surplus of the last round is dropped too, and counted). False: the step trains on what is kept."""
+    max_refills: int = Field(4, ge=0)
+    """``dynamic_sampling``: extra generation rounds per step at most (verl ``max_num_gen_batches`` - 1); a
+    step that has not filled its batch by then trains on the groups it has."""
 
     @model_validator(mode="after")
     def _combinations(self) -> GrpoConfig:
@@ -326,7 +349,8 @@ def _check_loss_combination(g: GrpoConfig) -> None:
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``, ``format_strict``), ``module:function`` or
+    """Built-in names (``correctness``, ``format``, ``format_strict``, ``format_boxed``, ``overlong``),
+    ``module:function`` or
     ``path/to/file.py:function`` (per-completion or batched, ``nanogrpo.rewards.batching``). (Python's
     API also takes callables: ``nanogrpo.rewards.entries``.)"""
     weights: list[float] | None = None
@@ -381,6 +405,12 @@ class RewardsConfig(_Strict):
     """Whether the built-in ``correctness`` credits a completion the token limit cut off
     (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
     -1 whatever it says (DAPO's overlong filtering), so answers that never finish earn nothing."""
+    overlong_buffer: int | None = Field(None, gt=0)
+    """The built-in ``overlong`` reward (DAPO's soft overlong punishment): its penalty ramps from 0 to
+    -``overlong_penalty`` over the last this many tokens before ``rollout.max_new_tokens``. None: a fifth
+    of the limit (DAPO: 4,096 of 20,480)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The built-in ``overlong``'s penalty at the token limit (verl's ``penalty_factor``)."""
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardsConfig:
@@ -469,6 +499,11 @@ class TrainConfig(_Strict):
     """Completion tokens per chunk of the fused LM-head + log-softmax (one (chunk, vocab) float32 buffer)."""
     save_every: int = Field(200, ge=0)
     """0: only the final checkpoint (and step_0)."""
+    save_every_updates: int = Field(0, ge=0)
+    """Also checkpoint every this many optimizer steps (policy versions) inside a step, between the
+    optimizer steps of one rollout batch (``grpo.mini_batches`` x ``updates_per_batch`` > 1), as
+    ``step_N_update_U`` with the batch itself: a run killed there resumes at that update, exactly. Only
+    the newest such checkpoint is kept. 0: checkpoints at step boundaries only (``save_every``)."""
     seed: int = 0
     out: str = "runs/nanogrpo"
     gradient_checkpointing: bool = False
@@ -519,7 +554,8 @@ class ServerConfig(_Strict):
     """Split mode: ``nanogrpo serve`` / ``nanogrpo rollout`` / ``nanogrpo train --server``."""
 
     publish_every: int = Field(1, ge=1)
-    """The trainer publishes its weights to the server every this many optimizer steps."""
+    """The trainer publishes its weights to the server every this many optimizer steps (policy versions;
+    between the mini-batches of one batch too)."""
     max_staleness: int = Field(4, ge=0)
     """Batches generated more than this many policy versions ago are dropped (and counted)."""
     queue_size: int = Field(16, gt=0)
@@ -536,7 +572,7 @@ class ServerConfig(_Strict):
     connection did); the rank acknowledges as soon as the batch is safe in its run directory."""
     max_version_step: int = Field(1000, ge=1)
     """Server: how far one publish may move the policy version forward (the trainer moves it by
-    ``publish_every x grpo.updates_per_batch``); a larger jump is refused."""
+    ``publish_every`` optimizer steps); a larger jump is refused."""
 
 
 class VllmConfig(_Strict):
@@ -584,6 +620,18 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
+        g, r = self.grpo, self.rollout
+        if g.mini_batches > r.prompts_per_step:
+            raise ValueError(f"grpo.mini_batches={g.mini_batches} cuts a batch of rollout.prompts_per_step="
+                             f"{r.prompts_per_step} groups into more mini-batches than it has groups")
+        buf = self.rewards.overlong_buffer
+        if buf is not None and buf > r.max_new_tokens:
+            raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
+                             f"{r.max_new_tokens}: the punishment would start before the first token")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

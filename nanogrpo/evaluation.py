@@ -45,7 +45,7 @@ from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rewards.grade import final_answer
 from nanogrpo.rewards.latex import clean, plain_values
-from nanogrpo.rollout.collect import generate, pad_batch
+from nanogrpo.rollout.collect import completion_samples, generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
@@ -77,7 +77,8 @@ def majority_index(answers: list[str | None]) -> int | None:
 @torch.no_grad()
 def completion_entropy(model, prompts: list[list[int]], completions: list[list[int]],
                        masks: list[list[bool]] | None, pad_id: int, temperature: float = 1.0,
-                       micro_batch: int = 16, chunk: int = 1024) -> tuple[float, int]:
+                       micro_batch: int = 16, chunk: int = 1024,
+                       support: tuple[int, float] | None = None) -> tuple[float, int]:
     """(sum of the policy's per-token entropies over the completions' tokens, their count); ``masks``: the
     tokens that count (multi-turn: the sampled ones), None: all. No (N, L, V) tensor is formed."""
     from nanogrpo.algo.logprobs import token_stats
@@ -94,7 +95,7 @@ def completion_entropy(model, prompts: list[list[int]], completions: list[list[i
             for j, m in enumerate(masks[i:i + micro_batch]):
                 cm[j, :len(m)] &= torch.tensor(m, dtype=torch.bool)
         _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk,
-                             temperature=temperature, entropy="value")         # (n, C)
+                             temperature=temperature, entropy="value", support=support)  # (n, C)
         total += float(ent[cm.to(dev)].double().sum())
         count += int(cm.sum())
     return total, count
@@ -127,10 +128,12 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
             s_, n_ = completion_entropy(policy, [x for x in ids for _ in range(k)], gen.completion_ids,
                                         gen.loss_masks if tools is not None else None, tokenizer.pad_token_id,
                                         cfg.rollout.logprob_temperature(), cfg.train.micro_batch_size,
-                                        cfg.train.logprob_chunk)
+                                        cfg.train.logprob_chunk, cfg.rollout.logprob_support())
             ent_sum, ent_n = ent_sum + s_, ent_n + n_
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-        samples = [r for r in kept for _ in range(k)]
+        sampled = [sum(m) for m in gen.loss_masks] if tools is not None else \
+            [len(c) for c in gen.completion_ids]
+        samples = completion_samples(kept, k, gen.finish_reasons, sampled, max_new_tokens)  # as in training
         calls = [info["tool_calls"] for info in gen.infos] if tools is not None else [0] * len(texts)
         if tools is not None:
             samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]

@@ -5,9 +5,11 @@ one run, ``./report`` for several):
 
 - one PNG per quantity, every run overlaid in its own colour with a legend: ``reward.png``,
   ``accuracy.png`` (train: solid; held-out ``eval/accuracy``: dashed with markers),
-  ``format_rate.png`` (same), ``kl.png``, ``completion_length.png``, ``step_time.png``;
+  ``heldout_accuracy.png`` (held-out only: one line per run), ``format_rate.png`` (train and
+  held-out), ``kl.png``, ``entropy.png`` (the policy's mean per-token entropy, train: solid,
+  held-out ``eval/entropy``: dashed), ``completion_length.png``, ``step_time.png``;
   noisy curves are drawn faintly with a moving average on top;
-- ``overview.png``: all six in one figure;
+- ``overview.png``: all eight in one figure;
 - ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
   accuracy, KL, length, step time, throughput) with the plots linked.
 
@@ -32,16 +34,19 @@ class Panel:
     file: str
     title: str
     ylabel: str
-    train_key: str
+    train_key: str | None
     eval_key: str | None = None
 
 
 PANELS = [
     Panel("reward", "Mean reward per completion", "reward", "reward_mean", "eval/reward_mean"),
     Panel("accuracy", "Accuracy (train: solid, held-out: dashed)", "accuracy", "accuracy", "eval/accuracy"),
+    Panel("heldout_accuracy", "Held-out accuracy", "accuracy", None, "eval/accuracy"),
     Panel("format_rate", "Format rate (train: solid, held-out: dashed)", "share formatted", "format_rate",
           "eval/format_rate"),
     Panel("kl", "KL to the reference (k3)", "KL per token", "kl"),
+    Panel("entropy", "Policy entropy (train: solid, held-out: dashed)", "nats per token", "entropy",
+          "eval/entropy"),
     Panel("completion_length", "Completion length", "tokens", "completion_len_mean"),
     Panel("step_time", "Step time", "seconds per step", "step_time_s"),
 ]
@@ -99,33 +104,42 @@ def moving_average(ys: list[float], window: int) -> list[float]:
 
 def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
     drew = False
+    both = bool(panel.train_key and panel.eval_key)
+    compact = both and len(runs) > 4  # one legend entry per run (the title says solid / dashed)
     for run, color in zip(runs, colors):
-        xs, ys = run.series(panel.train_key)
+        xs, ys = run.series(panel.train_key) if panel.train_key else ([], [])
         if xs:
             drew = True
             window = max(1, len(xs) // 20)
             if window > 1:
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
                 ax.plot(xs, moving_average(ys, window), color=color, linewidth=1.8,
-                        label=f"{run.label} (train, avg {window})" if panel.eval_key else run.label)
+                        label=f"{run.label} (train, avg {window})" if both and not compact else run.label)
             else:
                 ax.plot(xs, ys, color=color, linewidth=1.6, marker="." if len(xs) < 30 else None,
-                        label=f"{run.label} (train)" if panel.eval_key else run.label)
+                        label=f"{run.label} (train)" if both and not compact else run.label)
         if panel.eval_key:
             ex, ey = run.series(panel.eval_key)
             if ex:
                 drew = True
-                ax.plot(ex, ey, color=color, linestyle="--", marker="o", markersize=4, linewidth=1.6,
-                        label=f"{run.label} (held-out)")
+                label = run.label if not panel.train_key else None if compact and xs else \
+                    run.label if compact else f"{run.label} (held-out)"
+                ax.plot(ex, ey, color=color, linestyle="--" if panel.train_key else "-", marker="o",
+                        markersize=4, linewidth=1.6, label=label)
     ax.set_title(panel.title)
     ax.set_xlabel("training step")
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, alpha=0.3)
     if drew:
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="best", ncol=2 if len(ax.get_legend_handles_labels()[1]) > 8 else 1)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     return drew
+
+
+def run_colors(plt, n: int) -> list:
+    """tab10's colours, then (runs 11-20) their light shades from tab20: no two of 20 runs share one."""
+    return [plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i in range(n)]
 
 
 def plot(runs: list[RunData], out: Path) -> list[Path]:
@@ -137,7 +151,7 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
     except ImportError:
         raise ConfigError("nanogrpo report needs matplotlib: pip install 'nanogrpo[report]'") from None
     out.mkdir(parents=True, exist_ok=True)
-    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    colors = run_colors(plt, len(runs))
     files = []
     for panel in PANELS:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
@@ -147,7 +161,7 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
         fig.savefig(path)
         plt.close(fig)
         files.append(path)
-    fig, axes = plt.subplots(2, 3, figsize=(18, 9), dpi=90)
+    fig, axes = plt.subplots(2, 4, figsize=(24, 9), dpi=90)
     for ax, panel in zip(axes.flat, PANELS):
         _draw(ax, runs, panel, colors)
     fig.suptitle("nanogrpo: " + ", ".join(r.label for r in runs))
@@ -201,8 +215,8 @@ def summary_markdown(runs: list[RunData], images: list[Path]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nanogrpo report",
-        description="PNG plots (reward, accuracy, format rate, KL, completion length, step time; runs "
-                    "overlaid) and a markdown summary of runs.")
+        description="PNG plots (reward, accuracy, held-out accuracy, format rate, KL, entropy, completion "
+                    "length, step time; runs overlaid) and a markdown summary of runs.")
     ap.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     ap.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
                                              "./report for several)")

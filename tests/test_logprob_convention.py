@@ -75,7 +75,7 @@ def test_on_policy_ratio_is_one_under_either_convention(engine):
 def test_trainer_uses_one_convention_for_engine_policy_and_reference(tmp_path, monkeypatch):
     """``nanogrpo train rollout.tempered_logprobs=true``: the behaviour log-probs (engine) and the
     reference log-probs equal the policy's at temperature T before the first update."""
-    import nanogrpo.training.trainer as trainer
+    import nanogrpo.training.schedule as trainer  # where the trainer calls policy_update
     from nanogrpo.cli import main
     from tests.run_fixtures import write_tiny_run_assets
 

@@ -76,3 +76,26 @@ def test_report_on_a_non_run_is_an_error(tmp_path, capsys):
 
 def test_moving_average():
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_many_runs_get_distinct_colours_and_one_legend_entry_each(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nanogrpo.report import _draw, load_run, run_colors
+
+    runs = []
+    for i in range(12):
+        d = _run(tmp_path / f"r{i}", 0.05 + 0.01 * i, steps=10)
+        with open(d / "metrics.jsonl", "a") as f:  # an entropy panel: train and held-out series
+            f.write(json.dumps({"step": 11, "entropy": 0.4, "eval/entropy": 0.5}) + "\n")
+        runs.append(load_run(d))
+    colors = run_colors(plt, len(runs))
+    assert len(set(colors)) == 12 and colors[:10] == [plt.get_cmap("tab10")(i) for i in range(10)]
+    entropy = next(p for p in PANELS if p.file == "entropy")
+    fig, ax = plt.subplots()
+    assert _draw(ax, runs, entropy, colors)
+    assert ax.get_legend_handles_labels()[1] == [f"r{i}" for i in range(12)]
+    plt.close(fig)

@@ -41,7 +41,10 @@ def test_train_writes_run_directory(tiny_dir, tmp_path):
     assert main(_args(tiny_dir, out)) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the held-out baseline (the demo evaluates)
-    assert set(rows[0]) == {"step"} | {k for k in rows[-1] if k.startswith("eval/")}
+    # step 0: the held-out baseline, and the facts every row carries (the run's cpu_linear decisions)
+    facts = {k for k in rows[-1] if k.startswith("cpu_linear/")}
+    assert facts == {"cpu_linear/trainer", "cpu_linear/engine"}
+    assert set(rows[0]) == {"step"} | facts | {k for k in rows[-1] if k.startswith("eval/")}
     for key in REQUIRED:
         assert key in rows[1], key
     assert any(r.get("loss") is not None for r in rows), "no update happened"

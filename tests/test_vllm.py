@@ -158,7 +158,8 @@ def test_tied_embeddings_update_without_lm_head_key():
 
 def test_tempered_logprobs_are_those_of_logits_over_t():
     """``tempered_logprobs``: vLLM's processed log-probs = log_softmax(logits / T) when no top-k/top-p
-    mask applies; requests it cannot report exactly are refused."""
+    mask applies, and over the top-k / top-p support (the trainer's, computed likewise) when one does;
+    requests it cannot report exactly are refused."""
     model = qwen(2)
     engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8, tempered_logprobs=True)
     t = 0.7
@@ -174,10 +175,26 @@ def test_tempered_logprobs_are_those_of_logits_over_t():
         assert (untempered - torch.tensor(lps)).abs().max() > 1e-2
     with pytest.raises(ConfigError, match="tempered_logprobs=False"):
         engine.generate(PROMPTS, SamplingParams(8, temperature=t))          # asks for untempered
-    with pytest.raises(ConfigError, match="top_k=0 and top_p=1"):
+    with pytest.raises(ConfigError, match="support_logprobs"):               # top-k without the support
         engine.generate(PROMPTS, SamplingParams(8, temperature=t, top_k=5, logprob_temperature=t))
     greedy = engine.generate(PROMPTS, GREEDY)                               # greedy: untempered, exact
     assert greedy.completion_ids == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    # top-k / top-p: vLLM's processed log-probs are over its support; the trainer's over the same support
+    # agree with them (ratio 1), the trainer's over the whole vocabulary sit above by the log kept mass
+    for k, p in ((5, 1.0), (0, 0.8), (20, 0.6)):
+        params = SamplingParams(max_new_tokens=24, temperature=t, top_k=k, top_p=p, n=2, seed=3,
+                                logprob_temperature=t, support_logprobs=True)
+        gen = engine.generate(PROMPTS, params)
+        ids, am, cm, lp, plen = pad_batch([PROMPTS[i // 2] for i in range(len(gen.completion_ids))],
+                                          gen.completion_ids, gen.logprobs, PAD)
+        with torch.no_grad():
+            same = token_logprobs(model, ids, am, plen, cm, temperature=t, support=(k, p))
+            whole = token_logprobs(model, ids, am, plen, cm, temperature=t)
+        assert (same - lp)[cm].abs().max() < 1e-4, (k, p)
+        assert (whole - lp)[cm].max() < 1e-4 and (whole - lp)[cm].min() < -1e-2, (k, p)
+    raw = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8)
+    with pytest.raises(ConfigError, match="tempered_logprobs=True"):
+        raw.generate(PROMPTS, SamplingParams(8, temperature=1.0, top_p=0.8, support_logprobs=True))
 
 
 def test_eos_stops_a_row_early_on_the_warm_started_model():

@@ -110,3 +110,20 @@ def test_split_mode_with_a_vllm_worker(tmp_path, demo_shape):
     assert all(r["loss"] is not None and r["clip_frac"] is not None for r in rows)
     assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[5]
     assert stats["weights_version"] >= 5
+
+
+def test_vllm_run_weighs_and_logs_the_engine_trainer_mismatch(tmp_path, demo_shape):
+    """``rollout.correction`` behind the in-process vLLM engine, with two mini-batches: every step logs the
+    raw weights pi_old / mu (vLLM's float32 kernels against the trainer's: ~1), the share truncated and the
+    k3 KL, measured against the trainer's log-probs of the generating policy (the forward before the first
+    optimizer step)."""
+    out = tmp_path / "corr"
+    over = ["eval.every=0", "rollout.prompts_per_step=4", "rollout.correction=token_truncate",
+            "rollout.correction_min=0.5", "grpo.mini_batches=2", "rollout.tempered_logprobs=true",
+            "rollout.temperature=0.8", "rollout.top_p=0.9"]  # over the top-p support, vLLM and trainer alike
+    assert main(_small(demo_shape, out, 2)[:-3] + over) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("loss") is not None]
+    assert rows
+    for r in rows:
+        assert 0.99 < r["is_weight_min"] <= r["is_weight_mean"] <= r["is_weight_max"] < 1.01, r
+        assert r["is_corrected_frac"] == 0.0 and 0.0 <= r["is_kl"] < 1e-4

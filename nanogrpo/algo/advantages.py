@@ -32,6 +32,7 @@ calls it, the same number of times, also with no rows); None means one process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -154,3 +155,17 @@ def signal_mask(rewards: torch.Tensor, group_size: int, min_spread: float = 0.01
     """True for each group whose rewards span at least ``min_spread`` (the seed drops the rest)."""
     r = rewards.float().view(-1, group_size)                          # (groups, G)
     return (r.max(dim=1).values - r.min(dim=1).values) >= min_spread  # (groups,)
+
+
+def surplus_mask(keep: torch.Tensor, target: int) -> torch.Tensor:
+    """DAPO dynamic sampling (Yu et al. 2025): (groups,) True for the informative groups past the first
+    ``target`` ones (``keep``: (groups,) bool, in generation order), which the batch leaves out."""
+    return keep & (torch.cumsum(keep.long(), 0) > target)             # (groups,)
+
+
+def refill_size(target: int, kept: int, generated: int, cap: int) -> int:
+    """DAPO dynamic sampling: prompts to draw for the next round, the missing groups over the keep rate seen
+    so far with a 25% margin (a round that kept nothing counts as a 10% rate), at most ``cap`` (verl draws
+    a whole batch each round)."""
+    rate = max(kept / generated if generated else 0.0, 0.1)
+    return max(1, min(cap, math.ceil((target - kept) / rate * 1.25)))

@@ -33,7 +33,10 @@ Models whose head is not a plain linear projection of the last hidden state
 logits, row by row.
 
 ``temperature``: the log-probs of ``logits / temperature`` on every path (1.0, the
-default, is the model's own distribution; see ``rollout.tempered_logprobs``).
+default, is the model's own distribution; see ``rollout.tempered_logprobs``). ``support``
+(``(top_k, top_p)``, :mod:`nanogrpo.algo.support`): of that distribution restricted to each position's
+top-k / top-p support and renormalised, the distribution a sampler with those settings draws from
+(entropies too); the support's threshold is saved per token for the backward, never a (T, V) mask.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from nanogrpo.algo.support import MASKED, Support, active, keep_mask, support_threshold
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
                     "olmo2", "smollm3", "gpt2"}
@@ -88,7 +93,7 @@ class LinearLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0, entropy=0):
+    def forward(ctx, h, weight, bias, targets, chunk, temperature=1.0, entropy=0, support=None):
         dt = _mm_dtype(h)
         acc = acc_dtype(dt)
         with torch.autocast(h.device.type, enabled=False):
@@ -97,11 +102,19 @@ class LinearLogprob(torch.autograd.Function):
             out = torch.empty(h.shape[0], dtype=acc, device=h.device)         # (T,)
             lse = torch.empty_like(out)                                       # (T,)
             ent = torch.empty_like(out) if entropy else None                  # (T,)
+            thr = torch.empty_like(out) if support is not None else None      # (T,) the support's threshold
             for i in range(0, h.shape[0], chunk):
                 logits = F.linear(h[i:i + chunk].to(dt), w, b).to(acc)        # (c, V)
                 if temperature != 1.0:
                     logits = logits / temperature                             # (c, V)
                 picked = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1)  # (c,)
+                if support is not None:  # the sort of top-p in quarter chunks: peak ~2 (c, V) buffers
+                    q = max(1, logits.shape[0] // 4)
+                    for j in range(0, logits.shape[0], q):
+                        thr[i + j:i + j + q] = support_threshold(logits[j:j + q], support)  # (q,)
+                    keep = keep_mask(logits, thr[i:i + chunk], targets[i:i + chunk])  # (c, V)
+                    logits.masked_fill_(~keep, MASKED)                        # (c, V) the support only
+                    del keep
                 if entropy:
                     m = logits.amax(-1, keepdim=True)                         # (c, 1)
                     m.masked_fill_(torch.isinf(m), 0.0)
@@ -115,7 +128,7 @@ class LinearLogprob(torch.autograd.Function):
                     lse[i:i + chunk] = torch.logsumexp(logits, -1)            # (c,)
                 out[i:i + chunk] = picked - lse[i:i + chunk]
                 del logits
-        ctx.save_for_backward(h, weight, bias, targets, lse, ent if entropy == 2 else None)
+        ctx.save_for_backward(h, weight, bias, targets, lse, ent if entropy == 2 else None, thr)
         ctx.chunk, ctx.dt, ctx.temperature, ctx.entropy = chunk, dt, temperature, entropy
         if not entropy:
             return out
@@ -124,7 +137,7 @@ class LinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):                                                      # g: (T,) or (T, 2)
-        h, weight, bias, targets, lse, ent = ctx.saved_tensors
+        h, weight, bias, targets, lse, ent, thr = ctx.saved_tensors
         dt, chunk, temp = ctx.dt, ctx.chunk, ctx.temperature
         acc = acc_dtype(dt)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -146,6 +159,9 @@ class LinearLogprob(torch.autograd.Function):
                 gl = F.linear(hc, w, b).to(acc)                               # (c, V) logits
                 if temp != 1.0:
                     gl.div_(temp)                                             # (c, V) logits / T
+                keep = None if thr is None else keep_mask(gl, thr[i:i + chunk], targets[i:i + chunk])
+                if keep is not None:
+                    gl.masked_fill_(~keep, MASKED)                            # (c, V) the support only
                 gc = g[i:i + chunk, None]                                     # (c, 1)
                 if g_h is None:
                     gl.sub_(lse[i:i + chunk, None]).exp_()                    # (c, V) softmax
@@ -156,6 +172,9 @@ class LinearLogprob(torch.autograd.Function):
                     # d/dz [g logp_target + g_h H] = g onehot - p (g + g_h (log p + H))
                     gl.add_(ent[i:i + chunk, None]).mul_(-g_h[i:i + chunk, None]).sub_(gc).mul_(p)
                     del p
+                if keep is not None:
+                    gl.masked_fill_(~keep, 0.0)                               # (c, V) nothing outside it
+                    del keep
                 gl.scatter_add_(-1, targets[i:i + chunk, None], gc)           # + g * onehot
                 if temp != 1.0:
                     gl.div_(temp)                                             # (c, V) d/d(logits)
@@ -169,16 +188,17 @@ class LinearLogprob(torch.autograd.Function):
                 del gl, glc
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None
 
 
 def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    chunk: int = 1024, temperature: float = 1.0, entropy: str = "none") -> torch.Tensor:
+                    chunk: int = 1024, temperature: float = 1.0, entropy: str = "none",
+                    support: Support | None = None) -> torch.Tensor:
     """Log-probs (T,) of ``targets`` under ``(h @ weight.T + bias) / temperature``, never holding (T, V);
     with ``entropy`` "value" or "grad" (T, 2): the log-probs and the entropies (float32; float64 for
-    a float64 model)."""
+    a float64 model). ``support``: over each position's top-k / top-p support (module docstring)."""
     out = LinearLogprob.apply(h, weight, bias, targets, max(1, int(chunk)), float(temperature),
-                              ENTROPY_MODES[entropy])
+                              ENTROPY_MODES[entropy], support if active(support) else None)
     if entropy == "value":  # the entropy column carries no gradient
         out = torch.stack([out[:, 0], out[:, 1].detach()], -1)
     return out
@@ -200,19 +220,19 @@ class LeanHead(torch.nn.Linear):
         spec = self.__dict__.get("_lean")
         if spec is None:
             return super().forward(x)
-        start, sel, targets, chunk, temperature, entropy = spec
+        start, sel, targets, chunk, temperature, entropy, support = spec
         if sel is None:                                                       # a prefix pass: no output
             return x.new_zeros(0)
         h = x[:, start:]                                                      # (N, C, H) predicts targets
         if h.shape[1] != sel.shape[1]:
             raise ValueError(f"LeanHead: {h.shape[1]} positions after {start} for {sel.shape[1]} targets")
         return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature,
-                               entropy)                                       # (T,) or (T, 2)
+                               entropy, support)                              # (T,) or (T, 2)
 
     @contextmanager
     def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int,
-              temperature: float = 1.0, entropy: str = "none"):
-        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature, entropy)
+              temperature: float = 1.0, entropy: str = "none", support: Support | None = None):
+        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature, entropy, support)
         try:
             yield
         finally:
@@ -248,17 +268,18 @@ def lean_head(model) -> LeanHead | None:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
-                   share_prefix: bool = True, temperature: float = 1.0) -> torch.Tensor:
+                   share_prefix: bool = True, temperature: float = 1.0,
+                   support: Support | None = None) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
     (:func:`token_stats` without the entropy.)"""
     return token_stats(model, input_ids, attention_mask, prompt_len, completion_mask, chunk, share_prefix,
-                       temperature)[0]
+                       temperature, support=support)[0]
 
 
 def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
-                share_prefix: bool = True, temperature: float = 1.0, entropy: str = "none"
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                share_prefix: bool = True, temperature: float = 1.0, entropy: str = "none",
+                support: Support | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model`` and, unless ``entropy``
     is "none", the policy's entropy (N, C) at the same positions ("value": no gradient; "grad": with
     it); 0 where masked (float64 for a float64 model).
@@ -267,13 +288,16 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
     (DDP, DeepSpeed engine, FSDP2 module, PEFT model): it is called as a whole.
     ``share_prefix``: run each distinct prompt once (see the module docstring).
-    ``temperature``: log-probs (and entropies) of ``logits / temperature`` (gradients included).
+    ``temperature``: log-probs (and entropies) of ``logits / temperature`` (gradients included);
+    ``support`` (top_k, top_p): restricted to each position's support (:mod:`nanogrpo.algo.support`).
     """
+    support = support if active(support) else None
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
     head = lean_head(model)
     if head is None:
-        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature, entropy)
+        return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature, entropy,
+                              support)
     sel = completion_mask.bool()                                              # (N, C)
     if sel.shape[1] == 0:
         z = torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
@@ -283,9 +307,9 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     flat = None
     if share_prefix and prompt_len > 1 and not _checkpointing(model):
         flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature,
-                              entropy)
+                              entropy, support)
     if flat is None:
-        with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy):
+        with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy, support):
             flat = model(input_ids=ids, attention_mask=am, position_ids=pos,
                          use_cache=False).logits                              # (T,) or (T, 2)
     res = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device)        # (N, C)
@@ -300,7 +324,8 @@ def _checkpointing(model) -> bool:
 
 
 def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt_len: int, sel, targets,
-                   chunk: int, temperature: float, entropy: str = "none") -> torch.Tensor | None:
+                   chunk: int, temperature: float, entropy: str = "none",
+                   support: Support | None = None) -> torch.Tensor | None:
     """The selected log-probs (T,) (or (T, 2) with entropies) with each distinct prompt run once; None if
     no prompt repeats.
     input_ids, attention_mask, pos: (N, P + C - 1), the sequences without their last token."""
@@ -317,7 +342,7 @@ def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(inv)                                           # (N, p), differentiable gather
-    with head.armed(0, sel, targets, chunk, temperature, entropy):            # suffix position 0 predicts c_0
+    with head.armed(0, sel, targets, chunk, temperature, entropy, support):   # suffix position 0 predicts c_0
         return model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:],
                      use_cache=True, **{_cache_kwarg(model): cache}).logits   # (T,) float32
 
@@ -330,13 +355,18 @@ def _cache_kwarg(model) -> str:
 
 
 def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature: float = 1.0,
-                   entropy: str = "none"):
+                   entropy: str = "none", support: Support | None = None):
     rows, ents = [], []
     for i in range(input_ids.shape[0]):  # one row at a time bounds the (L, V) logits
         logits = model(input_ids=input_ids[i:i + 1], attention_mask=attention_mask[i:i + 1],
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
         logits = logits.to(acc_dtype(logits.dtype))
-        lp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)  # (C, V)
+        z = logits if temperature == 1.0 else logits / temperature                     # (C, V)
+        if support is not None:
+            with torch.no_grad():
+                keep = keep_mask(z, support_threshold(z, support), input_ids[i, prompt_len:])  # (C, V)
+            z = z.masked_fill(~keep, MASKED)                                            # (C, V)
+        lp = z.log_softmax(-1)                                                          # (C, V)
         rows.append(lp.gather(-1, input_ids[i, prompt_len:, None]).squeeze(-1))       # (C,)
         if entropy != "none":
             h = -(lp.exp() * lp).sum(-1)                                              # (C,)
@@ -348,11 +378,11 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperatur
 def batch_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          prompt_len: int, completion_mask: torch.Tensor, micro_batch_size: int = 16,
                          chunk: int = 1024, share_prefix: bool = True,
-                         temperature: float = 1.0) -> torch.Tensor:
+                         temperature: float = 1.0, support: Support | None = None) -> torch.Tensor:
     """``token_logprobs`` without gradients, ``micro_batch_size`` rows at a time (reference model)."""
     out = []
     for i in range(0, input_ids.shape[0], micro_batch_size):
         sl = slice(i, i + micro_batch_size)
         out.append(token_logprobs(model, input_ids[sl], attention_mask[sl], prompt_len,
-                                  completion_mask[sl], chunk, share_prefix, temperature))
+                                  completion_mask[sl], chunk, share_prefix, temperature, support))
     return torch.cat(out)                                                     # (N, C)

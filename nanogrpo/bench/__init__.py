@@ -3,7 +3,8 @@
 ``nanogrpo bench rollout ...`` (generation speed of the engines),
 ``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's) and
 ``nanogrpo bench rewards ...`` (the built-in rewards against hand labels, beside the seed's rules;
-their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engines).
+their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engines),
+``nanogrpo bench variants ...`` (the demo under each policy-optimisation setting: does it learn).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step",
-               "rewards": "nanogrpo.bench.rewards", "turns": "nanogrpo.bench.turns"}
+               "rewards": "nanogrpo.bench.rewards", "turns": "nanogrpo.bench.turns",
+               "variants": "nanogrpo.bench.variants"}
 
 
 def main(argv: list[str] | None = None) -> int:

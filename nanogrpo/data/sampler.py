@@ -42,10 +42,11 @@ class PromptSampler:
             self._order, self._order_epoch = order, self.epoch
         return self._order
 
-    def next_batch(self) -> list[dict[str, Any]]:
-        """The next ``batch_size`` rows."""
+    def next_batch(self, n: int | None = None) -> list[dict[str, Any]]:
+        """The next ``n`` rows (default ``batch_size``)."""
+        n = self.batch_size if n is None else n
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < n:
             if self.index >= len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
             batch.append(self.rows[self._epoch_order()[self.index]])

@@ -4,21 +4,23 @@ A reward is a plain function ``fn(completion: str, sample: dict) -> float``, or 
 (``fn(completions, samples) -> list[float]``, marked with :func:`batched`); an LLM judge
 (:class:`Judge`, ``judge:URL``) or a reward model (``rm:PATH``, :mod:`nanogrpo.models.reward`) sits
 behind the same interface. ``sample`` is the
-completion's own dict: a copy of its dataset row (every column) plus the reserved key
+completion's own dict: a copy of its dataset row (every column) plus the reserved keys
 ``finish_reason`` (``"stop"``: the model ended the completion; ``"length"``: the token limit cut it
-off), which replaces a dataset column of that name.
+off), ``completion_tokens`` (the tokens the model sampled) and ``max_new_tokens`` (the limit on
+them), which replace dataset columns of those names.
 
 Importing this package has no side effects; math_verify loads on first use.
 """
 
 from nanogrpo.rewards.batching import batched
-from nanogrpo.rewards.builtin import correctness, format_boxed, format_reward, format_strict
+from nanogrpo.rewards.builtin import correctness, format_boxed, format_reward, format_strict, overlong
 from nanogrpo.rewards.extract import Answer, extract_answer, read_answer
 from nanogrpo.rewards.registry import resolve
 from nanogrpo.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 __all__ = ["Answer", "read_answer", "extract_answer", "correctness", "format_reward", "format_strict",
-           "format_boxed", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem", "Judge"]
+           "format_boxed", "overlong", "resolve", "batched", "RewardRunner", "RewardResult", "RewardItem",
+           "Judge"]
 
 
 def __getattr__(name: str):

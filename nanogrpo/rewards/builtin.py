@@ -13,6 +13,8 @@ rollout for every completion; absent when a reward is called directly).
   ``[-1,4)``, ``1, 2, 3``, matrices) go to math_verify whole, with what a grader ignores taken
   off; multiple-choice letters, words and numbers in other bases are compared as such. The
   seed compared the last number in the text.
+- :func:`overlong`: DAPO's soft overlong punishment, 0 to -1 as a completion's length enters the
+  last ``buffer`` tokens before the token limit (``rewards.overlong_buffer``, ``_penalty``).
 - :func:`format_reward`: 1.25 / -1, the seed's format made explicit (see its docstring);
   :func:`format_strict` allows no whitespace outside or between the blocks;
   :func:`format_boxed`: 1.25 / -1, the R1 prompt's format (one final ``\\boxed{}``).
@@ -26,7 +28,7 @@ from typing import Any
 from nanogrpo.rewards.grade import answer_equals, grade
 from nanogrpo.rewards.latex import braced_end
 
-__all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "format_reward", "format_strict",
+__all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "overlong", "format_reward", "format_strict",
            "format_boxed", "answers_match", "well_formed", "boxed_well_formed", "warm_up"]
 
 
@@ -120,8 +122,23 @@ def format_boxed(completion: str, sample: dict[str, Any]) -> float:
     return 1.25 if boxed_well_formed(completion) else -1.0
 
 
+def overlong(completion: str, sample: dict[str, Any], *, buffer: int | None = None,
+             penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): with L = ``sample["max_new_tokens"]`` (the
+    token limit) and n = ``sample["completion_tokens"]`` (the tokens the model sampled; the rollout sets
+    both), 0 while n <= L - ``buffer``, then ``-penalty * (n - (L - buffer)) / buffer``, down to -penalty
+    at the limit (verl's ``overlong_buffer``). ``buffer`` None: L // 5 (DAPO's 4,096 of 20,480)."""
+    try:
+        n, limit = int(sample["completion_tokens"]), int(sample["max_new_tokens"])
+    except KeyError:
+        raise ValueError("overlong needs sample['completion_tokens'] and sample['max_new_tokens'] (the "
+                         "rollout sets them)") from None
+    cache = max(1, limit // 5) if buffer is None else buffer
+    return -penalty * min(max(n - (limit - cache), 0), cache) / cache
+
+
 BUILTIN = {"correctness": correctness, "format": format_reward, "format_strict": format_strict,
-           "format_boxed": format_boxed}
+           "format_boxed": format_boxed, "overlong": overlong}
 FORMATS = ("format_boxed", "format_strict", "format")
 """The built-in format rewards, the one a run's format rate is measured by first."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from nanogrpo.errors import RewardError
-from nanogrpo.rewards.builtin import BUILTIN, correctness
+from nanogrpo.rewards.builtin import BUILTIN, correctness, overlong
 
 __all__ = ["RewardFn", "resolve", "resolve_all"]
 
@@ -62,12 +62,15 @@ def _load_module(spec: str, module: str) -> ModuleType:
         raise RewardError(f"reward {spec!r}: cannot import module {module!r} ({_one_line(e)})") from None
 
 
-def resolve(name: str, truncated_correct: bool = True) -> RewardFn:
+def resolve(name: str, truncated_correct: bool = True,
+            overlong_settings: tuple[int | None, float] = (None, 1.0)) -> RewardFn:
     """The reward function named by ``name``: a built-in, ``module:function`` or ``file.py:function``.
 
     ``truncated_correct=False`` (config ``rewards.truncated_correct``) gives the built-in
     ``correctness`` with that setting bound (``functools.partial``): still a plain function of
     ``(completion, sample)``, and the same in every worker process, which resolves by name too.
+    ``overlong_settings``: (buffer, penalty) bound into the built-in ``overlong`` likewise
+    (``rewards.overlong_buffer``, ``rewards.overlong_penalty``).
     """
     name = name.strip()
     if ":" not in name:
@@ -75,6 +78,8 @@ def resolve(name: str, truncated_correct: bool = True) -> RewardFn:
             fn = BUILTIN[name]
             if fn is correctness and not truncated_correct:
                 return functools.partial(correctness, truncated_correct=False)
+            if fn is overlong and tuple(overlong_settings) != (None, 1.0):
+                return functools.partial(overlong, buffer=overlong_settings[0], penalty=overlong_settings[1])
             return fn
         raise RewardError(
             f"reward {name!r}: unknown built-in reward (built-ins: {', '.join(sorted(BUILTIN))}; "

@@ -101,7 +101,8 @@ class RewardRunner:
     def __init__(self, rewards: Sequence[RewardItem], weights: Sequence[float] | None = None,
                  timeout_s: float = 5.0, penalty: float = -1.0, workers: int = 1,
                  truncated_correct: bool = True, *, chunk_size: int = 0, batch_timeout_s: float = 60.0,
-                 rm_scale: str = "none", make_model: Callable[[str], ModelReward] | None = None):
+                 rm_scale: str = "none", make_model: Callable[[str], ModelReward] | None = None,
+                 overlong_settings: tuple[int | None, float] = (None, 1.0)):
         if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
             raise RewardError(f"rewards must be a list of names or functions, got {type(rewards).__name__}")
         if not rewards:
@@ -128,7 +129,8 @@ class RewardRunner:
             make_model = _model_factory(RewardsConfig(), None, None)
         self.entries: list[Entry] = build_entries(
             rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
-            chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model)
+            chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model,
+            overlong_settings=overlong_settings)
         self.specs = [e.name for e in self.entries]
         """Each reward's name, in order (the keys of :attr:`RewardResult.per_function`)."""
         self._problems = _Problems()
@@ -138,7 +140,8 @@ class RewardRunner:
         self._pool_index = {id(e): k for k, e in enumerate(in_pool)}
         if in_pool:
             self._pool = WorkerPool([e.source for e in in_pool], workers, [e.timeout_s for e in in_pool],
-                                    truncated_correct=truncated_correct, batched=[e.batched for e in in_pool])
+                                    truncated_correct=truncated_correct, batched=[e.batched for e in in_pool],
+                                    overlong_settings=overlong_settings)
         models = [e.model for e in self.entries if e.model is not None]
         self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
 
@@ -160,7 +163,9 @@ class RewardRunner:
             raise RewardError(f"rewards.weights has {len(weights)} entries for {len(items)} rewards")
         return cls(items, weights, cfg.timeout_s, cfg.penalty, cfg.workers, cfg.truncated_correct,
                    chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
-                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, run_dir, make_rm))
+                   rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, run_dir, make_rm),
+                   overlong_settings=(getattr(cfg, "overlong_buffer", None),
+                                      getattr(cfg, "overlong_penalty", 1.0)))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanogrpo.algo.advantages import Reduce, advantages, signal_mask
+from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, refill_size, signal_mask, surplus_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
@@ -34,8 +34,16 @@ class RolloutStats:
     completion_tokens: int = 0
     num_completions: int = 0
     groups_total: int = 0
+    """Groups generated (all rounds of dynamic sampling)."""
     groups_kept: int = 0
+    """Groups in the batch; the others carried no signal (or were dynamic sampling's surplus)."""
     prompts_skipped: int = 0
+    refills: int | None = None
+    """``grpo.dynamic_sampling``: generation rounds after the first (None: not on)."""
+    groups_no_signal: int | None = None
+    """``grpo.dynamic_sampling``: generated groups dropped because their rewards all agreed."""
+    groups_surplus: int | None = None
+    """``grpo.dynamic_sampling``: informative groups generated beyond the batch, dropped."""
     stop_rate: float = float("nan")
     reward_failures: int = 0
     reward_timeouts: int = 0
@@ -52,7 +60,7 @@ class RolloutStats:
     def metrics(self) -> dict[str, float]:
         out = {k: v for k, v in self.__dict__.items()
                if k not in ("examples", "reward_by_function", "reward_failures_by_function",
-                            "reward_model_metrics", "tool_metrics")}
+                            "reward_model_metrics", "tool_metrics") and v is not None}
         out.update({f"reward/{k}": v for k, v in self.reward_by_function.items()})
         out.update({f"reward/{k}/failures": v for k, v in self.reward_failures_by_function.items()})
         out.update(self.reward_model_metrics)
@@ -67,12 +75,19 @@ def _metric_column(name: str, fn, per_function: dict[str, list[float]], texts: l
     return [fn(t, s) for t, s in zip(texts, samples)]
 
 
-def completion_samples(rows: list[dict], g: int, finish_reasons: list[str]) -> list[dict[str, Any]]:
+def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], lengths: list[int] | None = None,
+                       max_new_tokens: int | None = None) -> list[dict[str, Any]]:
     """One sample dict per completion, what its reward functions see: a copy of the dataset row
-    plus ``finish_reason`` (``"stop"``: the model ended it; ``"length"``: the token limit cut it off),
-    a reserved key that replaces a dataset column of that name. Rows are copied, so a reward that
-    writes into its sample cannot reach its group's other completions."""
-    return [dict(row, finish_reason=finish_reasons[i * g + j])
+    plus the reserved keys (they replace dataset columns of those names) ``finish_reason``
+    (``"stop"``: the model ended it; ``"length"``: the token limit cut it off) and, when given,
+    ``completion_tokens`` (the tokens the model sampled; a multi-turn trajectory's tool output left out)
+    and ``max_new_tokens`` (the limit on them): what length-aware rewards (``overlong``) read.
+    Rows are copied, so a reward that writes into its sample cannot reach its group's other
+    completions."""
+    extra: list[dict[str, Any]] = [{} for _ in finish_reasons]
+    if lengths is not None:
+        extra = [{"completion_tokens": n, "max_new_tokens": max_new_tokens} for n in lengths]
+    return [dict(row, finish_reason=finish_reasons[i * g + j], **extra[i * g + j])
             for i, row in enumerate(rows) for j in range(g)]
 
 
@@ -116,40 +131,116 @@ def batch_advantages(per_fn: torch.Tensor, weights: list[float], lengths: torch.
                       eps=grpo.std_eps, lengths=lengths, reduce=reduce, dtype=torch.float32)
 
 
+@dataclass
+class _Round:
+    """One generation round of a step: its prompts (those kept), completions and rewards."""
+
+    prompt_ids: list[list[int]]
+    rows: list[dict]
+    gen: Any
+    texts: list[str]
+    samples: list[dict]
+    scored: Any
+    skipped: int
+
+
+def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
+                    cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools) -> _Round:
+    """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
+    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
+    skipped_set = set(skipped)
+    kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
+    if not kept_rows:
+        return _Round([], [], None, [], [], None, len(skipped))
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, n=grpo.group_size, seed=seed,
+                            logprob_temperature=cfg.logprob_temperature(),
+                            support_logprobs=cfg.logprob_support() is not None)
+    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools)
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+    sampled = [sum(m) for m in gen.loss_masks] if tools is not None else [len(c) for c in gen.completion_ids]
+    samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons, sampled, cfg.max_new_tokens)
+    if tools is not None:
+        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+    return _Round(prompt_ids, kept_rows, gen, texts, samples, rewards.score(texts, samples), len(skipped))
+
+
+def _informative(rnd: _Round, rewards: RewardRunner, grpo: GrpoConfig) -> torch.Tensor:
+    """(groups,) bool: the round's groups whose scores (the reward aggregation's, as the advantages see them)
+    do not all agree."""
+    if not rnd.rows:
+        return torch.zeros(0, dtype=torch.bool)
+    per_fn = torch.tensor([rnd.scored.per_function[s] for s in rewards.specs], dtype=torch.float64).T
+    score = AGGREGATIONS[grpo.reward_aggregation](per_fn, torch.tensor(rewards.weights, dtype=torch.float64),
+                                                  grpo.group_size, grpo.std_eps).float()  # (N,)
+    return signal_mask(score, grpo.group_size, grpo.min_reward_spread)              # (groups,)
+
+
+def _sum(reduce: Reduce | None, values: list[float]) -> list[float]:
+    return list(values) if reduce is None else list(reduce(values))
+
+
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
-            policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None
-            ) -> tuple[RolloutBatch | None, RolloutStats]:
+            policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None,
+            more=None) -> tuple[RolloutBatch | None, RolloutStats]:
     """Sample, score and package one step's groups; ``None`` when no group carries signal.
 
     ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None.
     ``reduce``: several ranks roll out shares of one batch: sums over them for the batch-level
-    advantage estimators (every rank calls this function, with or without rows)."""
+    advantage estimators and the refill decisions (every rank calls this function, with or without rows).
+    ``more(n)``: this rank's share of the next ``n`` prompts of the (global) prompt stream, for
+    ``grpo.dynamic_sampling``'s refill rounds: while fewer informative groups than this rank's share of
+    ``rollout.prompts_per_step`` (its first ``rows``) are kept, on any rank, up to ``grpo.max_refills``
+    more rounds are generated (every rank the same number; a rank already full draws its share and
+    leaves it). The batch then keeps the first ``len(rows)`` informative groups; the rest are dropped
+    and counted (``groups_surplus``). Advantages are computed over every completion generated for the
+    step (so that batch-level estimators see the same population with or without refills)."""
     g = grpo.group_size
     stats = RolloutStats()
-    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
-    skipped_set = set(skipped)
-    kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
-    stats.prompts_skipped = len(skipped)
-    if not kept_rows:
+    target = len(rows)
+    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools)]
+    dynamic = grpo.dynamic_sampling and more is not None
+    if dynamic:
+        informative = [_informative(rounds[0], rewards, grpo)]
+        while True:
+            kept, made = int(sum(int(m.sum()) for m in informative)), sum(len(m) for m in informative)
+            short, all_kept, all_made = _sum(reduce, [float(kept < target), float(kept), float(made)])
+            if short == 0 or len(rounds) > grpo.max_refills:
+                break
+            n_total = _sum(reduce, [float(target)])[0]
+            new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
+            r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
+            rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
+                                  grpo, template, r_seed, tools)
+            rounds.append(rnd)
+            informative.append(_informative(rnd, rewards, grpo))
+        stats.refills = len(rounds) - 1
+    stats.prompts_skipped = sum(r.skipped for r in rounds)
+    live = [r for r in rounds if r.rows]
+    if not live:
         if reduce is not None:  # the other ranks' batch-level advantages wait for this rank's (empty) share
             batch_advantages(torch.zeros(0, len(rewards.specs), dtype=torch.float64), rewards.weights,
                              torch.zeros(0), grpo, reduce)
         return None, stats
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, n=g, seed=seed, logprob_temperature=cfg.logprob_temperature())
-    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools)
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-    samples = completion_samples(kept_rows, g, gen.finish_reasons)
+    prompt_ids = [p for r in live for p in r.prompt_ids]
+    kept_rows = [row for r in live for row in r.rows]
+    comp = [c for r in live for c in r.gen.completion_ids]
+    lps = [lp for r in live for lp in r.gen.logprobs]
+    reasons = [f for r in live for f in r.gen.finish_reasons]
+    texts = [t for r in live for t in r.texts]
+    samples = [x for r in live for x in r.samples]
+    per_function = {k: [v for r in live for v in r.scored.per_function[k]]
+                    for k in live[0].scored.per_function}
+    total = [v for r in live for v in r.scored.total]
     if tools is not None:
-        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
-        stats.tool_metrics = dict(gen.tool_metrics)
-    scored = rewards.score(texts, samples)
-    r = torch.tensor(scored.total, dtype=torch.float32)                           # (N,)
-    acc = _metric_column("correctness", correctness, scored.per_function, texts, samples)
-    fmt_name = format_name(list(scored.per_function))  # the run's own format reward (format_boxed, ...)
-    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], scored.per_function, texts, samples)
-    lens = [len(c) for c in gen.completion_ids]
+        stats.tool_metrics = _merge_tool_metrics([(len(x.gen.completion_ids), x.gen.tool_metrics)
+                                                  for x in live])
+    r = torch.tensor(total, dtype=torch.float32)                                  # (N,)
+    acc = _metric_column("correctness", correctness, per_function, texts, samples)
+    fmt_name = format_name(list(per_function))  # the run's own format reward (format_boxed, ...)
+    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], per_function, texts, samples)
+    lens = [len(c) for c in comp]
     stats.reward_mean = float(r.mean())
     stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
     stats.accuracy = sum(a > 0 for a in acc) / len(acc)
@@ -157,39 +248,62 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.completion_len_mean = statistics.fmean(lens)
     stats.completion_tokens = sum(lens)
     stats.num_completions = len(lens)
-    stats.stop_rate = sum(f == "stop" for f in gen.finish_reasons) / len(lens)
-    stats.reward_failures, stats.reward_timeouts = scored.failures, scored.timeouts
-    stats.reward_non_finite = scored.non_finite
-    stats.reward_by_function = {k: statistics.fmean(v) for k, v in scored.per_function.items()}
-    stats.reward_failures_by_function = dict(scored.failures_by_function)
-    stats.reward_model_metrics = dict(scored.metrics)
-    stats.examples = [{"question": samples[i]["question"], "completion": texts[i], "reward": scored.total[i],
-                       **{k: v[i] for k, v in scored.per_function.items()}}
+    stats.stop_rate = sum(f == "stop" for f in reasons) / len(lens)
+    stats.reward_failures = sum(x.scored.failures for x in live)
+    stats.reward_timeouts = sum(x.scored.timeouts for x in live)
+    stats.reward_non_finite = sum(x.scored.non_finite for x in live)
+    stats.reward_by_function = {k: statistics.fmean(v) for k, v in per_function.items()}
+    fails: dict[str, int] = {}
+    for x in live:
+        for k, v in x.scored.failures_by_function.items():
+            fails[k] = fails.get(k, 0) + v
+    stats.reward_failures_by_function = fails
+    stats.reward_model_metrics = dict(live[-1].scored.metrics)
+    stats.examples = [{"question": samples[i]["question"], "completion": texts[i], "reward": total[i],
+                       **{k: v[i] for k, v in per_function.items()}}
                       for i in range(min(keep_examples, len(texts)))]
 
     groups = len(kept_rows)
     stats.groups_total = groups
-    per_fn = torch.tensor([scored.per_function[s] for s in rewards.specs], dtype=torch.float64).T  # (N, F)
-    trained = [sum(m) for m in gen.loss_masks] if tools is not None else lens                      # (N,)
+    per_fn = torch.tensor([per_function[s] for s in rewards.specs], dtype=torch.float64).T  # (N, F)
+    loss_masks = [m for x in live for m in x.gen.loss_masks] if tools is not None else None
+    trained = [sum(m) for m in loss_masks] if tools is not None else lens                    # (N,)
     adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
                                   reduce)                                          # (N,) each
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
+    if dynamic:
+        stats.groups_no_signal = int((~keep).sum())
+        surplus = surplus_mask(keep, target)                                       # (groups,) past the batch
+        stats.groups_surplus = int(surplus.sum())
+        keep &= ~surplus
     stats.groups_kept = int(keep.sum())
     if stats.groups_kept == 0:
         return None, stats
     rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
     idx = rows_kept.tolist()
-    ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [gen.completion_ids[i] for i in idx],
-                                   [gen.logprobs[i] for i in idx], tokenizer.pad_token_id)
+    ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [comp[i] for i in idx],
+                                   [lps[i] for i in idx], tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in idx], dtype=torch.int64)
     lm = None
     if tools is not None:
         lm = torch.zeros_like(cm)                                                  # (n, C)
         for j, i in enumerate(idx):
-            lm[j, :len(gen.loss_masks[i])] = torch.tensor(gen.loss_masks[i], dtype=torch.bool)
+            lm[j, :len(loss_masks[i])] = torch.tensor(loss_masks[i], dtype=torch.bool)
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
                          rewards=r[rows_kept], advantages=adv[rows_kept], group_ids=group_ids,
                          old_logprobs=lp, prompt_len=p, group_size=g, policy_version=policy_version,
-                         truncated=torch.tensor([gen.finish_reasons[i] == "length" for i in idx]),
+                         truncated=torch.tensor([reasons[i] == "length" for i in idx]),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
+
+
+def _merge_tool_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Several rounds' ``tools/…`` metrics as one: rates and means weighted by completions, counts and
+    times added."""
+    n = sum(k for k, _ in parts) or 1
+    out: dict[str, float] = {}
+    for k in parts[0][1]:
+        mean = k.endswith(("_per_completion", "_rate", "_mean"))
+        out[k] = (sum(c * m.get(k, 0.0) for c, m in parts) / n if mean
+                  else sum(m.get(k, 0.0) for _, m in parts))
+    return out

@@ -14,7 +14,9 @@ tokens in float32: by default (1.0) the *untempered* model distribution, the see
 convention, i.e. exactly what the trainer's forward pass computes for the same weights
 (the ``old_t`` of DESIGN §2). Temperature, top-p and top-k shape what is *sampled*, not
 what is reported; ``rollout.tempered_logprobs`` sets ``logprob_temperature`` to the
-sampling temperature (TRL's and verl's convention) in the engine and the trainer alike.
+sampling temperature (TRL's and verl's convention) in the engine and the trainer alike, and
+with top-k / top-p ``support_logprobs``: the log-probs of exactly what is sampled, over the
+kept support, which the trainer computes likewise (:mod:`nanogrpo.algo.support`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class SamplingParams:
     logprob_temperature: float = 1.0
     """Engines report ``log_softmax(logits / logprob_temperature)`` of the sampled tokens; 1.0 is
     the untempered model distribution (the seed's convention)."""
+    support_logprobs: bool = False
+    """Report the log-probs of the distribution the tokens are drawn from: ``logits / temperature``
+    restricted to the position's top-k / top-p support and renormalised (``logprob_temperature`` must be
+    ``temperature``; :mod:`nanogrpo.algo.support`, ``rollout.tempered_logprobs`` with top-k / top-p)."""
     stop: tuple[str, ...] = ()
     """Stop strings: a sequence ends at the first token whose decoded text completes one (the rule of
     :mod:`nanogrpo.rollout.stops`; that token is kept), finish reason ``"stop_string"``. Needs an

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from nanogrpo.algo.support import support_logprobs
 from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.stops import StopScanner, StopStrings
 
@@ -52,6 +53,10 @@ def check_request(prompts: list[list[int]], params: SamplingParams) -> None:
         raise ValueError(f"bad sampling params: temperature={params.temperature} (>= 0), "
                          f"top_p={params.top_p} (in (0, 1]), top_k={params.top_k} (>= 0), "
                          f"logprob_temperature={params.logprob_temperature} (> 0)")
+    if params.support_logprobs and not params.greedy and params.logprob_temperature != params.temperature:
+        raise ValueError("support_logprobs reports the sampling distribution's log-probs: "
+                         f"logprob_temperature must be the temperature ({params.logprob_temperature} != "
+                         f"{params.temperature})")
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +167,13 @@ class HFEngine:
                 gen_s = time.perf_counter() - t0
                 new = out.sequences[:, ids.shape[1]:]  # [R, T], T <= n_new
                 lp_t = params.logprob_temperature
-                lps = torch.stack([torch.log_softmax(step.float() / lp_t, -1).gather(1, new[:, t:t + 1])[:, 0]
-                                   for t, step in enumerate(out.logits)], 1)  # [R, T]
+                if params.support_logprobs and not params.greedy:  # what generate's warpers sampled from
+                    sup = (params.top_k, params.top_p)
+                    lps = torch.stack([support_logprobs(step.float() / lp_t, new[:, t], sup)
+                                       for t, step in enumerate(out.logits)], 1)  # [R, T]
+                else:
+                    lps = torch.stack([torch.log_softmax(step.float() / lp_t, -1).gather(1, new[:, t:t + 1])
+                                       [:, 0] for t, step in enumerate(out.logits)], 1)  # [R, T]
         finally:
             self.model.train(was_training)
         comp, logprobs, reasons = cut_at_eos(new, lps, self.eos_ids, self.ignore_eos)

@@ -21,8 +21,10 @@ README). The engine lives in the trainer's (or rollout worker's) own process
 - **The log-prob convention** (``SamplingParams.logprob_temperature``) is fixed when vLLM
   is built: ``raw_logprobs`` reports ``log_softmax(logits)`` (1.0, the seed's convention);
   ``processed_logprobs`` (``tempered_logprobs=True``) reports the log-probs of the
-  distribution vLLM samples from, i.e. ``log_softmax(logits / T)`` -- but *after* its top-k /
-  top-p mask, renormalised over the kept tokens, which is not the trainer's ``logits / T``.
+  distribution vLLM samples from, i.e. ``log_softmax(logits / T)`` -- *after* its top-k /
+  top-p mask, renormalised over the kept tokens: with top-k / top-p exactly the run's
+  ``support_logprobs`` convention, which the trainer computes over the same support with vLLM's
+  rule (:mod:`nanogrpo.algo.support`; checked against vLLM in ``tests/test_vllm.py``).
   A request whose convention the engine cannot report exactly is refused with one line.
 - **Process state.** Building ``vllm.LLM`` in-process replaces ``torch.set_num_threads``
   with a stub that only warns, reseeds torch / random / numpy, and sets ``LD_PRELOAD`` for
@@ -182,9 +184,6 @@ def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
     v = cfg.vllm
     longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     tempered = bool(getattr(cfg.rollout, "tempered_logprobs", False))  # the convention switch, if present
-    if tempered and (cfg.rollout.top_k or cfg.rollout.top_p < 1):
-        raise ConfigError("rollout.engine=vllm with rollout.tempered_logprobs=true needs rollout.top_k=0 and "
-                          "rollout.top_p=1: vLLM takes tempered log-probs after its top-k/top-p mask")
     return dict(max_model_len=v.max_model_len or max_len or cfg.data.max_prompt_tokens + longest,
                 max_batch=max(cfg.rollout.prompts_per_step * cfg.grpo.group_size,
                               cfg.eval.batch_size * cfg.eval.k),
@@ -342,12 +341,17 @@ class VLLMEngine:
     def _check_convention(self, params: SamplingParams) -> None:
         """Refuse a request whose log-prob convention vLLM (as built) would not report exactly."""
         want = params.logprob_temperature
+        truncated = not params.greedy and (params.top_k or params.top_p < 1)
+        if params.support_logprobs and truncated and not self.tempered:
+            raise ConfigError("support_logprobs asks for the log-probs over the top-k/top-p support: build "
+                              "this vLLM engine with tempered_logprobs=True (rollout.tempered_logprobs)")
         if params.greedy or not self.tempered:
             got, how = 1.0, "untempered log_softmax(logits)"
-        elif params.top_k or params.top_p < 1:
+        elif (params.top_k or params.top_p < 1) and not params.support_logprobs:
             raise ConfigError("vLLM's tempered log-probs (rollout.tempered_logprobs=true) are taken after "
                               "its top-k/top-p mask, renormalised over the kept tokens, not "
-                              "log_softmax(logits / T): use top_k=0 and top_p=1 with them, or untempered")
+                              "log_softmax(logits / T): ask for them with SamplingParams.support_logprobs "
+                              "(as a run with tempered log-probs and top-k/top-p does), or untempered")
         else:
             got, how = params.temperature, f"log_softmax(logits / {params.temperature})"
         if want != got:

@@ -140,6 +140,11 @@ def decode_batch(st: ServerState, body: bytes) -> RolloutBatch:
     t = batch.meta.get("logprob_temperature", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 100:
         raise Reject(400, "bad_batch", "meta.logprob_temperature must be a number in (0, 100]")
+    sup = batch.meta.get("logprob_support")
+    if sup is not None and not (isinstance(sup, list) and len(sup) == 2 and type(sup[0]) is int
+                                and 0 <= sup[0] <= 1 << 24 and isinstance(sup[1], (int, float))
+                                and not isinstance(sup[1], bool) and 0 < sup[1] <= 1):
+        raise Reject(400, "bad_batch", "meta.logprob_support must be [top_k >= 0, top_p in (0, 1]] or absent")
     return batch
 
 

@@ -45,9 +45,11 @@ def make_ref_fn(model: torch.nn.Module, device: torch.device, micro_batch: int, 
         # at the temperature the worker's run takes log-probs at (rollout.tempered_logprobs), which
         # the upload checked; the trainer refuses a batch whose temperature is not its own
         b = batch.to(device)
+        sup = batch.meta.get("logprob_support")  # (top_k, top_p): over the support, as the worker's
         return batch_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, b.completion_mask,
                                     micro_batch, chunk,
-                                    temperature=float(batch.meta.get("logprob_temperature", 1.0)))
+                                    temperature=float(batch.meta.get("logprob_temperature", 1.0)),
+                                    support=(int(sup[0]), float(sup[1])) if sup else None)
     return ref
 
 

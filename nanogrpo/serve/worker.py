@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
-                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools)
+                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
+                                       more=sampler.next_batch)  # grpo.dynamic_sampling's refill rounds
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch.meta.update(worker=worker_id, worker_seq=uploaded, rollout=_clean(stats.metrics()),
                                   behaviour_logprobs=bool(getattr(engine, "behaviour_logprobs", False)),
                                   logprob_temperature=cfg.rollout.logprob_temperature(),
+                                  logprob_support=list(cfg.rollout.logprob_support() or []) or None,
                                   rollout_time_s=time.perf_counter() - t0,
                                   examples=[_clean(ex) for ex in stats.examples])
                 batch_id = f"{id_prefix}-{uploaded}"

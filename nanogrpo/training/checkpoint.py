@@ -8,6 +8,11 @@ Layout of ``RUN/checkpoints/step_N/``::
     optimizer.pt                                      (optimizer state; torch tensors only)
     rng.pt                                            (torch CPU/CUDA RNG states)
 
+A mid-batch checkpoint (``train.save_every_updates``), ``RUN/checkpoints/step_N_update_U/``, is taken
+inside step N after its U-th optimizer step: the same files (``step`` is N - 1, the last whole step)
+plus ``pending/`` with each rank's share of the batch being trained on and ``trainer_state.json``'s
+``pending`` (:mod:`nanogrpo.training.schedule`). Only the newest one is kept.
+
 A checkpoint is written to a hidden temporary directory and renamed into place
 (an atomic rename on POSIX), then ``RUN/checkpoints/latest`` is replaced
 atomically; a kill at any moment leaves the previous checkpoint intact and the
@@ -63,8 +68,8 @@ def set_rng_state(st: dict[str, Any]) -> None:
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None,
                     state: dict[str, Any] | None = None, *, state_dict: dict[str, torch.Tensor] | None = None,
                     optimizer_state: dict[str, Any] | None = None, extra=None,
-                    save_merged: bool = False) -> Path:
-    """Write ``ckpt_root/step_{step}`` atomically and point ``latest`` at it.
+                    save_merged: bool = False, name: str | None = None) -> Path:
+    """Write ``ckpt_root/step_{step}`` (or ``ckpt_root/name``) atomically and point ``latest`` at it.
 
     Distributed backends pass the gathered ``state_dict`` (the model itself may be sharded),
     ``optimizer_state`` instead of ``optimizer``, and ``extra(tmp_dir)`` to move their own
@@ -74,8 +79,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    final = ckpt_root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".tmp-step_{step}-"))
+    final = ckpt_root / (name or f"step_{step}")
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=f".tmp-{final.name}-"))
     if state_dict is None:
         model.save_pretrained(tmp, safe_serialization=True)
     else:
@@ -110,6 +115,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
         os.rename(tmp, final)
     fsync_dir(ckpt_root)
     _atomic_write_text(ckpt_root / "latest", final.name + "\n")
+    for old in ckpt_root.glob("step_*_update_*"):  # mid-batch resume points: only the newest one counts
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -128,9 +136,19 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
         cand = ckpt_root / pointer.read_text().strip()
         if (cand / STATE_FILE).is_file():
             return cand
-    steps = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*")
-                   if p.name.split("_")[1].isdigit() and (p / STATE_FILE).is_file())
+    steps = sorted((_order(p.name), p) for p in ckpt_root.glob("step_*")
+                   if _order(p.name) is not None and (p / STATE_FILE).is_file())
     return steps[-1][1] if steps else None
+
+
+def _order(name: str) -> tuple[int, int] | None:
+    """Sort key of a checkpoint name: ``step_N`` (N, 0); ``step_N_update_U`` (N - 1, U), after step N - 1."""
+    parts = name.split("_")
+    if len(parts) == 2 and parts[1].isdigit():
+        return int(parts[1]), 0
+    if len(parts) == 4 and parts[1].isdigit() and parts[2] == "update" and parts[3].isdigit():
+        return int(parts[1]) - 1, int(parts[3])
+    return None
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

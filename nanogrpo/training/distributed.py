@@ -206,18 +206,37 @@ class Backend:
             self.optimizer.load_state_dict(torch.load(f, weights_only=True, map_location="cpu"))
 
     def save(self, ckpt_root: Path, step: int, tokenizer, state: dict[str, Any] | None = None,
-             save_merged: bool = False) -> Path:
-        """An HF checkpoint written by rank 0 (atomic), after every rank has given its part."""
+             save_merged: bool = False, name: str | None = None, rank_files=None) -> Path:
+        """An HF checkpoint written by rank 0 (atomic), after every rank has given its part.
+        ``name``: the directory's name (default ``step_{step}``); ``rank_files(dir)``: every rank writes its
+        own files into ``dir``, which becomes the checkpoint's ``pending/`` (mid-batch checkpoints)."""
+        import shutil
+
         from nanogrpo.training.checkpoint import save_checkpoint
 
         sd = self.full_state_dict()
         opt = self.optimizer_state()
         extra = self._save_extra(ckpt_root, step)
-        final = Path(ckpt_root) / f"step_{step}"
+        final = Path(ckpt_root) / (name or f"step_{step}")
+        if rank_files is not None:
+            stage = Path(ckpt_root) / f".stage-{final.name}"
+            if self.is_main:
+                for old in Path(ckpt_root).glob(".stage-*"):  # left by a save that was killed
+                    shutil.rmtree(old, ignore_errors=True)
+                stage.mkdir(parents=True)
+            self.barrier()
+            rank_files(stage)
+            self.barrier()
+            inner = extra
+
+            def extra(d: Path, inner=inner, stage=stage) -> None:
+                if inner is not None:
+                    inner(d)
+                os.rename(stage, d / "pending")
         if self.is_main:
             final = save_checkpoint(Path(ckpt_root), step, self.module, tokenizer, None, state,
                                     state_dict=sd, optimizer_state=opt, extra=extra,
-                                    save_merged=save_merged)
+                                    save_merged=save_merged, name=name)
             log.info("checkpoint %s", final)
         self.barrier()
         return final

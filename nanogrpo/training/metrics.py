@@ -63,6 +63,8 @@ TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum
              "tools/calls_per_completion": "mean", "tools/use_rate": "mean", "tools/turns_mean": "mean",
              "tools/time_s": "max"}
 """Multi-turn rollouts' metrics (present on every rank or on none: the config decides)."""
+DYNAMIC_KEYS = {"groups_no_signal": "sum", "groups_surplus": "sum", "refills": "max"}
+"""``grpo.dynamic_sampling``'s counts (on every rank or on none); every rank runs the same rounds."""
 REWARD_METRIC_OPS = {"failures": "sum", "requests": "sum", "retries": "sum", "cache_hits": "sum",
                      "prompt_tokens": "sum", "completion_tokens": "sum", "unparseable": "sum",
                      "errors": "sum", "timeouts": "sum", "truncated": "sum", "rows_per_s": "sum",
@@ -90,7 +92,8 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
     are already global. A rank without completions weighs nothing.
 
     ``all_reduce(values, ops)`` is :meth:`nanogrpo.training.distributed.Backend.all_reduce`."""
-    tools = {**{k: op for k, op in TOOL_KEYS.items() if k in row}, **_reward_metric_ops(row)}
+    tools = {**{k: op for k, op in {**TOOL_KEYS, **DYNAMIC_KEYS}.items() if k in row},
+             **_reward_metric_ops(row)}
     means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
     counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]
     maxes = list(MAX_KEYS) + [k for k, op in tools.items() if op == "max"]

@@ -150,8 +150,8 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = N
 
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
-                   temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
+                   support: tuple[int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, C) float32 (float64 for a float64 model) of the trained tokens (0 elsewhere), and with
     ``entropy`` the policy's entropies there, without gradients, over the micro-batches the update packs
     (length-sorted rows, all-padding columns dropped), so long-tailed completion lengths (multi-turn
@@ -165,7 +165,8 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConf
     for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
         ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
         lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
-                            temperature=temperature, entropy="value" if entropy else "none")  # (n, c)
+                            temperature=temperature, entropy="value" if entropy else "none",
+                            support=support)                                               # (n, c)
         out[rows, :lp.shape[1]] = lp.to(dt)
         if entropy:
             ent[rows, :h.shape[1]] = h.to(dt)
@@ -173,14 +174,16 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConf
 
 
 def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
-                       share_prefix: bool, temperature: float = 1.0) -> torch.Tensor:
+                       share_prefix: bool, temperature: float = 1.0,
+                       support: tuple[int, float] | None = None) -> torch.Tensor:
     """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere): :func:`batch_logprobs`."""
-    return batch_logprobs(ref, batch, train, share_prefix, temperature)[0].float()
+    return batch_logprobs(ref, batch, train, share_prefix, temperature, support=support)[0].float()
 
 
 @torch.no_grad()
 def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
-                           share_prefix: bool, temperature: float) -> tuple[float, int]:
+                           share_prefix: bool, temperature: float,
+                           support: tuple[int, float] | None = None) -> tuple[float, int]:
     """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
     rank, and how many tokens reach it), from one forward without gradients over the update's
     micro-batches (a collective: ranks with fewer micro-batches pad with empty forwards, as the update
@@ -199,7 +202,7 @@ def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: 
                 if k < len(mbs):
                     ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
                     _, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                         share_prefix=share_prefix, temperature=temperature,
+                                         share_prefix=share_prefix, temperature=temperature, support=support,
                                          entropy="value")                    # (n, c)
                     parts.append(ent[lm.bool()].double().cpu())              # (t,)
                 else:
@@ -221,6 +224,7 @@ def _autocast(model, enabled: bool):
 def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None, grpo: GrpoConfig,
                   train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None,
                   logprob_temperature: float = 1.0, rollout: RolloutConfig | None = None,
+                  logprob_support: tuple[int, float] | None = None,
                   old_logprobs: torch.Tensor | None = None,
                   entropy_coef: float | None = None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
@@ -229,7 +233,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     backward pass and the optimizer step; None means one process with ``model`` and ``optimizer``.
     Under several ranks ``batch`` is this rank's share (None if it has no rows).
     ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
-    (``RolloutConfig.logprob_temperature()``: the convention the behaviour and reference
+    (``RolloutConfig.logprob_temperature()``; ``logprob_support``: over each position's top-k / top-p
+    support, ``RolloutConfig.logprob_support()``: the convention the behaviour and reference
     log-probs were computed with).
     ``on_policy``: the weights are those that generated the batch (first update, exact engine).
     ``rollout``: its ``correction`` settings (None: no correction).
@@ -248,7 +253,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     share = train.share_prefix and be.prefix_sharing
     thr, n_ent = None, None
     if grpo.top_entropy_quantile < 1.0:
-        thr, n_ent = entropy_threshold_pass(batch, grpo, train, be, share, logprob_temperature)
+        thr, n_ent = entropy_threshold_pass(batch, grpo, train, be, share, logprob_temperature,
+                                            logprob_support)
     fwd.train()
     mask_all = None if batch is None else trained_mask(batch, grpo)          # (N, C)
     n_local = 0 if batch is None else batch.num_seqs
@@ -272,7 +278,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                 rows = mbs[k]
                 ids, am, p, lm, beh, ref, adv = _trim(batch, rows, mask_all)
                 logp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
-                                        temperature=logprob_temperature, entropy=ent_mode)  # (n, c) each
+                                        temperature=logprob_temperature, entropy=ent_mode,
+                                        support=logprob_support)                           # (n, c) each
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
                 loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
@@ -355,12 +362,16 @@ def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: f
     return {k: (v if math.isfinite(v) else math.nan) for k, v in out.items()}
 
 
-def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
+def step_metrics(results: list[UpdateResult], per_pass: int = 1) -> dict[str, float]:
     """One step's metrics from its updates: loss, kl, grad norm, entropy and the correction stats of the
-    first (the batch as generated); clip fractions averaged and ratio extremes over all of them."""
+    first pass over the batch (its first ``per_pass`` = ``grpo.mini_batches`` optimizer steps: the batch as
+    generated; means of their values, extremes of their extremes); clip fractions averaged and ratio
+    extremes over all of them."""
     first = results[0]
     out = {"loss": first.loss, "kl": first.kl, "clip_frac": first.clip_frac, "grad_norm": first.grad_norm,
            **first.metrics}
+    if per_pass > 1:
+        out.update(_pass_metrics(results[:per_pass]))
     done = [r for r in results if not r.skipped_nonfinite and r.metrics]
     if len(done) > 1:
         out["clip_frac"] = sum(r.clip_frac for r in done) / len(done)
@@ -369,6 +380,20 @@ def step_metrics(results: list[UpdateResult]) -> dict[str, float]:
                 out[k] = sum(r.metrics[k] for r in done) / len(done)
         for k, pick in (("ratio_min", min), ("ratio_max", max)):
             out[k] = pick((r.metrics[k] for r in done if not math.isnan(r.metrics[k])), default=math.nan)
+    return out
+
+
+def _pass_metrics(results: list[UpdateResult]) -> dict[str, float]:
+    """The first pass's metrics over its mini-batches' optimizer steps: ``*_min`` / ``*_max`` their extremes,
+    the rest their mean (skipped, non-finite steps left out)."""
+    done = [r for r in results if not r.skipped_nonfinite and r.metrics]
+    if not done:
+        return {}
+    out = {k: sum(getattr(r, k) for r in done) / len(done) for k in ("loss", "kl", "clip_frac", "grad_norm")}
+    for k in done[0].metrics:
+        vals = [r.metrics[k] for r in done if k in r.metrics and not math.isnan(r.metrics[k])]
+        pick = min if k.endswith("_min") else max if k.endswith("_max") else None
+        out[k] = (pick(vals) if pick else sum(vals) / len(vals)) if vals else math.nan
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,17 @@ from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint, load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary
 from nanogrpo.training.metrics import merge_rank_metrics
-from nanogrpo.training.step import policy_update, reference_logprobs, step_metrics
+from nanogrpo.training.schedule import (
+    Pending,
+    Schedule,
+    mini_batch_count,
+    pending_state,
+    read_pending,
+    run_updates,
+    updates_taken,
+    write_pending,
+)
+from nanogrpo.training.step import reference_logprobs, step_metrics
 
 log = logging.getLogger("nanogrpo.train")
 
@@ -169,11 +180,15 @@ def train(run: PreparedRun) -> Path:
                             shuffle=cfg.data.shuffle)
     version = 0
     control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
+    pending = None  # a step a mid-batch checkpoint interrupted (train.save_every_updates)
     if run.resume_from is not None:
         state = backend.restore(run.resume_from)
         sampler.load_state_dict(state["sampler"])
         version = state.get("policy_version", start_step)
         control.load_state_dict(state.get("entropy_control"))
+        pending = read_pending(run.resume_from, state, backend.rank, device)
+        if pending is not None:  # its version counts the step's updates so far; the step adds them
+            version -= updates_taken(pending.sched)
         if backend.is_main:
             log.info("resuming %s from %s", root, run.resume_from.name)
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
@@ -184,6 +199,21 @@ def train(run: PreparedRun) -> Path:
         backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict(),
                                             "entropy_control": control.state_dict(), "cpu_linear": linears},
                      save_merged=cfg.model.lora_save_merged)
+
+    def save_mid_batch(step: int, batch, sched: Schedule, roll: dict) -> None:
+        """After an optimizer step inside ``step`` (``train.save_every_updates``): the weights so far, the
+        batch and where its schedule stands, so that a resume continues at the next optimizer step."""
+        every = cfg.train.save_every_updates
+        res = sched.results[-1]
+        now = version + updates_taken(sched)
+        if not every or res.skipped_nonfinite or now % every or sched.done >= sched.total(cfg):
+            return  # (the step's end is a step checkpoint's business: train.save_every)
+        backend.save(ckpt_root, step - 1, tok, {"policy_version": now, "sampler": sampler.state_dict(),
+                                                "entropy_control": control.state_dict(),
+                                                "cpu_linear": linears, "pending": pending_state(step, sched)},
+                     save_merged=cfg.model.lora_save_merged, name=f"step_{step}_update_{sched.done}",
+                     rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
+        _test_stop(f"step_{step}_update_{sched.done}")
 
     if run.resume_from is None:
         save(0)
@@ -197,8 +227,11 @@ def train(run: PreparedRun) -> Path:
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:
         for step in bar:
+            resume = pending if pending is not None and pending.step == step else None
+            pending = None
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend, tools=run.tools, control=control)
+                             device, backend=backend, tools=run.tools, control=control, resume=resume,
+                             on_update=save_mid_batch if cfg.train.save_every_updates else None)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
@@ -226,6 +259,13 @@ def train(run: PreparedRun) -> Path:
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
     backend.barrier()
     return root
+
+
+def _test_stop(name: str) -> None:
+    """Test hook: ``NANOGRPO_TEST_STOP_AFTER=step_N_update_U`` ends the run (SystemExit) right after that
+    mid-batch checkpoint is written, as a kill there would, minus the kill."""
+    if os.environ.get("NANOGRPO_TEST_STOP_AFTER") == name:
+        raise SystemExit(f"stopped after {name} (NANOGRPO_TEST_STOP_AFTER)")
 
 
 def check_resume_kind(resume_from: Path | None, lora_r: int) -> bool:
@@ -261,69 +301,81 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device, backend=None, tools=None, control: EntropyControl | None = None
-               ) -> dict[str, Any]:
-    """One step: rollout, reference log-probs, ``grpo.updates_per_batch`` updates, the step's metrics.
-    ``control``: the run's entropy-bonus coefficient (updated after each optimizer step)."""
+               device: torch.device, backend=None, tools=None, control: EntropyControl | None = None,
+               resume: Pending | None = None, on_update=None) -> dict[str, Any]:
+    """One step: rollout, reference log-probs, the batch's optimizer steps (``grpo.mini_batches`` x
+    ``grpo.updates_per_batch``, :mod:`nanogrpo.training.schedule`), the step's metrics.
+    ``control``: the run's entropy-bonus coefficient (updated after each optimizer step).
+    ``resume``: the step as a mid-batch checkpoint left it (its batch, rollout metrics and the optimizer
+    steps already taken): no rollout, the schedule continues. ``on_update(step, batch, sched, rollout)``
+    runs after each optimizer step (mid-batch checkpoints)."""
+    from nanogrpo.training.distributed import SingleBackend
+
     t0 = time.perf_counter()
     control = control if control is not None else EntropyControl.from_config(cfg.grpo)
-    rows = sampler.next_batch()
-    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
-    share_ok = backend is None or backend.prefix_sharing
-    if world > 1:
-        rows = backend.shard(rows)  # every rank draws the same global stream and keeps rows rank::world
-        backend.before_rollout()    # FSDP2 / ZeRO-3: refresh the full-weight copy the engine reads
-    model.eval()
-    batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
-                            template=cfg.model.chat_template, seed=_step_seed(cfg.train.seed, step) + rank,
-                            policy_version=version, tools=tools,
-                            reduce=backend.all_reduce if world > 1 else None)
-    t_roll = time.perf_counter()
-    results = []
-    skipped = 0
-    updates = 0
-    if batch is not None or world > 1:  # a rank without rows still joins the update's collectives
+    be = backend if backend is not None else SingleBackend(model, optimizer)
+    rank, world = be.rank, be.world_size
+    share_ok = be.prefix_sharing
+    if resume is None:
+        rows = sampler.next_batch()
+        if world > 1:
+            rows = be.shard(rows)  # every rank draws the same global stream and keeps rows rank::world
+            be.before_rollout()    # FSDP2 / ZeRO-3: refresh the full-weight copy the engine reads
+        model.eval()
+        batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
+                                template=cfg.model.chat_template,
+                                seed=_step_seed(cfg.train.seed, step) + rank,
+                                policy_version=version, tools=tools,
+                                reduce=be.all_reduce if world > 1 else None,
+                                more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
+        roll = {"metrics": rstats.metrics(), "examples": rstats.examples,
+                "rollout_time_s": time.perf_counter() - t0}
         if batch is not None:
             batch = batch.to(device)
-        if ref is not None and batch is not None:
-            batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train,
-                                                    cfg.train.share_prefix and share_ok,
-                                                    temperature=cfg.rollout.logprob_temperature())
+            if ref is not None:
+                batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train,
+                                                        cfg.train.share_prefix and share_ok,
+                                                        temperature=cfg.rollout.logprob_temperature(),
+                                                        support=cfg.rollout.logprob_support())
+        sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, be)) \
+            if batch is not None or world > 1 else None
+    else:
+        batch, sched, roll = resume.batch, resume.sched, resume.rollout
+    t_roll = time.perf_counter()
+    if sched is not None:  # a rank without rows still joins the update's collectives
         optimizer.set_lr(lr_at(step, cfg))
         # vllm: its kernels are not the trainer's, so even the first update takes the clipped ratio
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
         exact = not getattr(engine, "behaviour_logprobs", False)
-        anchor = None  # the trainer's log-probs before the batch's first update (rollout corrections)
-        for it in range(cfg.grpo.updates_per_batch):
-            res = policy_update(model, optimizer, batch, cfg.grpo, cfg.train, on_policy=(it == 0 and exact),
-                                max_new_tokens=cfg.rollout.max_new_tokens, backend=backend,
-                                logprob_temperature=cfg.rollout.logprob_temperature(), rollout=cfg.rollout,
-                                old_logprobs=anchor, entropy_coef=control.applied())
-            control.update(res.bonus_entropy)
-            anchor = res.logprobs if anchor is None else anchor
-            results.append(res)
-            skipped += int(res.skipped_nonfinite)
-            updates += int(not res.skipped_nonfinite)
-        if updates and getattr(engine, "owns_weights", False):
+        after = None if on_update is None else (lambda s, r: on_update(step, batch, s, roll))
+        run_updates(model, optimizer, batch, cfg, sched, fresh=True, exact=exact, backend=be, control=control,
+                    max_new_tokens=cfg.rollout.max_new_tokens, after_update=after)
+        if updates_taken(sched) and getattr(engine, "owns_weights", False):
             engine.load_from(model)  # vllm keeps its own copy of the weights: push this step's update
+    results = sched.results if sched is not None else []
+    updates = sum(not r.skipped_nonfinite for r in results)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_end = time.perf_counter()
-    step_time = t_end - t0
-    upd = step_metrics(results) if results else \
+    roll_s = roll["rollout_time_s"] + (t_roll - t0 if resume is not None else 0.0)
+    step_time = roll_s + (t_end - t_roll)
+    upd = step_metrics(results, sched.parts) if results else \
         dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
-    row: dict[str, Any] = {"step": step, "loss": upd.pop("loss"), **rstats.metrics(), "kl": upd.pop("kl"),
+    rm = dict(roll["metrics"])
+    row: dict[str, Any] = {"step": step, "loss": upd.pop("loss"), **rm, "kl": upd.pop("kl"),
                            "clip_frac": upd.pop("clip_frac"), "grad_norm": upd.pop("grad_norm"), **upd,
-                           "lr": optimizer.lr, "skipped_nonfinite": skipped,
-                           "rollout_time_s": t_roll - t0, "train_time_s": t_end - t_roll,
+                           "lr": optimizer.lr, "skipped_nonfinite": len(results) - updates,
+                           "rollout_time_s": roll_s, "train_time_s": t_end - t_roll,
                            "step_time_s": step_time,
-                           "tokens_per_s": rstats.completion_tokens / step_time if step_time > 0 else 0.0,
+                           "tokens_per_s": rm["completion_tokens"] / step_time if step_time > 0 else 0.0,
                            "policy_version": version + updates, "_updates": updates,
-                           "_examples": rstats.examples}
+                           "_examples": roll["examples"]}
+    if cfg.grpo.mini_batches > 1:
+        row["mini_batches"] = sched.parts if sched is not None else 0
     if device.type == "cuda":
         row["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if world > 1:  # every rank logs the same, whole-batch figures (rank 0 writes them)
-        row = merge_rank_metrics(row, backend.all_reduce, [f"reward/{s}" for s in rewards.specs])
+        row = merge_rank_metrics(row, be.all_reduce, [f"reward/{s}" for s in rewards.specs])
     return row
 
 

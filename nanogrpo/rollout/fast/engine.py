@@ -349,7 +349,8 @@ class FastEngine:
         length = width + n_new + 1  # +1: the scratch slot graphs are captured on
         if self.use_graphs:
             length = -(-length // 64) * 64
-        mode = ("greedy",) if params.greedy else ("sample", params.top_k, params.top_p < 1.0)
+        mode = ("greedy",) if params.greedy else ("sample", params.top_k, params.top_p < 1.0,
+                                                  params.support_logprobs)
         bucket = self._bucket(rows)
         self._ensure_capacity(bucket, length)
         st = self._state(bucket, length, mode)

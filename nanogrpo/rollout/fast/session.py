@@ -68,7 +68,8 @@ class FastSession:
                              "use rollout.engine=hf (or auto)")
         self.e, self.params = engine, params
         self.stops = StopStrings(engine.tokenizer, params.stop)
-        self.mode = ("greedy",) if params.greedy else ("sample", params.top_k, params.top_p < 1.0)
+        self.mode = ("greedy",) if params.greedy else ("sample", params.top_k, params.top_p < 1.0,
+                                                       params.support_logprobs)
         self.prompts = [list(p) for p in prompts]
         self.contexts = [list(p) for p in prompts for _ in range(params.n)]
         """Each trajectory's tokens so far (prompt, sampled, fed), in order."""
