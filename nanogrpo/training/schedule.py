@@ -45,12 +45,8 @@ from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import Config
 from nanogrpo.training.step import (
     UpdateResult,
-    _autocast,
-    _trim,
-    _zero_loss,
-    micro_batch_indices,
+    no_grad_passes,
     policy_update,
-    token_stats,
     trained_mask,
 )
 
@@ -94,31 +90,16 @@ def proximal_logprobs(batch: RolloutBatch | None, cfg: Config, be, share_prefix:
     on sharded backends: a rank with fewer micro-batches runs empty forwards to match the others."""
     from nanogrpo.algo.logprobs import acc_dtype
 
-    fwd, train = be.model, cfg.train
+    train = cfg.train
     mask = None if batch is None else trained_mask(batch, cfg.grpo)                 # (N, C)
-    mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
-                                                       train.micro_batch_tokens, share_prefix)
-    n_mb = int(be.all_reduce([float(len(mbs))], ["max"])[0]) if be.world_size > 1 else len(mbs)
     out = None
     if batch is not None:
         dt = acc_dtype(next(iter(be.module.parameters())).dtype)
         out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)  # (N, C)
-    was = fwd.training
-    fwd.eval()
-    try:
-        for k in range(n_mb):
-            with _autocast(be.module, train.autocast):
-                if k < len(mbs):
-                    ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
-                    lp, _ = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                        share_prefix=share_prefix,
-                                        temperature=cfg.rollout.logprob_temperature(),
-                                        support=cfg.rollout.logprob_support())  # (n, c)
-                    out[mbs[k], :lp.shape[1]] = lp.to(out.dtype)
-                else:
-                    _zero_loss(fwd, be.device, train.logprob_chunk)
-    finally:
-        fwd.train(was)
+    for rows, lp, _, _ in no_grad_passes(batch, mask, train, be, share_prefix,
+                                         temperature=cfg.rollout.logprob_temperature(),
+                                         support=cfg.rollout.logprob_support()):
+        out[rows, :lp.shape[1]] = lp.to(out.dtype)                                   # (n, c)
     return out
 
 

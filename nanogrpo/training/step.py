@@ -180,20 +180,16 @@ def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainCo
     return batch_logprobs(ref, batch, train, share_prefix, temperature, support=support)[0].float()
 
 
-@torch.no_grad()
-def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
-                           share_prefix: bool, temperature: float,
-                           support: tuple[int, float] | None = None) -> tuple[float, int]:
-    """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
-    rank, and how many tokens reach it), from one forward without gradients over the update's
-    micro-batches (a collective: ranks with fewer micro-batches pad with empty forwards, as the update
-    does, so sharded backends' gathers match)."""
+def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train: TrainConfig, be,
+                   share_prefix: bool, **stats):
+    """``token_stats`` over the update's micro-batches in eval mode under the update's autocast, for a
+    caller under ``torch.no_grad``: yields (rows, log-probs (n, c), entropies (n, c) or None, loss mask
+    (n, c)) per micro-batch. A collective on sharded backends: a rank with fewer micro-batches (or no
+    batch) runs empty forwards to match the others, as the update does."""
     fwd = be.model
-    mask = None if batch is None else trained_mask(batch, grpo)              # (N, C)
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share_prefix)
-    n_mb = int(be.all_reduce([len(mbs)], ["max"])[0])
-    parts = [torch.zeros(0, dtype=torch.float64)]
+    n_mb = int(be.all_reduce([float(len(mbs))], ["max"])[0]) if be.world_size > 1 else len(mbs)
     was = fwd.training
     fwd.eval()
     try:
@@ -201,14 +197,27 @@ def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: 
             with _autocast(be.module, train.autocast):
                 if k < len(mbs):
                     ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
-                    _, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                         share_prefix=share_prefix, temperature=temperature, support=support,
-                                         entropy="value")                    # (n, c)
-                    parts.append(ent[lm.bool()].double().cpu())              # (t,)
+                    lp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
+                                          share_prefix=share_prefix, **stats)   # (n, c) each
+                    yield mbs[k], lp, ent, lm
                 else:
                     _zero_loss(fwd, be.device, train.logprob_chunk)
     finally:
         fwd.train(was)
+
+
+@torch.no_grad()
+def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
+                           share_prefix: bool, temperature: float,
+                           support: tuple[int, float] | None = None) -> tuple[float, int]:
+    """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
+    rank, and how many tokens reach it), from one forward without gradients over the update's
+    micro-batches (``no_grad_passes``: a collective)."""
+    mask = None if batch is None else trained_mask(batch, grpo)              # (N, C)
+    parts = [torch.zeros(0, dtype=torch.float64)]
+    for _, _, ent, lm in no_grad_passes(batch, mask, train, be, share_prefix, temperature=temperature,
+                                        support=support, entropy="value"):
+        parts.append(ent[lm.bool()].double().cpu())                          # (t,)
     values = be.all_gather_values(torch.cat(parts))                          # (T_all,)
     thr = entropy_threshold(values, grpo.top_entropy_quantile)
     return thr, int((values >= thr).sum())
