@@ -1,0 +1,97 @@
+"""``[rollout]`` (sampling, the engine, importance corrections) and ``[vllm]`` (vLLM in process)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from nanogrpo.algo.presets import (
+    CORRECTION_NAMES,
+)
+from nanogrpo.config.base import _Strict
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["auto", "hf", "fast", "vllm"] = "auto"
+    """``auto``: ``fast`` when it computes the model's configuration exactly (Llama, Qwen2/2.5, Qwen3,
+    Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.rollout.fast.families``), else
+    ``hf``; the choice and its reason are logged."""
+    prompts_per_step: int = Field(8, gt=0)
+    max_new_tokens: int = Field(512, gt=0)
+    temperature: float = Field(0.9, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    tempered_logprobs: bool = False
+    """False: log-probs of the untempered model distribution (the seed's convention); True: of
+    ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's), and with
+    ``top_k`` / ``top_p`` of that distribution restricted to each position's top-k / top-p support and
+    renormalised, exactly what is sampled (``nanogrpo.algo.support``). Applies to the engine's behaviour
+    log-probs and the policy and reference forwards alike."""
+
+    correction: Literal[CORRECTION_NAMES] = "none"
+    """Importance weights between the trainer's log-probs and the engine's behaviour log-probs (vLLM,
+    split-mode workers, stale batches): none | token_truncate (TIS) | token_mask | sequence_truncate |
+    sequence_mask (TRL's ``vllm_importance_sampling_mode``). With a correction the PPO ratio is anchored
+    on the trainer's own log-probs before the update and the weight pi_old / mu multiplies each token's
+    policy loss (``nanogrpo.algo.corrections``)."""
+    correction_max: float | None = Field(3.0, gt=0)
+    """Upper bound on the weight: truncate modes clamp to it, mask modes drop what exceeds it (TRL's
+    ``vllm_importance_sampling_clip_max``). None: no upper bound (mask modes then need ``correction_min``)."""
+    correction_min: float | None = Field(None, ge=0)
+    """Optional lower bound (TRL's ``vllm_importance_sampling_clip_min``)."""
+
+    @model_validator(mode="after")
+    def _correction_bounds(self) -> RolloutConfig:
+        lo, hi = self.correction_min, self.correction_max
+        if self.correction != "none" and lo is None and hi is None:
+            raise ValueError(f"rollout.correction={self.correction} needs a bound: set "
+                             "rollout.correction_max (or correction_min)")
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"rollout.correction_min={lo} must be below rollout.correction_max={hi}")
+        return self
+
+    def logprob_temperature(self) -> float:
+        """The temperature every log-prob of a run is computed at (see ``tempered_logprobs``)."""
+        return self.temperature if self.tempered_logprobs else 1.0
+
+    def logprob_support(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when every log-prob of the run is over each position's top-k / top-p support
+        (tempered log-probs with a truncated sampler: the distribution samples are drawn from,
+        ``nanogrpo.algo.support``); None: over the whole vocabulary."""
+        if self.tempered_logprobs and (self.top_k > 0 or self.top_p < 1.0):
+            return self.top_k, self.top_p
+        return None
+
+
+class VllmConfig(_Strict):
+    """``rollout.engine=vllm``: vLLM in the trainer's (or a rollout worker's) own process, its weights
+    pushed in place after every update (``nanogrpo.rollout.vllm_engine``). Needs the ``vllm`` extra."""
+
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + completion vLLM holds; 0: ``data.max_prompt_tokens`` + the longest of
+    ``rollout.max_new_tokens`` and ``eval.max_new_tokens``, + with tools on ``tools.max_turns`` tool
+    outputs with their wrapping (at most the model's positions)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """GPU: share of the device's memory vLLM takes for weights and KV cache. Beside the trainer it
+    must leave room for the update; a ``nanogrpo rollout`` worker alone on its GPU can take ~0.9.
+    Not used when ``kv_cache_gib`` is set, nor on the CPU."""
+    kv_cache_gib: float = Field(0.0, ge=0)
+    """KV cache size; 0: on a GPU from ``gpu_memory_utilization``, on the CPU room for one rollout
+    (``rollout.prompts_per_step`` x ``grpo.group_size`` sequences of ``max_model_len`` tokens)."""
+    enforce_eager: bool | None = None
+    """None: eager on the CPU (vLLM compiles nothing there), CUDA graphs on a GPU."""
+    sleep_mode: bool = False
+    """GPU only: between generate calls vLLM moves its weights to CPU memory and frees its KV cache
+    (vLLM sleep level 1), leaving the GPU to the update; it wakes for the next rollout."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans. Only 1 is supported in-process (vLLM runs tensor-parallel workers as
+    separate processes, which the in-memory weight sync does not reach): use split mode instead."""
+    max_num_seqs: int = Field(0, ge=0)
+    """Sequences decoded at once; 0: vLLM's default."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys and values of a prompt across its samples (reset at every weight load); in
+    multi-turn (tool) rollouts each turn re-sends the trajectory's whole context, and the cache makes
+    that cost the new tokens only."""
+    llm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""

@@ -1,0 +1,260 @@
+"""The whole config (every section, the checks across sections) and how one is built: files, presets,
+``section.key=value`` overrides, one-line errors."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from nanogrpo.config.base import _Strict
+from nanogrpo.config.data import DataConfig
+from nanogrpo.config.grpo import GrpoConfig
+from nanogrpo.config.model import ModelConfig
+from nanogrpo.config.rewards import RewardsConfig
+from nanogrpo.config.rollout import RolloutConfig, VllmConfig
+from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
+from nanogrpo.config.tools import ToolsConfig
+from nanogrpo.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class Config(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
+        g, r = self.grpo, self.rollout
+        if g.mini_batches > r.prompts_per_step:
+            raise ValueError(f"grpo.mini_batches={g.mini_batches} cuts a batch of rollout.prompts_per_step="
+                             f"{r.prompts_per_step} groups into more mini-batches than it has groups")
+        buf = self.rewards.overlong_buffer
+        if buf is not None and buf > r.max_new_tokens:
+            raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
+                             f"{r.max_new_tokens}: the punishment would start before the first token")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def load(cls, source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+        """From a TOML/YAML/JSON file or the name of a shipped preset (``demo``, ``demo-tools``);
+        None: the demo preset, as ``nanogrpo train`` with no ``--config``. ``overrides`` as on the
+        command line (``["train.steps=2"]``) or as a dict (``{"train.steps": 2}``)."""
+        return config_from(source, overrides)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], overrides: Overrides = ()) -> Config:
+        """From nested sections (``{"train": {"steps": 2}}``; dotted keys, ``{"train.steps": 2}``, too)
+        over the defaults (the seed's), then ``overrides``; checked like a file (unknown keys and bad
+        values are a :class:`ConfigError`)."""
+        sections = _copy_sections({k: v for k, v in data.items() if "." not in str(k)}, "the dict")
+        _apply_overrides(sections, {k: v for k, v in data.items() if "." in str(k)})
+        return _validate(_apply_overrides(sections, overrides),
+                         "a dict" + (" + overrides" if overrides else ""))
+
+    def with_overrides(self, overrides: Overrides) -> Config:
+        """A new config: this one with ``overrides`` applied (this one is left as it is)."""
+        return Config.from_dict(self.to_dict(), overrides)
+
+
+
+
+RUN_CONFIG_FILE = "config.yaml"
+"""A run directory's resolved config (written at start; ``--resume`` reads it back)."""
+
+
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown extension {path.suffix!r} "
+                              "(use .toml, .yaml or .json)")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"config file {path} is malformed: {first}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a table of sections, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def preset_path(name: str) -> Path:
+    """Path of a config shipped inside the package (``nanogrpo/presets/NAME.toml``)."""
+    return Path(str(resources.files("nanogrpo") / "presets" / f"{name}.toml"))
+
+
+def _parse_value(raw: str) -> Any:
+    if raw.lstrip().startswith("#"):  # YAML would read it as a comment (None): e.g. answer_delimiter=####
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``section.key=value`` override to a nested dict, in place."""
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    key, raw = item.split("=", 1)
+    set_key(data, key, _parse_value(raw), item)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:
+    """Set ``section.key`` of a nested dict to ``value``, in place (``item`` names it in errors)."""
+    item = item if item is not None else f"{key}={value!r}"
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04)")
+    section, name = parts
+    fields = Config.model_fields
+    if section not in fields:
+        hint = difflib.get_close_matches(section, list(fields), n=1)
+        raise ConfigError(
+            f"unknown config section {section!r} in override {item!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        )
+    data.setdefault(section, {})
+    if not isinstance(data[section], dict):
+        raise ConfigError(f"config section {section!r} must be a table")
+    data[section][name] = value
+
+
+Overrides = Union[Sequence[str], Mapping[str, Any]]
+"""``["section.key=value", ...]`` (values read as YAML, as on the command line) or
+``{"section.key": value}`` (values taken as they are)."""
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Overrides | None) -> dict[str, Any]:
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_key(data, str(key), value)
+    elif isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a dict, not the "
+                          f"string {overrides!r}")
+    else:
+        for item in overrides or ():
+            apply_override(data, item)
+    return data
+
+
+def _copy_sections(data: Any, origin: str) -> dict[str, Any]:
+    """A copy of ``data`` deep enough that overrides do not write into the caller's dicts."""
+    if isinstance(data, Config):
+        return data.to_dict()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config from {origin}: expected a mapping of sections, got {type(data).__name__}")
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _format_validation_error(e: ValidationError, origin: str) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        parts = [str(x) for x in err["loc"]]
+        model: type[BaseModel] = Config
+        for p in parts[:-1]:
+            ann = model.model_fields.get(p)
+            sub = getattr(ann, "annotation", None)
+            if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+                break
+            model = sub
+        hint = difflib.get_close_matches(parts[-1], _known_keys(model), n=1)
+        return f"unknown config key {loc!r} in {origin}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    msg = err["msg"]
+    if err["type"] == "value_error":  # our own validators: their message names the key already
+        return f"{msg.removeprefix('Value error, ')} (in {origin})"
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return f"bad config value for {loc!r} in {origin}: {msg}{more}"
+
+
+def load_config(path: str | Path | None = None, overrides: Overrides | None = None,
+                preset: str | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional preset, file and overrides."""
+    data: dict[str, Any] = {}
+    origins = []
+    if preset is not None:
+        data = _read_file(preset_path(preset))
+        origins.append(f"preset {preset}")
+    if path is not None:
+        file_data = _read_file(Path(path))
+        for section, values in file_data.items():
+            if isinstance(values, dict) and isinstance(data.get(section), dict):
+                data[section] = {**data[section], **values}
+            else:
+                data[section] = values
+        origins.append(str(path))
+    _apply_overrides(data, overrides)
+    if overrides:
+        origins.append("overrides")
+    return _validate(data, " + ".join(origins) or "defaults")
+
+
+def _validate(data: dict[str, Any], origin: str) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, origin)) from None
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped inside the package."""
+    return sorted(p.name[:-5] for p in resources.files("nanogrpo").joinpath("presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+    """The config a command starts from: ``source`` is a TOML/YAML/JSON file or, when no such file
+    exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
+    if source is None:
+        return load_config(preset="demo", overrides=overrides)
+    if not Path(source).exists() and preset_path(str(source)).is_file():
+        return load_config(preset=str(source), overrides=overrides)
+    return load_config(source, overrides)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write atomically (a temporary file renamed over ``path``): a reader, e.g. another rank
+    resuming the run, sees the old file or the new one, never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
