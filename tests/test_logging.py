@@ -115,8 +115,28 @@ def test_one_line_summary(tmp_path):
     log.close()
     line = run_summary(tmp_path)
     assert "\n" not in line
-    assert "2 steps" in line and "reward 0.100 -> 0.200" in line and "eval acc 0.750 (step 2)" in line
+    assert "2 steps" in line and "reward 0.100 -> 0.200" in line and "held-out accuracy 75.0% (step 2)" in line
     assert "200 tok/s" in line
+
+
+def test_summary_shows_the_held_out_gain_from_step_0(tmp_path):
+    """The end of ``nanogrpo train`` shows what the demo exists to show: held-out accuracy of the
+    starting policy (the step-0 evaluation) beside the last one, and the gain in points."""
+    log = RunLogger(tmp_path, Config())
+    log.log_step({"step": 0, "eval/accuracy": 0.07, "eval/format_rate": 1.0})  # the baseline row
+    for s in (1, 2, 3):
+        log.log_step(_row(s, **({"eval/accuracy": 0.47} if s == 2 else {})))
+    log.log_step(_row(4, **{"eval/accuracy": 0.535}))
+    log.close()
+    line = run_summary(tmp_path)
+    assert "held-out accuracy 7.0% (step 0) -> 53.5% (step 4), +46.5 points" in line
+    assert "reward 0.100 -> 0.400" in line  # the train figures start at step 1, not the eval-only row
+    (tmp_path / "worse").mkdir()
+    log = RunLogger(tmp_path / "worse", Config())
+    log.log_step({"step": 0, "eval/accuracy": 0.5})
+    log.log_step(_row(1, **{"eval/accuracy": 0.25}))
+    log.close()
+    assert "50.0% (step 0) -> 25.0% (step 1), -25.0 points" in run_summary(tmp_path / "worse")
 
 
 def _two_ranks(rows: list[dict], keys: list[str]) -> list[dict]:

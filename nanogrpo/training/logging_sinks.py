@@ -127,8 +127,24 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
 
 
+def _pct(v: Any) -> str:
+    return f"{100 * v:.1f}%" if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
+
+
+def _held_out(first: dict[str, Any], last: dict[str, Any]) -> str:
+    """``held-out accuracy 7.0% (step 0) -> 53.5% (step 80), +46.5 points``: the gain a run exists to
+    show, from its first held-out evaluation (step 0, the starting policy) to its last."""
+    a, b = first["eval/accuracy"], last["eval/accuracy"]
+    if first is last:
+        return f"held-out accuracy {_pct(b)} (step {last['step']})"
+    gain = 100 * (b - a) if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b)) else None
+    return (f"held-out accuracy {_pct(a)} (step {first['step']}) -> {_pct(b)} (step {last['step']})"
+            + (f", {gain:+.1f} points" if gain is not None else ""))
+
+
 def run_summary(root: Path) -> str:
-    """One line: steps, wall time, reward and accuracy first -> last, last held-out accuracy, throughput."""
+    """One line: steps, wall time, reward and accuracy first -> last, held-out accuracy at the first
+    evaluation (step 0) and the last with the gain in points, throughput."""
     path = Path(root) / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
     if not rows:
@@ -142,7 +158,7 @@ def run_summary(root: Path) -> str:
              f"train acc {_fmt(first.get('accuracy'))} -> {_fmt(last.get('accuracy'))}"]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     if evals:
-        parts.append(f"eval acc {_fmt(evals[-1]['eval/accuracy'])} (step {evals[-1]['step']})")
+        parts.append(_held_out(evals[0], evals[-1]))
     parts.append(f"{_fmt(toks / secs if secs else float('nan'), '.0f')} tok/s")
     parts.append(str(root))
     return " | ".join(parts)
