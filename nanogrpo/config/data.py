@@ -32,13 +32,16 @@ class DataConfig(_Strict):
     """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
     ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
     split: str = "train"
+    """The split trained on (of a preset, an ``hf:`` dataset, or ``{split}`` in a file path)."""
     eval_split: str = "test"
+    """The split held-out problems come from (``eval.every``, ``nanogrpo eval``)."""
     eval_source: str | None = None
     """Where held-out problems come from, as ``source`` (e.g. train on ``math``, evaluate on
     ``math500``); None: ``source``."""
     question_field: str = "question"
+    """The column holding the question (files and ``hf:`` datasets; presets know their own)."""
     answer_field: str = "answer"
-    """Fields of files and ``hf:`` datasets (presets know their own)."""
+    """The column holding the reference answer (files and ``hf:`` datasets; presets know their own)."""
     answer_from: Literal["auto", "column", "boxed", "delimiter"] = "auto"
     """Where the reference is in the answer field: ``column``: all of it (MATH-500's ``answer``,
     AIME's integer); ``boxed``: the last ``\\boxed{…}`` of a full solution (MATH's ``solution``);
@@ -48,21 +51,27 @@ class DataConfig(_Strict):
     answer_delimiter: str | None = None
     """The delimiter of ``answer_from=delimiter``; None: ``####``."""
     hf_config: str | None = None
+    """The configuration name of an ``hf:`` dataset (``datasets.load_dataset(NAME, hf_config)``)."""
     prompt_template: str | None = None
     """A ready prompt by name (``think_answer``, ``r1_boxed``, ``boxed_system``: see
     ``PROMPT_TEMPLATES``); it sets ``system_prompt`` and ``user_template``, which then are not set
     by hand."""
     system_prompt: str = SEED_SYSTEM_PROMPT
+    """The system turn of every prompt (default: the seed's think/answer instruction); empty: none.
+    A row's own ``system`` column wins."""
     user_template: str = "{question}"
     """The user turn: ``{question}`` is replaced by the question (``"{question}\\nPlease reason step by
     step, and put your final answer within \\boxed{}."``; other braces are kept as written)."""
     few_shot: list[dict[str, str]] = Field(default_factory=list)
     """Worked examples (``question``/``answer``) rendered as earlier chat turns."""
     max_prompt_tokens: int = Field(400, gt=0)
+    """Prompts longer than this (in tokens, chat template included) are skipped, as in the seed."""
     shuffle: bool = True
+    """Draw prompts in a seeded random order (``train.seed``); False: in file order. Resumable either way."""
     arithmetic_train_size: int = Field(20000, gt=0)
+    """Rows of the synthetic tasks' (``arithmetic``, ``multidigit``) train split."""
     arithmetic_eval_size: int = Field(500, gt=0)
-    """Rows of the synthetic tasks (``arithmetic``, ``multidigit``): the train split and the held-out one."""
+    """Rows of the synthetic tasks' held-out split (disjoint from the train split)."""
 
     @model_validator(mode="before")
     @classmethod

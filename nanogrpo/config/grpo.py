@@ -27,6 +27,7 @@ class GrpoConfig(_Strict):
     overrides the preset. A combination that means nothing is refused at start."""
 
     group_size: int = Field(8, ge=2)
+    """G: completions sampled per prompt; advantages compare the answers of one group."""
     beta: float = Field(0.03, ge=0)
     """KL coefficient; 0 loads no reference model at all."""
     loss: LossName = "grpo"
@@ -59,8 +60,9 @@ class GrpoConfig(_Strict):
     kl_is_weighted: bool = False
     """Multiply each token's KL by its importance ratio (DeepSeek-V3.2; TRL ``use_bias_correction_kl``)."""
     sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo: the gate's temperature for positive advantages (the paper's and TRL's 1.0)."""
     sapo_temperature_neg: float = Field(1.05, gt=0)
-    """sapo: the gate's temperature for positive / non-positive advantages (the paper's and TRL's)."""
+    """sapo: the gate's temperature for non-positive advantages (the paper's and TRL's 1.05)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts this times the mean per-token entropy (adaptive: its start value)."""
     entropy_target: float | None = Field(None, gt=0)
@@ -68,8 +70,11 @@ class GrpoConfig(_Strict):
     this (nats), and its coefficient moves by ``entropy_coef_step`` each optimizer step within
     [``entropy_coef_min``, ``entropy_coef_max``]. None: a constant ``entropy_coef``."""
     entropy_coef_step: float = Field(0.005, gt=0)
+    """Adaptive entropy control: how far the coefficient moves per optimizer step."""
     entropy_coef_min: float = Field(0.0, ge=0)
+    """Adaptive entropy control: the coefficient's lower bound."""
     entropy_coef_max: float = Field(1.0, ge=0)
+    """Adaptive entropy control: the coefficient's upper bound."""
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)
     """ρ < 1: the policy loss keeps only the batch's top-ρ highest-entropy tokens ("Beyond the 80/20
     rule"; the paper's 0.2). Costs one forward without gradients over the batch."""
@@ -80,6 +85,7 @@ class GrpoConfig(_Strict):
     """DeepSeek-V3.2's off-policy sequence mask (TRL ``off_policy_mask_threshold``): a sequence with a
     negative advantage whose mean log(behaviour / policy) exceeds this gets no policy loss."""
     std_eps: float = Field(1e-4, gt=0)
+    """Added to the group's reward std before dividing: ``A = (r - mean) / (std + std_eps)``."""
     min_reward_spread: float = Field(0.01, ge=0)
     """Groups whose rewards span less than this carry no signal and are dropped."""
     updates_per_batch: int = Field(1, ge=1)

@@ -20,6 +20,8 @@ class RewardsConfig(_Strict):
     timeout_s: float = Field(5.0, gt=0)
     """A reward call taking longer than this is abandoned and scored ``penalty``."""
     penalty: float = -1.0
+    """The score of a reward call that raises, hangs past its timeout or returns a non-finite number
+    (counted in the metrics; the run goes on)."""
     workers: int = Field(1, ge=0)
     """Reward worker processes (isolate hangs and crashes); 0 runs rewards in-process."""
     chunk_size: int = Field(0, ge=0)
@@ -52,9 +54,11 @@ class RewardsConfig(_Strict):
     judge_timeout_s: float = Field(60.0, gt=0)
     """One request; past it (or on 429 / 5xx / a failed connection) it is retried with backoff."""
     judge_retries: int = Field(4, ge=0)
+    """Retries of one judge request (exponential backoff with jitter, ``Retry-After`` honoured)."""
     judge_deadline_s: float = Field(300.0, gt=0)
     """A batch's requests end here, retries included: rows without a reply score ``penalty``."""
     judge_max_tokens: int = Field(64, ge=1)
+    """``max_tokens`` of each judge request: the reply holds a verdict or a score, not an essay."""
     judge_request: dict[str, Any] = Field(default_factory=dict)
     """Extra fields of the request body (``{top_p = 1}``); a null value removes a default field
     (``{max_tokens = null, max_completion_tokens = 512}``)."""

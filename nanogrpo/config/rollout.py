@@ -18,10 +18,17 @@ class RolloutConfig(_Strict):
     Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.rollout.fast.families``), else
     ``hf``; the choice and its reason are logged."""
     prompts_per_step: int = Field(8, gt=0)
+    """Prompts per training step (each sampled ``grpo.group_size`` times); with several ranks the
+    global number, split across them."""
     max_new_tokens: int = Field(512, gt=0)
+    """Tokens a completion may sample (over all its turns with tools); a completion cut here has
+    finish reason ``length``."""
     temperature: float = Field(0.9, gt=0)
+    """Sampling temperature of the rollouts (the seed's 0.9)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this; 1: off."""
     top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens; 0: off."""
     tempered_logprobs: bool = False
     """False: log-probs of the untempered model distribution (the seed's convention); True: of
     ``logits / temperature``, the distribution samples are drawn from (TRL's and verl's), and with

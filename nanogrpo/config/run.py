@@ -11,11 +11,17 @@ from nanogrpo.config.base import _Strict
 
 class TrainConfig(_Strict):
     steps: int = Field(1000, ge=0)
+    """Training steps (rollout batches) of the run; ``--steps`` sets it, also to extend a resumed run."""
     lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate (the seed's 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up over this many steps, then constant (the seed: constant)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm before each optimizer step."""
     micro_batch_size: int = Field(8, gt=0)
     """Sequences per forward/backward; gradients accumulate over the step's micro-batches."""
     micro_batch_tokens: int = Field(0, ge=0)
@@ -31,8 +37,11 @@ class TrainConfig(_Strict):
     ``step_N_update_U`` with the batch itself: a run killed there resumes at that update, exactly. Only
     the newest such checkpoint is kept. 0: checkpoints at step boundaries only (``save_every``)."""
     seed: int = 0
+    """Seeds sampling, the prompt order and initialisation; ``--seed`` sets it."""
     out: str = "runs/nanogrpo"
+    """The run directory (config, metrics, checkpoints); ``--out`` sets it."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward (HF gradient checkpointing): less memory, more time."""
     share_prefix: bool = True
     """Run each distinct prompt once per micro-batch in the policy and reference forwards (its G
     samples read its keys/values); same log-probs and gradients. Not applied under gradient
@@ -51,6 +60,7 @@ class TrainConfig(_Strict):
 
 class EvalConfig(_Strict):
     n: int = Field(200, gt=0)
+    """Held-out problems per evaluation (the first ``n`` of ``data.eval_split``)."""
     max_new_tokens: int | None = None
     """None: same as rollout.max_new_tokens."""
     batch_size: int = Field(64, gt=0)
@@ -71,7 +81,9 @@ class LogConfig(_Strict):
     wandb: bool = False
     """Also log to Weights & Biases (needs ``pip install wandb``)."""
     wandb_project: str = "nanogrpo"
+    """The Weights & Biases project (``log.wandb``)."""
     wandb_run_name: str | None = None
+    """The Weights & Biases run name; None: the run directory's name."""
     samples_every: int = Field(10, ge=0)
     """Log sample completions (text + reward breakdown) every this many steps; 0: never."""
 
@@ -92,6 +104,7 @@ class ServerConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0)
     """Clients: per-request timeout; retries with backoff give up after ``retry_for_s``."""
     retry_for_s: float = Field(600.0, gt=0)
+    """Clients: how long retries with backoff go on before a request fails loudly."""
     lease_s: float = Field(60.0, gt=0)
     """Server: a batch delivered to a trainer rank goes back in the queue (same id, delivered again) if the
     rank does not acknowledge it within this many seconds after receiving it (the rank died, or its

@@ -18,6 +18,7 @@ class ToolsConfig(_Strict):
     (never trained on) and the model continues."""
 
     enabled: bool = False
+    """Multi-turn rollouts with the tool below; False: single-turn generation."""
     protocol: Literal["code", "hermes"] = "code"
     """``code``: ``<code>…</code>`` answered by ``<output>…</output>``; ``hermes``: Qwen/Hermes
     ``<tool_call>{json}</tool_call>`` answered by a ``<tool_response>`` turn
