@@ -1,4 +1,4 @@
-"""nanogrpo: a small, fast GRPO trainer. From Python (README, "Using it from Python")::
+"""nanogrpo: a small, fast GRPO trainer. From Python (docs/guides/python.md)::
 
     import nanogrpo
 

@@ -44,7 +44,8 @@ FILE_COMMANDS = {"ls", "cat", "head", "tail", "mkdir", "cp", "echo"}
 SHORT = {"train.steps": 2, "rollout.prompts_per_step": 4, "grpo.group_size": 4, "rollout.max_new_tokens": 40,
          "eval.n": 8, "train.save_every": 0}
 SUBSTITUTIONS = [
-    ("`nanogrpo train`, `serve`, `rollout`", "`... " + " ".join(f"{k}={v}" for k, v in SHORT.items()) + "` appended",
+    ("`nanogrpo train`, `serve`, `rollout`",
+     "`... " + " ".join(f"{k}={v}" for k, v in SHORT.items()) + "` appended",
      "a run of seconds: 2 steps of 4 prompts x 4 samples, 40 new tokens, 8 held-out problems; the last "
      "override wins, so `--steps N` and the documented keys are replaced"),
     ("`nanogrpo train --resume RUN ...`", "the same, with `train.steps` = RUN's newest checkpoint + 1",
@@ -53,7 +54,8 @@ SUBSTITUTIONS = [
     ("`--model RUN/checkpoints/step_N` when `step_N` does not exist", "RUN's newest checkpoint",
      "the short run stopped at step 2"),
     ("`--model ./my-model` (any path naming `my-model`) when it does not exist",
-     "a tiny random-init Qwen2 with a character-level tokenizer saved there", "your model, offline and small"),
+     "a tiny random-init Qwen2 with a character-level tokenizer saved there",
+     "your model, offline and small"),
     ("port `8471` (`--port 8471`, `http://127.0.0.1:8471`)", "a free port",
      "other jobs on the machine may hold 8471"),
     ("Python: `nanogrpo.train(config, ...)`", "`config` with the overrides of the first row",
@@ -78,7 +80,8 @@ class Block:
 
 def documents() -> list[Path]:
     """README.md and every page of docs/ (docs/scripts/ holds code, not pages)."""
-    docs = sorted(p for p in (ROOT / "docs").rglob("*.md") if "scripts" not in p.relative_to(ROOT / "docs").parts)
+    docs = sorted(p for p in (ROOT / "docs").rglob("*.md")
+                  if "scripts" not in p.relative_to(ROOT / "docs").parts)
     return [ROOT / "README.md", *docs]
 
 
@@ -250,12 +253,39 @@ def short_argv(argv: list[str], cwd: Path, port: int) -> list[str]:
         run = cwd / a[a.index("--resume") + 1]
         newest = _newest_checkpoint(run)
         steps = (int(newest.name.split("_")[1]) if newest else 0) + 1
-        return a + [f"{k}={v}" for k, v in SHORT.items() if k != "train.steps"] + [f"train.steps={steps}"]
+        short = [f"{k}={v}" for k, v in SHORT.items() if k != "train.steps"]
+        return _with(a, [], short + [f"train.steps={steps}"])
     if sub in ("train", "serve", "rollout"):
-        return a + [f"{k}={v}" for k, v in SHORT.items()]
+        return _with(a, [], [f"{k}={v}" for k, v in SHORT.items()])
     if sub == "eval":
-        return a + ["--n", "4", "eval.max_new_tokens=40"]
+        return _with(a, ["--n", "4"], ["eval.max_new_tokens=40"])
     return a
+
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _with(a: list[str], flags: list[str], overrides: list[str]) -> list[str]:
+    """``a`` with ``flags`` (replacing the documented ones of the same name) and ``overrides`` added: flags
+    first, then every ``key=value`` together (argparse takes the positional overrides as one run), the
+    added ones last so that they win."""
+    named = set(flags[::2])
+    head, rest, docs_flags, docs_overrides, i = a[:2], a[2:], [], [], 0
+    while i < len(rest):
+        tok = rest[i]
+        boolean = tok in ("-v", "--verbose", "--access-log")
+        takes_value = tok.startswith("-") and not boolean and i + 1 < len(rest)
+        if takes_value:
+            if tok not in named:
+                docs_flags += rest[i:i + 2]
+            i += 2
+        elif OVERRIDE.match(tok):
+            docs_overrides.append(tok)
+            i += 1
+        else:
+            docs_flags.append(tok)
+            i += 1
+    return head + docs_flags + flags + docs_overrides + overrides
 
 
 PRELUDE = f'''

@@ -114,7 +114,8 @@ def test_every_block_runs_here_or_says_why_not(doc_block):
         assert not bad, f"{b.where}: commands in a text block (make it a bash block): {bad}"
         paths = tree_paths(b.text)
         if paths:
-            assert not [p for p in paths if not (ROOT / p).exists()], f"{b.where}: the tree names missing files"
+            gone = [p for p in paths if not (ROOT / p).exists()]
+            assert not gone, f"{b.where}: the tree names missing files: {gone}"
 
 
 def test_the_marks_are_counted():
@@ -134,7 +135,8 @@ def test_the_design_tree_has_every_top_level_part():
 
 
 def _reference():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "docs/scripts/config_reference.py")
+    path = ROOT / "docs/scripts/config_reference.py"
+    spec = importlib.util.spec_from_file_location("config_reference", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -170,7 +172,8 @@ def test_the_substitution_table_is_the_one_the_docs_show():
 
 
 def test_shell_commands_are_parsed_as_a_shell_would():
-    cmds = commands("OMP_NUM_THREADS=1 nanogrpo train --steps 2 \\\n    'rewards.functions=[\"a\",\"b\"]'  # c\n"
+    cmds = commands("OMP_NUM_THREADS=1 nanogrpo train --steps 2 \\\n"
+                    "    'rewards.functions=[\"a\",\"b\"]'  # c\n"
                     "nanogrpo serve --port 8471 &\npip install x && nanogrpo train")
     assert [c.argv for c in cmds] == [["nanogrpo", "train", "--steps", "2", 'rewards.functions=["a","b"]'],
                                       ["nanogrpo", "serve", "--port", "8471"], ["pip", "install", "x"],
@@ -181,7 +184,8 @@ def test_shell_commands_are_parsed_as_a_shell_would():
 @pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
                     reason="mkdocs not installed (pip install -e '.[docs]'); .ci/run builds the site")
 def test_the_site_builds_strict(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    r = subprocess.run(build,
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -115,7 +115,8 @@ def test_one_line_summary(tmp_path):
     log.close()
     line = run_summary(tmp_path)
     assert "\n" not in line
-    assert "2 steps" in line and "reward 0.100 -> 0.200" in line and "held-out accuracy 75.0% (step 2)" in line
+    assert "2 steps" in line and "reward 0.100 -> 0.200" in line
+    assert "held-out accuracy 75.0% (step 2)" in line
     assert "200 tok/s" in line
 
 

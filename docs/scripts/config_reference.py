@@ -106,7 +106,8 @@ def _markdown_doc(doc: str) -> str:
 
 
 def section_docs(cls: type) -> str:
-    return _markdown_doc(inspect.cleandoc(cls.__doc__)) if cls.__doc__ and "Usage docs" not in cls.__doc__ else ""
+    doc = cls.__doc__
+    return _markdown_doc(inspect.cleandoc(doc)) if doc and "Usage docs" not in doc else ""
 
 
 def markdown() -> str:

