@@ -42,12 +42,12 @@ FILE_COMMANDS = {"ls", "cat", "head", "tail", "mkdir", "cp", "echo"}
 
 # what the test changes in a documented command, and why (docs/contributing.md prints this table)
 SHORT = {"train.steps": 2, "rollout.prompts_per_step": 4, "grpo.group_size": 4, "rollout.max_new_tokens": 40,
-         "eval.n": 8, "train.save_every": 0}
+         "eval.n": 8, "train.save_every": 0, "model.cpu_linear": "torch"}
 SUBSTITUTIONS = [
     ("`nanogrpo train`, `serve`, `rollout`",
      "`... " + " ".join(f"{k}={v}" for k, v in SHORT.items()) + "` appended",
-     "a run of seconds: 2 steps of 4 prompts x 4 samples, 40 new tokens, 8 held-out problems; the last "
-     "override wins, so `--steps N` and the documented keys are replaced"),
+     "a run of seconds: 2 steps of 4 prompts x 4 samples, 40 new tokens, 8 held-out problems, no timing of "
+     "the CPU's linears; the last override wins, so `--steps N` and the documented keys are replaced"),
     ("`nanogrpo train --resume RUN ...`", "the same, with `train.steps` = RUN's newest checkpoint + 1",
      "a resume that trains one step more than the run it continues"),
     ("`nanogrpo eval ...`", "`--n 4 eval.max_new_tokens=40` appended", "4 problems, short answers"),
