@@ -205,3 +205,17 @@ def test_the_examples_run(doc, tmp_path):
     for b in blocks(doc):
         if kind(b) != "marked":
             runner.block(b)
+
+
+def test_a_documented_command_that_fails_fails_the_test(tmp_path):
+    """The runner is not a formality: a command that exits non-zero (a typo in a key) is an error naming
+    the page and line, and a broken Python block too."""
+    from tests.docs_blocks import Block
+
+    runner = Runner(tmp_path)
+    bad = Block(ROOT / "docs/quickstart.md", 7, "bash", None, "nanogrpo train grpo.grop_size=3", None)
+    with pytest.raises(AssertionError, match=r"(?s)docs/quickstart.md:7: .*exited with 2.*'group_size'"):
+        runner.block(bad)
+    code = "import nanogrpo\nnanogrpo.no_such_function()"
+    with pytest.raises(AssertionError, match=r"(?s)README.md:9: .*exited with 1.*'no_such_function'"):
+        runner.block(Block(ROOT / "README.md", 9, "python", None, code, None))
