@@ -6,7 +6,7 @@ that is never run by the other tests:
 - **no import up the layers**: each top-level part of ``nanogrpo`` may import its own modules and the
   parts of lower layers, never a part of its own layer or of a higher one.
 
-The layers, lowest first (docs/design.md, "The source tree"):
+The layers, lowest first (README, "The source tree"):
 
     errors
     algo, batch                              the algorithm's pure functions, the wire record

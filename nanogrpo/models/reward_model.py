@@ -30,8 +30,7 @@ CPU thread) leave the model mainly the difference that matters — yet what it l
 the careless habit (held-out: the right solution above the careless answer 95% of the time), not the
 arithmetic (above another answer after the right equation 62%, above a wrong result 61%). GRPO
 against it lifts held-out accuracy within 5-10 steps, then drifts to answers and results the model
-cannot check; hence the demo's KL weight of 0.2 and its 20 steps (docs/figures.md, "The demo learns from a
-learned reward").
+cannot check; hence the demo's KL weight of 0.2 and its 20 steps (README, "Rewards from models").
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
 the rule at run time. ``python -m nanogrpo.models.reward_model`` builds it into
