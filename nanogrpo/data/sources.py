@@ -14,10 +14,10 @@
   (``agentica-org/DeepScaleR-Preview-Dataset``, 40k problems, ``answer``; train
   only). Offline, point ``source`` at a local copy in the same format (the
   reference is found as ``data.answer_from=auto`` finds it).
-- ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.data.arithmetic`);
+- ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.demos.arithmetic.task`);
   split ``train`` has ``arithmetic_train_size`` rows, any other split
   (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
-- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.data.multidigit`),
+- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.demos.tools.task`),
   sized by the same two settings.
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
@@ -40,8 +40,9 @@ from typing import Any
 
 from nanogrpo import hub
 from nanogrpo.config import DataConfig
-from nanogrpo.data import arithmetic, multidigit
 from nanogrpo.data.samples import normalize_rows
+from nanogrpo.demos.arithmetic import task as arithmetic
+from nanogrpo.demos.tools import task as multidigit
 from nanogrpo.errors import DataError
 
 
