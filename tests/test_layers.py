@@ -9,7 +9,8 @@ that is never run by the other tests:
 The layers, lowest first (README, "The source tree"):
 
     errors
-    algo, batch                              the algorithm's pure functions, the wire record
+    algo, batch, http_limits                 the algorithm's pure functions, the wire record, HTTP
+                                             bodies read with a cap (by clients of every layer above)
     config                                   (which names the algorithm's variants)
     console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
     data                                     datasets and prompts (may read answers with rewards)
@@ -41,7 +42,7 @@ PKG = Path(nanogrpo.__file__).parent
 
 LAYERS = [
     {"errors"},
-    {"algo", "batch"},
+    {"algo", "batch", "http_limits"},
     {"config"},
     {"console", "hub", "rewards", "tools"},
     {"data"},
