@@ -21,35 +21,29 @@ Rules, the same for every client:
 - any other answer (an error page: the caller wants its status and first line) is read up to
   :data:`ERROR_BODY` bytes and cut there, without an error;
 - the request asks for ``Accept-Encoding: identity``. A body compressed anyway (gzip, deflate) is
-  decoded here with the cap on the *decoded* bytes, a few kilobytes at a time (a 64 KiB gzip of zeros
+  decoded here with the cap on the *decoded* bytes, 64 KiB at a time (a 64 KiB gzip of zeros
   decodes to 64 MiB: httpx's own decoder would hold it all); another encoding is a :class:`BodyError`;
 - a body of ``n`` bytes briefly costs ``2n`` when its pieces are joined (as ``httpx``'s own read);
 - time is the caller's: pass a timeout (``httpx``'s bounds each read; the judge also bounds the whole
   request), or a peer that trickles under the cap holds the caller for as long as it trickles.
 
-Each client and its bound (docs/reference/http-bounds.md has the same table):
+Each client, what it reads, its bound, and what happens past it (docs/reference/http-bounds.md has
+the same table):
 
-============================  =============================  =============================================
-client                        reads                          bound; past it
-============================  =============================  =============================================
-``judge:URL`` (rewards/       ``/chat/completions`` replies  ``rewards.judge_max_reply_bytes`` (1 MiB); the
-judge.py)                     and ``/models``                row scores the penalty as an error (counted in
-                                                             ``judge/errors``), not retried; the run goes on
-``ServerClient`` (serve/      ``/get``: a rollout batch      2 x ``server.max_body_mb`` (the upload cap plus
-client.py)                                                   the reference log-probs the server adds);
-                                                             :class:`ServerError`
-                              ``GET /weights``               the model's size: every tensor of its layout
-                                                             at 8 bytes (F64, the widest accepted) plus the
-                                                             safetensors header (``weights_cap``);
-                                                             :class:`ServerError`
-                              ``/health``, ``/stats``,       :data:`SMALL` (1 MiB); :class:`ServerError`
-                              ``/upload``, ``/ack``,
-                              ``/weights/version``, a
-                              publish's answer
-hub checks (hub.py:           a model's ``config.json``,     HEAD requests: no body; headers capped at 100
-``models/source.py``,         a dataset's API page           KiB by httpcore's parser
-``data/sources.py``)
-============================  =============================  =============================================
+- ``judge:URL`` (:mod:`nanogrpo.rewards.judge`): ``/chat/completions`` replies and ``/models``, at most
+  ``rewards.judge_max_reply_bytes`` (1 MiB) each; past it the row scores the penalty as an error
+  (``reply over N bytes``, counted in ``judge/errors``, not retried) and the run goes on. Memory:
+  at most ``judge_concurrency`` x the cap.
+- ``ServerClient`` (:mod:`nanogrpo.serve.client`, split mode): ``GET /get``, a rollout batch, at most
+  2 x ``server.max_body_mb`` (the server's upload cap, plus the reference log-probs it adds);
+  ``GET /weights`` at most the receiver's model's size, every tensor of its layout at 8 bytes an
+  element (F64, the widest accepted) plus the safetensors header
+  (:func:`nanogrpo.serve.weights.weights_cap`); every other answer (``/health``, ``/stats``,
+  ``/upload``, ``/ack``, ``/weights/version``, a publish's answer) :data:`SMALL`. Past it: a
+  :class:`~nanogrpo.serve.client.ServerError` at once, not retried.
+- Hub checks (:mod:`nanogrpo.hub`: a model's ``config.json`` in :mod:`nanogrpo.models.source`, a
+  dataset in :mod:`nanogrpo.data.sources`): HEAD requests, so no body at all; headers are capped at
+  100 KiB by httpcore's parser.
 
 Not nanogrpo's reads: ``transformers`` and ``datasets`` download models and datasets with their own
 clients (to disk); point ``HF_ENDPOINT`` only at a hub you trust. Servers nanogrpo runs read request
