@@ -124,9 +124,11 @@ class ServerClient:
 
     # ------------------------------------------------------------------ core
     def _request(self, method: str, path: str, what: str, *, ok: tuple[int, ...] = (200,),
-                 timeout: float | None = None, cap: int = http_limits.SMALL, **kw) -> httpx.Response:
+                 timeout: float | None = None, cap: int = http_limits.SMALL,
+                 too_large: str = "is the URL a nanogrpo server, no proxy between sending without end?",
+                 **kw) -> httpx.Response:
         """One request, retried as the module docstring says; its answer read with at most ``cap``
-        bytes (past it: :class:`ServerError`, not retried)."""
+        bytes (past it: :class:`ServerError` saying ``too_large``, not retried)."""
         deadline = time.monotonic() + self.retry_for_s
         delay = self.backoff[0]
         away_since: float | None = None
@@ -152,8 +154,7 @@ class ServerClient:
                     raise ServerError(f"{what}: server {self.url} refused with HTTP {r.status_code}: "
                                       f"{reason}")
             except http_limits.BodyError as e:
-                raise ServerError(f"{what}: server {self.url} sent a {e} (is the URL a nanogrpo server, "
-                                  "and no proxy between?)") from None
+                raise ServerError(f"{what}: server {self.url} sent a {e}: {too_large}") from None
             except httpx.TransportError as e:
                 problem = f"{type(e).__name__}: {str(e)[:200]}"
                 wait = delay
@@ -187,7 +188,9 @@ class ServerClient:
         """The next ready batch, leased to us, waiting up to ``wait_s`` seconds on the server; None when
         none came. Acknowledge it with :meth:`ack` (else it goes back in the queue after the lease)."""
         r = self._request("GET", "/get", "get batch", ok=(200, 204), params={"wait": wait_s},
-                          timeout=self.timeout_s + wait_s, cap=self.max_batch_bytes)
+                          timeout=self.timeout_s + wait_s, cap=self.max_batch_bytes,
+                          too_large="a batch larger than this side reads: set server.max_body_mb here to the "
+                                    "server's --max-body-mb (or check for a proxy that sends without end)")
         if r.status_code == 204:
             return None
         try:
@@ -227,7 +230,9 @@ class ServerClient:
         receiver's model, before they are decoded), else None. Invalid weights raise
         :class:`~nanogrpo.serve.weights.WeightsError` (or the decoder's error)."""
         r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have},
-                          cap=weights_cap(layout))
+                          cap=weights_cap(layout),
+                          too_large="more than this worker's model can hold: does the trainer train the same "
+                                    "model (model.path)?")
         if r.status_code == 204:
             return None
         version = r.headers.get("x-policy-version", "")
