@@ -10,7 +10,8 @@ The layers, lowest first (README, "The source tree"):
 
     errors
     demos                                    the demos' registry and their tasks (rows made in code)
-    algo, batch                              the algorithm's pure functions, the wire record
+    algo, batch, http_limits                 the algorithm's pure functions, the wire record, HTTP
+                                             bodies read with a cap (by clients of every layer above)
     config                                   (which names the algorithm's variants)
     console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
     data                                     datasets and prompts (may read answers with rewards)
@@ -45,7 +46,7 @@ PKG = Path(nanogrpo.__file__).parent
 LAYERS = [
     {"errors"},
     {"demos"},
-    {"algo", "batch"},
+    {"algo", "batch", "http_limits"},
     {"config"},
     {"console", "hub", "rewards", "tools"},
     {"data"},

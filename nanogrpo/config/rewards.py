@@ -58,6 +58,10 @@ class RewardsConfig(_Strict):
     judge_request: dict[str, Any] = Field(default_factory=dict)
     """Extra fields of the request body (``{top_p = 1}``); a null value removes a default field
     (``{max_tokens = null, max_completion_tokens = 512}``)."""
+    judge_max_reply_bytes: int = Field(1 << 20, ge=1024)
+    """The most of one reply (and of ``URL/models``) that is read (1 MiB; a chat completion is a few
+    kilobytes): past it the connection is closed and the row scores ``penalty`` as an error (counted),
+    so a judge that streams without end holds at most ``judge_concurrency`` x this in memory."""
     judge_api_key_env: str = "NANOGRPO_JUDGE_API_KEY"
     """Environment variable holding the judge's API key (unset: no key is sent); never the key itself."""
     judge_cache: str = "auto"

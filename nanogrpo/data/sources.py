@@ -181,13 +181,8 @@ def _reachable(name: str) -> None:
     for a local directory; any answer from the hub, even a refusal, is left to ``datasets``."""
     if Path(name).exists() or hub.offline():
         return
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import HfHubHTTPError
-
-    try:
-        hub.ask(lambda: HfApi().dataset_info(name, timeout=hub.TIMEOUT_S))
-    except HfHubHTTPError:
-        return
+    try:  # a HEAD: nothing of the answer's body is read (a GET's JSON would be read without a cap)
+        hub.ask(lambda: hub.head(f"{hub.endpoint()}/api/datasets/{name}"))
     except hub.network_errors() as e:
         raise DataError(f"HF dataset {name}: the HF hub ({hub.endpoint()}) cannot be reached "
                         f"({hub.reason(e)}): point data.source at a local .jsonl/.parquet copy, or set "

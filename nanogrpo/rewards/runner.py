@@ -358,6 +358,7 @@ def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelRe
                      score_range=tuple(cfg.judge_range), concurrency=cfg.judge_concurrency,
                      timeout_s=cfg.judge_timeout_s, deadline_s=cfg.judge_deadline_s,
                      retries=cfg.judge_retries, max_tokens=cfg.judge_max_tokens, request=cfg.judge_request,
-                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix)
+                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix,
+                     max_reply_bytes=cfg.judge_max_reply_bytes)
 
     return make
