@@ -49,6 +49,8 @@ from nanogrpo.rewards.latex import (
     split_top,
     words,
 )
+from nanogrpo.rewards.numbers import Num, read_number
+from nanogrpo.rewards.units import Measure, in_asked_unit, with_scale
 
 __all__ = ["Reference", "reference", "grade", "answer_equals", "kind", "final_answer"]
 
@@ -148,12 +150,36 @@ def _numbers(completion: str, ref: Reference, question: str | None) -> bool:
     if answer is None:
         return False
     if answer.values:
-        if ref.tolerance:
-            return any(abs(p - r) <= ref.tolerance for p in answer.values for r in ref.values)
-        return not set(answer.values).isdisjoint(ref.values)
+        return _match(answer.values, ref, question, answer.measure)
     if not any(c.isdigit() or c == "\\" for c in answer.text):
         return False  # words without a number cannot equal one
     return verify.equal(clean(answer.text), ref.latex)
+
+
+def _match(values: tuple[Fraction, ...], ref: Reference, question: str | None,
+           measure: Measure | None = None) -> bool:
+    """Whether a number answer's ``values`` give the number reference: a compound quantity in the unit the
+    question asks for (none named: no value, the stricter reading), any value in the scale it asks in
+    (``1.5 million`` is 1.5 when it asks in millions); a long-decimal reference within its rounding."""
+    if measure is not None:
+        value = in_asked_unit(measure, question)
+        if value is None:
+            return False
+        values = (value,)
+    values = with_scale(values, question)
+    if ref.tolerance:
+        return any(abs(p - r) <= ref.tolerance for p in values for r in ref.values)
+    return not set(values).isdisjoint(ref.values)
+
+
+_MARKUP_RE = re.compile(r"\\\$|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{|\\[()\[\],; ]|[{}$*`]")
+
+
+def _compound(raw: str) -> Num | None:
+    """The compound quantity an answer is, whole (``2 hours and 30 minutes``, ``5'6"``, ``\\$3 and 25
+    cents``, ``2 \\text{ h } 30 \\text{ min}``), or None."""
+    num = read_number(_MARKUP_RE.sub(" ", raw))
+    return num if num is not None and num.measure is not None else None
 
 
 def _decimal_vs_exact(values: tuple[Fraction, ...], written: str, ref: Reference) -> bool:
@@ -182,17 +208,17 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
             return base == ref.base
         return what == "number" and text.replace(",", "").upper() == ref.base[0]
     if ref.values is not None:
+        compound = _compound(raw) if what != "number" else None
+        if compound is not None:
+            return _match(compound.values, ref, question, compound.measure)
         if what == "number":
-            values = plain_values(text) or ()
-            if ref.tolerance:
-                return any(abs(p - r) <= ref.tolerance for p in values for r in ref.values)
-            return not set(values).isdisjoint(ref.values)
+            return _match(plain_values(text) or (), ref, question)
         if what == "arithmetic":
             return _numbers(completion, ref, question)
         parts = split_top(text) if what == "symbolic" else []
         if len(parts) > 1 and all(plain_values(p) for p in parts):
             same = len({plain_values(p)[0] for p in parts}) == 1  # "1/2 (or 0.5)": one value, twice written
-            return same and not set(plain_values(parts[0])).isdisjoint(ref.values)
+            return same and _match(plain_values(parts[0]), ref, question)
         if what == "prose":
             if _hedged(raw):
                 return False

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _last_announcement
-from nanogrpo.rewards.numbers import normalize, read_number
+from nanogrpo.rewards.numbers import leading_number, normalize, read_number
+from nanogrpo.rewards.units import unit_end
 
 __all__ = ["Span", "final_span", "clean", "plain_values", "choice", "choices", "words", "base_number",
            "math_segments", "math_segment_matches", "split_top", "braced_end", "MATH_NAMES",
@@ -266,28 +267,38 @@ MATH_NAMES = frozenset(
 
 
 def plain_values(text: str) -> tuple[Fraction, ...] | None:
-    """The values of ``text`` when the whole of it is one plain number (currency before it; ``%`` or
-    unit words after it, ``5 cm``), else None: ``2\\pi``, ``3i``, ``5x``, ``2^{10}`` are not."""
+    """The values of ``text`` when the whole of it is one plain number (currency before it; ``%``, unit
+    words or a unit however written after it: ``5 cm``, ``12 m^2``, ``60 km/h``, ``72°F``), else None:
+    ``2\\pi``, ``3i``, ``5x``, ``2^{10}``, ``5 x^2`` are not, nor is a compound quantity (``2 hours and
+    30 minutes``: read against the question by the grader)."""
+    found = _plain(text)
+    return found[0] if found is not None else None
+
+
+def _plain(text: str) -> tuple[tuple[Fraction, ...], str] | None:
+    """``(values, the number as written)``, the number without a unit that is more than words."""
     s = normalize(text).strip().rstrip(".")
-    num = read_number(s)
-    if num is None:
+    num = read_number(s) or leading_number(s)
+    if num is None or num.measure is not None:
         return None
     rest = s[num.end:]
     if rest.strip() in ("", "\\%", "%"):
-        return num.values
-    m = _UNIT_WORDS_RE.match(rest)
-    if m is None or any(w.lower() in MATH_NAMES for w in rest.split()):
-        return None
-    return num.values
+        return num.values, s
+    if _UNIT_WORDS_RE.match(rest) is not None and not any(w.lower() in MATH_NAMES for w in rest.split()):
+        return num.values, s  # "42 apples", kept as written ("5 x" may be a product)
+    if unit_end(s, num.end) == len(s):
+        return num.values, s[:num.end]  # "12 m^2", "72°F", "13 \\text{ cm}^2": the unit goes
+    return None
 
 
 def clean(text: str) -> str:
     """``text`` with what a grader ignores taken off (module docstring); the rest stays as written."""
     t = text.replace("**", " ").replace("`", " ")
-    values = plain_values(t)
-    if values is not None:  # "$2B", "1 and 1/2", ".5", "42 apples": as the number reader reads them
-        bare = _THOUSANDS_RE.sub("", t).replace("\\$", "").strip().lstrip("$").strip().rstrip(_TRAIL)
-        return bare if plain_values(bare) == values else t.strip()
+    found = _plain(t)
+    if found is not None:  # "$2B", "1 and 1/2", ".5", "42 apples", "12 m^2": as the number reader reads them
+        values, number = found
+        bare = _THOUSANDS_RE.sub("", number).replace("\\$", "").strip().lstrip("$").strip().rstrip(_TRAIL)
+        return bare if plain_values(bare) == values else number.strip()
     t = t.translate(_UNICODE) if not t.isascii() else t
     t = _DELIMS_RE.sub(" ", t)
     t = _unwrap(t, _BOX_RE)
