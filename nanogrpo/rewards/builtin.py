@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nanogrpo.rewards.grade import answer_equals, grade
+from nanogrpo.rewards.grade import answer_equals, answered, grade
 from nanogrpo.rewards.latex import braced_end
 
 __all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "overlong", "format_reward", "format_strict",
@@ -46,14 +46,19 @@ def answers_match(pred: str, ref: str) -> bool:
     return answer_equals(pred, ref)
 
 
-def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: bool = True) -> float:
+def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: bool = True,
+                truncated_last_number: bool = False) -> float:
     """+1.0 if the completion's final answer equals ``sample["answer"]``, else -1.0 (also when it gives none).
 
-    ``truncated_correct=False`` (config ``rewards.truncated_correct``) scores -1.0 for a
-    completion the token limit cut off (``sample["finish_reason"] == "length"``), whatever it
-    says, as DAPO's overlong filtering does; the default, as the seed, reads it like any other.
+    A completion the token limit cut off (``sample["finish_reason"] == "length"``) before it gave a
+    final answer (an ``<answer>`` block, a box, an announced answer: :func:`~nanogrpo.rewards.grade.
+    answered`) scores -1.0 whatever its last number is; ``truncated_last_number=True`` (config
+    ``rewards.truncated_last_number``) reads it by its last number instead, as the seed does.
+    ``truncated_correct=False`` (config ``rewards.truncated_correct``) scores -1.0 for every cut-off
+    completion, whatever it says, as DAPO's overlong filtering does.
     """
-    if not truncated_correct and sample.get("finish_reason") == "length":
+    if sample.get("finish_reason") == "length" and (
+            not truncated_correct or not (truncated_last_number or answered(completion))):
         return -1.0
     question = sample.get("question")
     question = question if isinstance(question, str) else None

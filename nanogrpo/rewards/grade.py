@@ -36,6 +36,8 @@ from functools import lru_cache
 
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
+
+THINK_OPEN = "<think>"
 from nanogrpo.rewards.latex import (
     MATH_NAMES,
     base_number,
@@ -50,9 +52,9 @@ from nanogrpo.rewards.latex import (
     words,
 )
 from nanogrpo.rewards.numbers import Num, read_number
-from nanogrpo.rewards.units import Measure, in_asked_unit, with_scale
+from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
 
-__all__ = ["Reference", "reference", "grade", "answer_equals", "kind", "final_answer"]
+__all__ = ["Reference", "reference", "grade", "answer_equals", "answered", "kind", "final_answer"]
 
 _LONG_DECIMAL_RE = re.compile(r"[0-9]\.([0-9]{6,})\s*$")
 
@@ -111,6 +113,7 @@ def kind(text: str) -> str:
     LaTeX command beyond fractions and products, a power, a subscript, brackets, a list)."""
     if plain_values(text) is not None:
         return "number"
+    text = drop_units(text)  # "96 m^2 (12 × 8)": a unit's power is no math
     bare = _COMMAND_RE.sub(" ", text)
     for w in _TOKEN_RE.findall(bare):
         low = w.lower()
@@ -178,7 +181,7 @@ _MARKUP_RE = re.compile(r"\\\$|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{|\\[()\[\],
 def _compound(raw: str) -> Num | None:
     """The compound quantity an answer is, whole (``2 hours and 30 minutes``, ``5'6"``, ``\\$3 and 25
     cents``, ``2 \\text{ h } 30 \\text{ min}``), or None."""
-    num = read_number(_MARKUP_RE.sub(" ", raw))
+    num = read_number(" ".join(_MARKUP_RE.sub(" ", raw).split()))
     return num if num is not None and num.measure is not None else None
 
 
@@ -307,6 +310,18 @@ def grade(completion: str, reference_text: str, question: str | None = None) -> 
     if not text:
         return False
     return _against(text, span.text, completion, ref, question)
+
+
+def answered(completion: str) -> bool:
+    """Whether ``completion`` gives a final answer at all: an ``<answer>`` block (closed or not), a
+    ``\\boxed{}``, an announced answer ("the answer is", "Answer:", "####", "**Final Answer**"), and not
+    only inside a ``<think>`` block that never closes (a draft in reasoning that was cut off). A
+    completion without one is still read by its last sentence, unless the token limit cut it off
+    (:func:`nanogrpo.rewards.builtin.correctness`)."""
+    think = completion.rfind(THINK_OPEN)
+    if think != -1 and completion.find(THINK_CLOSE, think) == -1 and completion.find(OPEN, think) == -1:
+        return False
+    return final_span(completion) is not None
 
 
 def answer_equals(answer: str, reference_text: str) -> bool:

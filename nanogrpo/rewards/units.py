@@ -21,7 +21,7 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
-__all__ = ["Measure", "unit_end", "compound_at", "asked_unit", "asked_scale", "in_asked_unit", "with_scale",
+__all__ = ["Measure", "unit_end", "unit_span", "drop_units", "compound_at", "asked_unit", "asked_scale", "in_asked_unit", "with_scale",
            "UNITS"]
 
 Measure = tuple[str, Fraction]
@@ -78,6 +78,7 @@ _NOT_UNITS = frozenset(
 _SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "yd", "mi", "oz", "lb", "kg", "mg", "ml", "mL", "hr", "kW",
                           "Wh", "sq", "cu", "mo", "wk", "yr", "mph", "kph", "kmh", "fl", "pt", "qt", "ha", "ac",
                           "GB", "MB", "KB", "TB", "Hz", "Pa", "kJ", "kWh", "lbs", "yds", "hrs", "mins", "secs"})
+_UNIT_WORDS = frozenset("square cubic degree degrees celsius fahrenheit kelvin unit units".split())
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm|operatorname|rm|textnormal)\s{0,2}\{([^{}\\]{0,40})\}")
 _DEGREE_RE = re.compile(r"°|º|˚|\\degree\b|\^\s{0,2}(?:\{\s{0,2}\\circ\s{0,2}\}|\\circ\b)"
                         r"|\^\s{0,2}\{\s{0,2}(?:\\text\s{0,2}\{\s{0,2}o\s{0,2}\}|o)\s{0,2}\}")
@@ -99,41 +100,75 @@ def _unit_word(w: str) -> bool:
     return len(bare) >= 3 or bare in _SHORT_UNITS or low in UNITS
 
 
-def unit_end(text: str, pos: int = 0, depth: int = 0) -> int:
+def unit_end(text: str, pos: int = 0) -> int:
     """Where the unit that starts at ``text[pos:]`` (after optional spaces) ends, when the rest of
     ``text`` is that unit and nothing else (-1 otherwise: a variable, an operator, a second number)."""
-    n = len(text)
+    found = unit_span(text, pos)
+    return len(text) if found is not None and not text[found[0]:].strip() else -1
+
+
+def unit_span(text: str, pos: int = 0, depth: int = 0) -> tuple[int, bool] | None:
+    """``(end, marked)`` of the longest unit that starts at ``text[pos:]`` (after optional spaces), or
+    None when none does; ``marked``: it is a unit by its form (a power, a rate, a degree sign,
+    ``\\text{}``) or a known unit (``cm``, ``mph``, ``m``), not only a word (``apples``)."""
     i = _LEAD_RE.match(text, pos).end()  # "$12/hour", "$12 an hour", "12\\,\\text{m}"
-    atoms = 0
-    while atoms < _MAX_ATOMS:
+    marked = text[pos:i].strip().startswith("/")
+    end = -1
+    joined = False
+    for _ in range(_MAX_ATOMS):
         m = _DEGREE_RE.match(text, i)
         if m is not None:
-            i = m.end()
+            i, marked = m.end(), True
             if text[i:i + 1].isalpha():
-                continue  # "°F"
-        else:
-            m = _TEXT_RE.match(text, i)
-            if m is not None:
-                inner = m.group(1)
-                if depth or (inner.strip() and unit_end(inner, 0, depth + 1) != len(inner)):
-                    return -1
-                i = m.end()
-            else:
-                m = _WORD_RE.match(text, i)
+                m = _WORD_RE.match(text, i)  # "°F"
                 if m is None or not _unit_word(m.group(0)):
-                    return -1
+                    return None
                 i = m.end()
-        atoms += 1
+        elif (m := _TEXT_RE.match(text, i)) is not None:
+            inner = m.group(1)
+            if inner.strip():
+                found = None if depth else unit_span(inner, 0, 1)
+                if found is None or inner[found[0]:].strip():
+                    break
+            i, marked = m.end(), True
+        else:
+            m = _WORD_RE.match(text, i)
+            if m is None or not _unit_word(m.group(0)):
+                break
+            word = m.group(0).rstrip(".")
+            known = word in _LETTER_UNITS or word in _SHORT_UNITS or word.lower() in UNITS or word.lower() in _UNIT_WORDS
+            if end != -1 and not known and not joined:
+                break  # "12 m long": a word after a space is the sentence going on, not the unit
+            i = m.end()
+            marked = marked or known
         p = _POWER_RE.match(text, i)
         if p is not None:
-            i = p.end()
-        if not text[i:].strip():
-            return n
-        s = _SEP_RE.match(text, i)
-        if s is None:
-            return -1
-        i = s.end()
-    return -1
+            i, marked = p.end(), True
+        end = i
+        sep = _SEP_RE.match(text, i)
+        if sep is None:
+            break
+        joined = sep.group(0).strip() in ("/", "\\cdot", "·", "⋅", "*", "-", "per", "a", "an")
+        marked = marked or joined
+        i = sep.end()
+    return (end, marked) if end != -1 else None
+
+
+_AFTER_NUMBER_RE = re.compile(r"[0-9](?=[ \t]{0,2}(?:[A-Za-z°º˚/^]|\\(?:text|mathrm|mbox|textrm|degree|,)))")
+
+
+def drop_units(text: str) -> str:
+    """``text`` without the units written after its numbers (``96 m^2 (12 × 8)`` -> ``96 (12 × 8)``), so
+    that a unit's power or slash is not taken for math; plain words stay (``42 apples``)."""
+    out, last = [], 0
+    for m in _AFTER_NUMBER_RE.finditer(text):
+        if m.start() < last:
+            continue
+        found = unit_span(text, m.end())
+        if found is not None and found[1]:
+            out.append(text[last:m.end()])
+            last = found[0]
+    return "".join(out) + text[last:] if out else text
 
 
 # ----------------------------------------------------------------------------- compound quantities
