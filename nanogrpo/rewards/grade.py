@@ -86,7 +86,7 @@ def reference(text: str) -> Reference:
     if letters is not None:
         return Reference(text, text, choices=letters)
     latex = clean(text)
-    values = plain_values(latex)
+    values = plain_values(latex, units=False)  # "3m^2" is a monomial here; "12 \\text{ m}^2" was cleaned to 12
     if values is not None:
         m = _LONG_DECIMAL_RE.search(latex)
         tol = Fraction(1, 2 * 10 ** len(m.group(1))) if m else Fraction(0)

@@ -251,8 +251,11 @@ _CONNECT_RE = re.compile(r"\s*(?:\\(?:text|mbox|textrm|mathrm)\s{0,2}\{\s{0,3}(?
                          r"|(?<![A-Za-z\\])(?:or|and)(?![A-Za-z]))\s*")
 _TEXT_NUMBER_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,2}([^{}A-Za-z\\]{1,40}?)\s{0,2}\}")
 _BOLD_RE = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm|mathit|textit|emph)\s{0,2}\{")
+_SCALE_WORDS = r"(?:thousand|million|billion|trillion|hundred|dozen)s?"
+_LETTER_RE = re.compile(r"\s*[A-Za-z](?![A-Za-z])")
+_TEXT_SCALE_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,3}(" + _SCALE_WORDS + r")\s{0,3}\}")
 _UNIT_RE = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textrm|mathrm|operatorname)\s{0,2}"
-                      r"\{\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
+                      r"\{(?!\s{0,3}" + _SCALE_WORDS + r"\b)\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
 _REPEATING_RE = re.compile(r"(-?)(\d{0,12})\.(\d{0,12})\\overline\s{0,2}\{(\d{1,12})\}")
 _COMMAS_RE = re.compile(r",\s*(?:,\s*)+")
 _TRAILING_WORDS_RE = re.compile(r"(?<=[0-9}\)\]A-Za-z])(?:\s+[A-Za-z]{2,}\.?){1,4}\s*$")
@@ -266,18 +269,19 @@ MATH_NAMES = frozenset(
     "cosh tanh infty inf cup cap pm mp le ge leq geq ne neq to in i e dx dy dz dt".split())
 
 
-def plain_values(text: str) -> tuple[Fraction, ...] | None:
+def plain_values(text: str, units: bool = True) -> tuple[Fraction, ...] | None:
     """The values of ``text`` when the whole of it is one plain number (currency before it; ``%``, unit
     words or a unit however written after it: ``5 cm``, ``12 m^2``, ``60 km/h``, ``72°F``), else None:
     ``2\\pi``, ``3i``, ``5x``, ``2^{10}``, ``5 x^2`` are not, nor is a compound quantity (``2 hours and
-    30 minutes``: read against the question by the grader)."""
-    found = _plain(text)
+    30 minutes``: read against the question by the grader). ``units=False``: unit words only, as a reference
+    is read (``3m^2`` there is a monomial)."""
+    found = _plain(text, units)
     return found[0] if found is not None else None
 
 
-def _plain(text: str) -> tuple[tuple[Fraction, ...], str] | None:
+def _plain(text: str, units: bool = True) -> tuple[tuple[Fraction, ...], str] | None:
     """``(values, the number as written)``, the number without a unit that is more than words."""
-    s = normalize(text).strip().rstrip(".")
+    s = _TEXT_SCALE_RE.sub(r" \1", normalize(text)).strip().rstrip(".")  # "85 \\text{ million}": a scale word
     num = read_number(s) or leading_number(s)
     if num is None or num.measure is not None:
         return None
@@ -286,8 +290,10 @@ def _plain(text: str) -> tuple[tuple[Fraction, ...], str] | None:
         return num.values, s
     if _UNIT_WORDS_RE.match(rest) is not None and not any(w.lower() in MATH_NAMES for w in rest.split()):
         return num.values, s  # "42 apples", kept as written ("5 x" may be a product)
-    if unit_end(s, num.end) == len(s):
-        return num.values, s[:num.end]  # "12 m^2", "72°F", "13 \\text{ cm}^2": the unit goes
+    if units and unit_end(s, num.end) == len(s):
+        if _LETTER_RE.match(rest):
+            return num.values, s  # "3 m^2", kept as written: against a LaTeX reference it may be a monomial
+        return num.values, s[:num.end]  # "72°F", "13 \\text{ cm}^2", "60 km/h": the unit goes
     return None
 
 

@@ -91,7 +91,7 @@ _CENTS_RE = re.compile(r"(?:" + _GAP1 + _DOLLARS + r")?"
 _CENTS_UNIT_RE = re.compile(_GAP + r"(?:cents?\b|¢)")
 _BELOW_ZERO_RE = re.compile(r"(?:" + _GAP1 + r"degrees?)?(?:" + _GAP + r"°(?:" + _GAP + r"[CF])?)?" + _GAP1 +
                             r"below" + _GAP1 + r"(?:zero|0)\b", re.IGNORECASE)
-_UNIT_POWER_RE = re.compile(r"(?:(?<![\\A-Za-z])[A-Za-z]|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{[A-Za-z ]{1,20}\})"
+_UNIT_POWER_RE = re.compile(r"(?:[A-Za-z]|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{[A-Za-z ]{1,20}\})"
                             r"\s{0,2}\^\s{0,2}\{?\s{0,2}-?$")
 _SPACED_SIGN_RE = re.compile(r"(?:^|[=:(\[{$,\n]|\b(?:is|are|was|were|be|been|equals?|of|at|to|by|from|answer|"
                              r"result|total|value|change|difference|about|approximately))[ \t]{0,3}$",

@@ -73,7 +73,9 @@ _LETTER_UNITS = frozenset("m s h g l L K C F J N W V".split())
 """Single letters that are units (not variables) after a number."""
 _NOT_UNITS = frozenset(
     "pi sqrt frac sin cos tan cot sec csc log ln exp lim max min gcd lcm mod det arcsin arccos arctan sinh "
-    "cosh tanh infty inf cup cap pm mp le ge leq geq ne neq to in or and nor not than times cdot div".split())
+    "cosh tanh infty inf cup cap pm mp le ge leq geq ne neq to in or and nor not than times cdot div "
+    "hundred hundreds thousand thousands million millions billion billions trillion trillions dozen dozens "
+    "k K M B bn mn".split())
 """Words that end a quantity rather than name its unit (math, alternatives, operators)."""
 _SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "yd", "mi", "oz", "lb", "kg", "mg", "ml", "mL", "hr", "kW",
                           "Wh", "sq", "cu", "mo", "wk", "yr", "mph", "kph", "kmh", "fl", "pt", "qt", "ha", "ac",
