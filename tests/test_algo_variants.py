@@ -451,6 +451,7 @@ def test_meaningless_combinations_are_refused_in_one_line(over, match):
 @pytest.mark.parametrize("eps", ["1", "1.5", "5.0"])
 def test_cispo_accepts_a_weight_bound_of_one_or_more(eps):
     """DAPO's habit (0.28) is refused above; a bound on the weight at or above the on-policy 1 is CISPO's."""
-    assert load_config(overrides=["grpo.loss=cispo", f"grpo.clip_eps_high={eps}"]).grpo.eps_high() == float(eps)
+    cfg = load_config(overrides=["grpo.loss=cispo", f"grpo.clip_eps_high={eps}"])
+    assert cfg.grpo.eps_high() == float(eps)
     with pytest.raises(ConfigError, match="clip_eps_high=0.99 with grpo.loss=cispo"):
         load_config(overrides=["grpo.loss=cispo", "grpo.clip_eps_high=0.99"])

@@ -141,7 +141,8 @@ def disagreements(rows: list[dict[str, Any]], judge: str = "correct") -> list[di
     return [r for r in rows if JUDGES[judge](r) != r[judge]]
 
 
-COLUMNS = {"correct": "correctness: nanogrpo", "seed_correct": "seed's rule", "mv_correct": "math_verify alone",
+COLUMNS = {"correct": "correctness: nanogrpo", "seed_correct": "seed's rule",
+           "mv_correct": "math_verify alone",
            "format": "format: nanogrpo", "seed_format": "seed"}
 
 
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="also print the per-category tables as markdown")
     p.add_argument("--show", action="store_true", help="print the rows where nanogrpo disagrees with a label")
     p.add_argument("--agreement-only", action="store_true",
-                   help="the agreement tables and their shortfalls only, no timing (what the test suite runs)")
+                   help="the agreement tables and their shortfalls only, no timing (the test suite's run)")
     a = p.parse_args(argv)
     latex = None if str(a.latex) == "none" else a.latex
     for path in (a.data, latex):

@@ -183,7 +183,8 @@ def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch
                 entries.append(Entry(spec, MODEL, model=make_model(spec)))
                 auto.append(False)
                 continue
-            fn = resolve(spec, truncated_correct, overlong_settings, truncated_last_number=truncated_last_number)
+            fn = resolve(spec, truncated_correct, overlong_settings,
+                         truncated_last_number=truncated_last_number)
             entries.append(_function_entry(spec, fn, spec if workers else None, workers, timeout_s,
                                            batch_timeout_s, chunk_size))
             auto.append(False)

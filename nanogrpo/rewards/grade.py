@@ -36,8 +36,6 @@ from functools import lru_cache
 
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
-
-THINK_OPEN = "<think>"
 from nanogrpo.rewards.latex import (
     MATH_NAMES,
     base_number,
@@ -53,6 +51,8 @@ from nanogrpo.rewards.latex import (
 )
 from nanogrpo.rewards.numbers import Num, read_number
 from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
+
+THINK_OPEN = "<think>"
 
 __all__ = ["Reference", "reference", "grade", "answer_equals", "answered", "kind", "final_answer"]
 
@@ -86,7 +86,7 @@ def reference(text: str) -> Reference:
     if letters is not None:
         return Reference(text, text, choices=letters)
     latex = clean(text)
-    values = plain_values(latex, units=False)  # "3m^2" is a monomial here; "12 \\text{ m}^2" was cleaned to 12
+    values = plain_values(latex, units=False)  # "3m^2" is a monomial; "12 \\text{ m}^2" was cleaned to 12
     if values is not None:
         m = _LONG_DECIMAL_RE.search(latex)
         tol = Fraction(1, 2 * 10 ** len(m.group(1))) if m else Fraction(0)

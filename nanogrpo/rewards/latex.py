@@ -255,7 +255,8 @@ _SCALE_WORDS = r"(?:thousand|million|billion|trillion|hundred|dozen)s?"
 _LETTER_RE = re.compile(r"\s*[A-Za-z](?![A-Za-z])")
 _TEXT_SCALE_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,3}(" + _SCALE_WORDS + r")\s{0,3}\}")
 _UNIT_RE = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textrm|mathrm|operatorname)\s{0,2}"
-                      r"\{(?!\s{0,3}" + _SCALE_WORDS + r"\b)\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
+                      r"\{(?!\s{0,3}" + _SCALE_WORDS + r"\b)\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}"
+                      r"(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
 _REPEATING_RE = re.compile(r"(-?)(\d{0,12})\.(\d{0,12})\\overline\s{0,2}\{(\d{1,12})\}")
 _COMMAS_RE = re.compile(r",\s*(?:,\s*)+")
 _TRAILING_WORDS_RE = re.compile(r"(?<=[0-9}\)\]A-Za-z])(?:\s+[A-Za-z]{2,}\.?){1,4}\s*$")

@@ -48,7 +48,8 @@ _TRANSLATE = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2010
 
 
 def normalize(text: str) -> str:
-    """``text`` with Unicode minus signs (``−``, ``‐``, ``‑``, ``﹣``, ``－``, en dash), thin/no-break spaces, fraction slashes and full-width
+    """``text`` with Unicode minus signs (``−``, ``‐``, ``‑``, ``﹣``, ``－``, en dash), thin/no-break spaces,
+    fraction slashes and full-width
     digits replaced by their ASCII forms (same length, so positions carry over)."""
     return text if text.isascii() else text.translate(_TRANSLATE)
 
@@ -93,7 +94,8 @@ _BELOW_ZERO_RE = re.compile(r"(?:" + _GAP1 + r"degrees?)?(?:" + _GAP + r"°(?:" 
                             r"below" + _GAP1 + r"(?:zero|0)\b", re.IGNORECASE)
 _UNIT_POWER_RE = re.compile(r"(?:[A-Za-z]|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{[A-Za-z ]{1,20}\})"
                             r"\s{0,2}\^\s{0,2}\{?\s{0,2}-?$")
-_SPACED_SIGN_RE = re.compile(r"(?:^|[=:(\[{$,\n]|\b(?:is|are|was|were|be|been|equals?|of|at|to|by|from|answer|"
+_SPACED_SIGN_RE = re.compile(r"(?:^|[=:(\[{$,\n]|\b(?:is|are|was|were|be|been|equals?|of|at|to|by|from|"
+                             r"answer|"
                              r"result|total|value|change|difference|about|approximately))[ \t]{0,3}$",
                              re.IGNORECASE)
 _NEG_WORD_RE = re.compile(r"(?:negative|minus)\s+$", re.IGNORECASE)

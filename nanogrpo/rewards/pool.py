@@ -45,7 +45,8 @@ def _load(source: Source, truncated_correct: bool, overlong_settings: tuple = (N
     from nanogrpo.rewards.registry import resolve
 
     if isinstance(source, str):
-        return resolve(source, truncated_correct, overlong_settings, truncated_last_number=truncated_last_number)
+        return resolve(source, truncated_correct, overlong_settings,
+                       truncated_last_number=truncated_last_number)
     import pickle
 
     try:

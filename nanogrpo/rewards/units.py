@@ -21,7 +21,8 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
-__all__ = ["Measure", "unit_end", "unit_span", "drop_units", "compound_at", "asked_unit", "asked_scale", "in_asked_unit", "with_scale",
+__all__ = ["Measure", "unit_end", "unit_span", "drop_units", "compound_at", "asked_unit", "asked_scale",
+           "in_asked_unit", "with_scale",
            "UNITS"]
 
 Measure = tuple[str, Fraction]
@@ -77,9 +78,8 @@ _NOT_UNITS = frozenset(
     "hundred hundreds thousand thousands million millions billion billions trillion trillions dozen dozens "
     "k K M B bn mn".split())
 """Words that end a quantity rather than name its unit (math, alternatives, operators)."""
-_SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "yd", "mi", "oz", "lb", "kg", "mg", "ml", "mL", "hr", "kW",
-                          "Wh", "sq", "cu", "mo", "wk", "yr", "mph", "kph", "kmh", "fl", "pt", "qt", "ha", "ac",
-                          "GB", "MB", "KB", "TB", "Hz", "Pa", "kJ", "kWh", "lbs", "yds", "hrs", "mins", "secs"})
+_SHORT_UNITS = frozenset("cm mm km ft yd mi oz lb kg mg ml mL hr kW Wh sq cu mo wk yr mph kph kmh fl pt qt "
+                         "ha ac GB MB KB TB Hz Pa kJ kWh lbs yds hrs mins secs".split())
 _UNIT_WORDS = frozenset("square cubic degree degrees celsius fahrenheit kelvin unit units".split())
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm|operatorname|rm|textnormal)\s{0,2}\{([^{}\\]{0,40})\}")
 _DEGREE_RE = re.compile(r"°|º|˚|\\degree\b|\^\s{0,2}(?:\{\s{0,2}\\circ\s{0,2}\}|\\circ\b)"
@@ -138,7 +138,8 @@ def unit_span(text: str, pos: int = 0, depth: int = 0) -> tuple[int, bool] | Non
             if m is None or not _unit_word(m.group(0)):
                 break
             word = m.group(0).rstrip(".")
-            known = word in _LETTER_UNITS or word in _SHORT_UNITS or word.lower() in UNITS or word.lower() in _UNIT_WORDS
+            known = (word in _LETTER_UNITS or word in _SHORT_UNITS or word.lower() in UNITS
+                     or word.lower() in _UNIT_WORDS)
             if end != -1 and not known and not joined:
                 break  # "12 m long": a word after a space is the sentence going on, not the unit
             i = m.end()
@@ -178,7 +179,8 @@ def drop_units(text: str) -> str:
 def _part(k: int) -> str:
     """One more part of a compound quantity: a separator (``,``, ``and``), a number, its unit."""
     return (r"[ \t]{0,2}\}?(?:[ \t]{0,2},)?(?:[ \t]{1,2}and)?[ \t]{0,2}"
-            rf"(?P<n{k}>[0-9]{{1,4}}(?:\.[0-9]{{1,4}})?)(?![0-9./])[ \t]{{0,2}}(?P<u{k}>[A-Za-z]{{1,12}}|[\"″¢]|'')")
+            rf"(?P<n{k}>[0-9]{{1,4}}(?:\.[0-9]{{1,4}})?)(?![0-9./])[ \t]{{0,2}}"
+            rf"(?P<u{k}>[A-Za-z]{{1,12}}|[\"″¢]|'')")
 
 
 _COMPOUND_RE = re.compile(r"[ \t]{0,2}(?P<u1>[A-Za-z]{1,12}|['′])\.?" + _part(2) + r"(?:\.?" + _part(3) + ")?"
@@ -221,9 +223,9 @@ def compound_at(text: str, end: int, value: Fraction) -> tuple[int, Measure, Fra
 # ----------------------------------------------------------------------------- what the question asks
 
 _SENTENCE_RE = re.compile(r"[^.?!\n]*\?|[^.?!\n]+[.!]?\s*$")
-_HOW_MANY_RE = re.compile(r"\bhow\s{1,3}(?:many|much)\s{1,3}(?:more\s{1,3}|fewer\s{1,3}|less\s{1,3}|total\s{1,3}|"
-                          r"whole\s{1,3}|full\s{1,3}|square\s{1,3}|cubic\s{1,3})?([a-z]{2,12})\b")
-_IN_UNIT_RE = re.compile(r"\b(?:in|into|in\s{1,3}terms\s{1,3}of|as)\s{1,3}(?:whole\s{1,3}|full\s{1,3}|total\s{1,3})?"
+_HOW_MANY_RE = re.compile(r"\bhow\s{1,3}(?:many|much)\s{1,3}"
+                          r"(?:(?:more|fewer|less|total|whole|full|square|cubic)\s{1,3})?([a-z]{2,12})\b")
+_IN_UNIT_RE = re.compile(r"\b(?:in|into|in\s{1,3}terms\s{1,3}of|as)\s{1,3}(?:(?:whole|full|total)\s{1,3})?"
                          r"([a-z]{2,12})\b")
 _WORDS_RE = re.compile(r"[a-z]{2,12}")
 _SCALE_RE = re.compile(r"\b(?:in|how\s{1,3}many|number\s{1,3}of)\s{1,3}(?:[a-z]{1,12}\s{1,3})?"
