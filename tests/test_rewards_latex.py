@@ -14,8 +14,9 @@ import pytest
 from nanogrpo.bench.rewards import LATEX_DATA, load_set, pathological
 from nanogrpo.rewards import correctness, verify
 from nanogrpo.rewards.builtin import warm_up
+from nanogrpo.rewards.forms import base_number, choice, words
 from nanogrpo.rewards.grade import final_answer, kind, reference
-from nanogrpo.rewards.latex import base_number, choice, clean, final_span, words
+from nanogrpo.rewards.latex import clean, final_span
 
 ROWS = load_set(LATEX_DATA)
 

@@ -36,19 +36,8 @@ from functools import lru_cache
 
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
-from nanogrpo.rewards.latex import (
-    MATH_NAMES,
-    base_number,
-    choice,
-    choices,
-    clean,
-    final_span,
-    math_segment_matches,
-    math_segments,
-    plain_values,
-    split_top,
-    words,
-)
+from nanogrpo.rewards.forms import base_number, choice, choices, math_segment_matches, math_segments, words
+from nanogrpo.rewards.latex import MATH_NAMES, clean, final_span, plain_values, split_top
 from nanogrpo.rewards.numbers import Num, read_number
 from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
 
