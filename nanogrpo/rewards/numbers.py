@@ -175,6 +175,14 @@ def _sign_before(text: str, start: int) -> int:
     return m.start()
 
 
+def _is_power(text: str, start: int) -> bool:
+    """Whether the number at ``start`` is the exponent of a unit or a variable (``m^2``, ``x^{-1}``)."""
+    j = start
+    while j > 0 and start - j < 4 and text[j - 1] in " \t{-":
+        j -= 1
+    return j > 0 and text[j - 1] == "^" and _UNIT_POWER_RE.search(text, max(0, start - 40), start) is not None
+
+
 def _currency_before(text: str, start: int) -> bool:
     return start > 0 and (text[start - 1] in _CURRENCY or (start > 1 and text[start - 2] in _CURRENCY
                                                           and text[start - 1] == " "))
@@ -193,7 +201,7 @@ def find_numbers(text: str) -> list[Num]:
         start, end = m.start(), m.end()
         pos = end
         kind = m.lastgroup
-        if kind == "num" and _UNIT_POWER_RE.search(text, max(0, start - 40), start):
+        if kind == "num" and _is_power(text, start):
             continue  # the 2 of "m^2", "\\text{ cm}^{2}", "x^2": a power, not a number of its own
         value: Fraction | None
         is_int = False
