@@ -2,11 +2,14 @@
 math_verify alone; their speed.
 
 Reads two labelled sets (JSONL: ``completion``, ``reference``, ``question``, ``category``, human
-label ``correct``, and ``format`` in the first): GSM8K-style answers (``--data``, default
-``tests/data/graded_completions.jsonl``) and competition-math LaTeX answers (``--latex``, default
-``tests/data/graded_latex.jsonl``). For each it prints, per category, how often nanogrpo's
-``correctness`` (and ``format``), the seed's rules and math_verify alone (:func:`math_verify_alone`,
-what TRL's and open-r1's accuracy rewards do) agree with the labels; then the time of one
+label ``correct``, and ``format`` in the first; ``finish_reason: "length"`` on a completion the token
+limit cut off): GSM8K-style answers (``--data``, default ``tests/data/graded_completions.jsonl``) and
+competition-math LaTeX answers (``--latex``, default ``tests/data/graded_latex.jsonl``). For each it
+prints, per category, how often nanogrpo's ``correctness`` (and ``format``), the seed's rules and
+math_verify alone (:func:`math_verify_alone`, what TRL's and open-r1's accuracy rewards do) agree with
+the labels, and names the categories where nanogrpo falls short of the labels or of either peer
+(``categories_below_labels``, ``_below_seed``, ``_below_math_verify``: the test suite wants them
+empty); then (unless ``--agreement-only``) the time of one
 ``correctness`` call over each set (median and p99 of all calls over ``--repeats`` passes, in
 this process, after a warm-up, each call with math_verify's caches emptied, the reference's kept,
 as within a group; the p99 over rows of each row's median and the p99 of each call's CPU time,
@@ -15,6 +18,7 @@ math_verify, counted), and the slowest of the :func:`pathological` 100,000-chara
 a number reference and against a LaTeX one.
 
     python -m nanogrpo.bench.rewards [--data FILE] [--latex FILE] [--repeats 20] [--markdown]
+                                     [--agreement-only]
 
 The seed's rules, reproduced below as :func:`seed_correctness` and :func:`seed_format`, are
 those of its vLLM variant, which the issue that introduced this bench quotes: the last number

@@ -12,7 +12,11 @@ rollout for every completion; absent when a reward is called directly).
   ``1/3``, ``25%`` = ``25``) without math_verify; LaTeX answers (``\\frac{\\sqrt3}{2}``,
   ``[-1,4)``, ``1, 2, 3``, matrices) go to math_verify whole, with what a grader ignores taken
   off; multiple-choice letters, words and numbers in other bases are compared as such. The
-  seed compared the last number in the text.
+  seed compared the last number in the text. A number's unit is part of the number however it is
+  written (``96 m^2``, ``45 km/h``, ``-4°F``), a scale word is read against the scale the question asks
+  in, a compound quantity (``2 hours and 30 minutes``) in the unit it asks for. A completion the token
+  limit cut off before it gave any answer scores -1 (``rewards.truncated_last_number``: the seed's
+  last-number reading instead).
 - :func:`overlong`: DAPO's soft overlong punishment, 0 to -1 as a completion's length enters the
   last ``buffer`` tokens before the token limit (``rewards.overlong_buffer``, ``_penalty``).
 - :func:`format_reward`: 1.25 / -1, the seed's format made explicit (see its docstring);
