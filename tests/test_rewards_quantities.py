@@ -203,6 +203,9 @@ def test_what_the_question_asks_in() -> None:
     assert asked_unit(INCHES, "length") == 1 and asked_unit(CENTS, "money") == 1
     assert asked_unit(NO_UNIT, "time") is None and asked_unit(None, "time") is None
     assert asked_unit("He ran 3 miles. How long did it take? Answer in whole minutes.", "time") == 60
+    # an instruction about the answer's unit outranks the units the question names
+    assert asked_unit("Max ran 95 minutes. How many hours and minutes is that? Give the answer in minutes.",
+                      "time") == 60
     # units named earlier in the question are not what it asks for
     assert asked_unit("A 2-hour film. How many minutes of it are left after 45 minutes?", "time") == 60
     assert [(n.value, n.measure) for n in find_numbers("3 apples and 4 pears")] == [(3, None), (4, None)]

@@ -227,6 +227,8 @@ _HOW_MANY_RE = re.compile(r"\bhow\s{1,3}(?:many|much)\s{1,3}"
                           r"(?:(?:more|fewer|less|total|whole|full|square|cubic)\s{1,3})?([a-z]{2,12})\b")
 _IN_UNIT_RE = re.compile(r"\b(?:in|into|in\s{1,3}terms\s{1,3}of|as)\s{1,3}(?:(?:whole|full|total)\s{1,3})?"
                          r"([a-z]{2,12})\b")
+_INSTRUCTION_RE = re.compile(r"\b(?:answer|express|give|write|state|report|round)\b[^.?!]{0,40}?\bin\s{1,3}"
+                             r"(?:(?:whole|full|total)\s{1,3})?([a-z]{2,12})\b")
 _WORDS_RE = re.compile(r"[a-z]{2,12}")
 _SCALE_RE = re.compile(r"\b(?:in|how\s{1,3}many|number\s{1,3}of)\s{1,3}(?:[a-z]{1,12}\s{1,3})?"
                        r"(thousands?|millions?|billions?|trillions?)\b")
@@ -257,12 +259,12 @@ def _question_unit(word: str, kind: str) -> Fraction | None:
 
 @lru_cache(maxsize=4096)
 def asked_unit(question: str | None, kind: str) -> Fraction | None:
-    """The size of the unit of ``kind`` the question asks its answer in ("How many minutes …",
-    "… in hours?", "Answer in inches."), or None when it names none or several."""
+    """The size of the unit of ``kind`` the question asks its answer in ("Give your answer in inches.",
+    then "How many minutes …", then "… in hours?"), or None when it names none or several."""
     if not question:
         return None
     ask = _asking(question)
-    for pattern in (_HOW_MANY_RE, _IN_UNIT_RE):
+    for pattern in (_INSTRUCTION_RE, _HOW_MANY_RE, _IN_UNIT_RE):
         for m in pattern.finditer(ask):
             size = _question_unit(m.group(1), kind)
             if size is not None:
