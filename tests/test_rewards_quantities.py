@@ -286,3 +286,22 @@ def test_the_question_reaches_the_grader_through_the_runner() -> None:
     with RewardRunner(["correctness"], workers=0) as runner:
         got = runner.score(["<answer>2 hours and 30 minutes</answer>"] * 2, rows).total
     assert got == [1.0, -1.0]
+
+
+# ----------------------------------------------------------------------------- the guide's examples
+
+
+def test_the_grading_guide_examples_work(tmp_path) -> None:
+    """Every Python and TOML block of ``docs/guides/grading.md`` runs as written."""
+    import re
+    from pathlib import Path
+
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guides" / "grading.md"
+    text = guide.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) >= 5
+    for block in blocks:
+        exec(compile(block, "docs/guides/grading.md", "exec"), {})  # noqa: S102 - our own docs
+    (toml,) = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    (tmp_path / "c.toml").write_text(toml, encoding="utf-8")
+    assert load_config(tmp_path / "c.toml").rewards.truncated_last_number is True

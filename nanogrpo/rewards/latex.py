@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _last_announcement
-from nanogrpo.rewards.numbers import leading_number, normalize, read_number
+from nanogrpo.rewards.numbers import leading_number, normalize
 from nanogrpo.rewards.units import unit_end
 
 __all__ = ["Span", "final_span", "clean", "plain_values", "split_top", "braced_end", "MATH_NAMES", "WINDOW",
@@ -282,7 +282,7 @@ def plain_values(text: str, units: bool = True) -> tuple[Fraction, ...] | None:
 def _plain(text: str, units: bool = True) -> tuple[tuple[Fraction, ...], str] | None:
     """``(values, the number as written)``, the number without a unit that is more than words."""
     s = _TEXT_SCALE_RE.sub(r" \1", normalize(text)).strip().rstrip(".")  # "85 \\text{ million}": a scale word
-    num = read_number(s) or leading_number(s)
+    num = leading_number(s)
     if num is None or num.measure is not None:
         return None
     rest = s[num.end:]

@@ -408,24 +408,22 @@ def read_number(text: str) -> Num | None:
     """``text`` as one number when the whole of it is one (currency, ``%`` and unit words aside):
     ``"$1,234.50"``, ``"-3/4"``, ``"\\frac{1}{2}"``, ``"forty-two"``. Used for reference answers."""
     t = normalize(text).strip().rstrip(".")
-    nums = find_numbers(t)
-    if len(nums) == 1:
-        if _FULL_RE.fullmatch(t[:nums[0].start]) and not _has_digits(t[nums[0].end:]):
-            return nums[0]
+    num = leading_number(t)
+    if num is None or _has_digits(t[num.end:]):
         return None
-    if not nums:
-        words = find_number_words(t)
-        if len(words) == 1 and not t[:words[0].start].strip():
-            return words[0]
-    return None
+    return num
 
 
 def leading_number(text: str) -> Num | None:
-    """The one number written with digits in ``text`` (normalised), when ``text`` starts with it
-    (currency aside), whatever follows it (a unit with a power: ``12 m^2``); None otherwise."""
+    """The one number of ``text`` (normalised) when ``text`` starts with it (currency aside), whatever
+    follows it (a unit with a power: ``12 m^2``): written with digits, else in words; None otherwise."""
     nums = find_numbers(text)
-    if len(nums) == 1 and _FULL_RE.fullmatch(text[:nums[0].start]):
-        return nums[0]
+    if len(nums) == 1:
+        return nums[0] if _FULL_RE.fullmatch(text[:nums[0].start]) else None
+    if not nums:
+        words = find_number_words(text)
+        if len(words) == 1 and not text[:words[0].start].strip():
+            return words[0]
     return None
 
 
