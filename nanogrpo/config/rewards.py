@@ -71,7 +71,8 @@ class RewardsConfig(_Strict):
     """Whether the built-in ``correctness`` may credit a completion the token limit cut off before it
     gave any final answer (no ``<answer>`` block, no ``\\boxed{}``, no "the answer is …"). False: it
     scores -1 whatever its last number is, so the policy is not paid for running out of tokens at the
-    right moment. True: it is read by its last number like any other (the seed's rule; for parity runs).
+    right moment. True: it is read like a completion that ended by itself, by its last sentence with a
+    number, as the seed reads its last number (for parity runs).
     Moot when ``truncated_correct`` is false (every cut-off completion scores -1)."""
     overlong_buffer: int | None = Field(None, gt=0)
     """The built-in ``overlong`` reward (DAPO's soft overlong punishment): its penalty ramps from 0 to

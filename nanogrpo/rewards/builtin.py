@@ -57,7 +57,8 @@ def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: b
     A completion the token limit cut off (``sample["finish_reason"] == "length"``) before it gave a
     final answer (an ``<answer>`` block, a box, an announced answer: :func:`~nanogrpo.rewards.grade.
     answered`) scores -1.0 whatever its last number is; ``truncated_last_number=True`` (config
-    ``rewards.truncated_last_number``) reads it by its last number instead, as the seed does.
+    ``rewards.truncated_last_number``) reads it like any other instead (its last sentence with a number,
+    as the seed reads its last number).
     ``truncated_correct=False`` (config ``rewards.truncated_correct``) scores -1.0 for every cut-off
     completion, whatever it says, as DAPO's overlong filtering does.
     """
