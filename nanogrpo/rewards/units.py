@@ -1,16 +1,19 @@
 """Quantities as people write them: a number's unit, a compound quantity, and the unit or the scale a
 question asks in.
 
-- :func:`unit_end`: where the unit written after a number ends, however it is written: words and
-  abbreviations (``cm``, ``sq ft``, ``mph``, ``apples``), powers (``m^2``, ``m²``, ``cm^{3}``), rates
-  (``km/h``, ``m/s^2``, ``/hour``, ``per day``, ``an hour``), degrees (``°F``, ``^\\circ C``,
-  ``\\degree``), LaTeX text (``\\text{ m}^2``, ``\\mathrm{km/h}``). A single letter is a unit only when
-  it is one (``m``, ``s``, ``h``, ``g``, ``L``, ``K``...), so ``5 x^2`` is no quantity;
+- :func:`unit_span` / :func:`unit_end`: where the unit written after a number ends, however it is
+  written: words and abbreviations (``cm``, ``sq ft``, ``mph``, ``apples``), powers (``m^2``, ``m²``,
+  ``cm^{3}``), rates (``km/h``, ``m/s^2``, ``/hour``, ``per day``, ``an hour``), degrees (``°F``,
+  ``^\\circ C``, ``\\degree``), LaTeX text (``\\text{ m}^2``, ``\\mathrm{km/h}``). A single letter is a
+  unit only when it is one (``m``, ``s``, ``h``, ``g``, ``L``, ``K``...), so ``5 x^2`` is no quantity;
+  :func:`drop_units` takes the units after a text's numbers off, so that their powers and slashes are
+  not read as math;
 - :func:`compound_at`: a quantity in two or three units of one kind (``2 hours and 30 minutes``,
   ``5 ft 6 in``, ``5'6"``, ``3 dollars and 25 cents``, ``1 year 6 months``), as its amount in the
   kind's smallest unit;
-- :func:`asked_unit` / :func:`asked_scale`: the unit (``How many minutes …?``, ``… in hours?``) or the
-  scale (``in millions``, ``how many thousand …``) the question's asking sentence names, or None.
+- :func:`asked_unit` / :func:`asked_scale`: the unit ("Give the answer in minutes.", ``How many minutes
+  …?``, ``… in hours?``) or the scale (``in millions``, ``how many thousand …``) the question's asking
+  sentence names, or None; :func:`in_asked_unit` and :func:`with_scale` read an answer's value in them.
 
 No pattern here can backtrack without bound; every scan is anchored or bounded.
 """
@@ -21,9 +24,8 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
-__all__ = ["Measure", "unit_end", "unit_span", "drop_units", "compound_at", "asked_unit", "asked_scale",
-           "in_asked_unit", "with_scale",
-           "UNITS"]
+__all__ = ["Measure", "UNITS", "unit_end", "unit_span", "drop_units", "compound_at", "asked_unit",
+           "asked_scale", "in_asked_unit", "with_scale"]
 
 Measure = tuple[str, Fraction]
 """A compound quantity: its kind (``time``, ``length``...) and its amount in that kind's smallest unit."""
