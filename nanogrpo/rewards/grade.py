@@ -8,7 +8,11 @@ another base (``1011_2``), or LaTeX (``\\frac{\\sqrt{3}}{2}``, ``[-1,4)``, ``1, 
 The final answer is found as written (:func:`nanogrpo.rewards.latex.final_span`) and what a grader
 ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
 
-- a plain number against a plain number: exact, as fractions (no math_verify call);
+- a plain number against a plain number: exact, as fractions (no math_verify call); a unit after it,
+  however written (``96 m^2``, ``45 km/h``, ``-4°F``), is part of the number, not math; when the
+  question asks in a scale ("how many millions"), a value is read in it too (``$4.5M`` is 4.5);
+- a compound quantity (``2 hours and 30 minutes``, ``5'6"``): in the unit the question asks for, and
+  no value at all when it names none (the stricter reading; money is read in dollars);
 - against a number reference, an answer in words and numbers ("She has 42 apples left.", ``42 (6 ×
   7)``, ``7 × 6 = 42``): the number reader of :mod:`nanogrpo.rewards.extract` (GSM8K-style), which
   refuses hedges ("42 or 56"), ranges and negations; an expression (``\\sqrt{16}``, ``2^{10}``, a list

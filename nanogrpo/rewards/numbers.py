@@ -2,12 +2,14 @@
 
 :func:`find_numbers` finds every number written in digits and reads what is
 around it: ``1,234`` / ``1 234`` / ``1{,}234`` (thousands), ``-5`` / ``−5`` /
-``–5`` / ``negative 5`` / ``5 below zero``, ``3/4``, ``1 1/2`` / ``1½`` /
+``–5`` / ``- 5`` / ``negative 5`` / ``5 below zero``, ``3/4``, ``1 1/2`` / ``1½`` /
 ``1\\frac{1}{2}`` / ``1 and 1/2``, ``¾``, ``\\frac34`` / ``\\dfrac{3}{4}``,
 ``$70k`` / ``70 thousand`` / ``1.5 million`` / ``$2.4M`` / ``2 dozen``,
-``18 dollars and 50 cents``, ``1.2e3`` / ``1.2 \\times 10^3``, ``25%``.
+``18 dollars and 50 cents``, ``1.2e3`` / ``1.2 \\times 10^3``, ``25%``, and compound
+quantities (``2 hours and 30 minutes``, ``5'6"``: :attr:`Num.measure`); the power of a
+unit or a variable (the 2 of ``m^2``) is no number of its own.
 :func:`find_number_words` reads numbers written in words ("forty-two",
-"one hundred and five", "a dozen", "half a dozen", "none").
+"one hundred and five", "a dozen", "half a dozen", "none", "negative five").
 
 A number can mean more than one value: ``25%`` is 25 (the reference is often the
 bare number) and 1/4; ``2100 cents`` is 2100 and 21 (dollars). Those land in
