@@ -5,6 +5,11 @@ per retry); a name lookup that hangs is bounded by no timeout at all. :func:`ask
 on a daemon thread and waits at most ``timeout_s`` for it, so "is the hub there?" is answered in
 seconds whatever the network does; the callers turn the answer into one line
 (:mod:`nanogrpo.models.source` for models, :mod:`nanogrpo.data.sources` for datasets).
+
+Both checks are HEAD requests (:func:`head`; huggingface_hub's ``get_hf_file_metadata`` for a model's
+``config.json``): an answer to a HEAD has no body, so nothing past its headers is read, and a hub
+(or a mirror at ``HF_ENDPOINT``) that streams without end cannot fill the memory of the thread that
+:func:`ask` leaves behind (:mod:`nanogrpo.http_limits`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TIMEOUT_S", "ask", "endpoint", "network_errors", "offline", "reason"]
+__all__ = ["TIMEOUT_S", "ask", "endpoint", "head", "network_errors", "offline", "reason"]
 
 TIMEOUT_S = 5.0
 """How long the hub has to answer, all included (name lookup, connecting, and whatever
@@ -57,6 +62,14 @@ def ask(request: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
     if not ok:
         raise value
     return value
+
+
+def head(url: str, timeout_s: float = TIMEOUT_S) -> int:
+    """The status of a HEAD request to ``url`` through huggingface_hub's own session (its proxies, headers
+    and token): any answer says the hub is there. No body is read."""
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    return int(get_session().head(url, headers=build_hf_headers(), timeout=timeout_s).status_code)
 
 
 def network_errors() -> tuple[type[BaseException], ...]:

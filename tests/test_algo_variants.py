@@ -426,6 +426,7 @@ def test_presets_fill_the_keys_and_explicit_keys_win():
     (["grpo.loss=sapo", "grpo.clip_ratio_c=3"], "grpo.clip_ratio_c means nothing"),
     (["grpo.loss=cispo", "grpo.clip_eps_low=0.1"], "grpo.clip_eps_low means nothing for grpo.loss=cispo"),
     (["grpo.loss=cispo", "grpo.clip_delta=2"], "clip_delta means nothing"),
+    (["grpo.loss=cispo", "grpo.clip_eps_high=0.28"], "is ε_max, the bound on the importance weight itself"),
     (["grpo.clip_delta=1.5", "grpo.clip_ratio_c=3"], "set one"),
     (["grpo.clip_delta=1.1"], "must exceed 1 + clip_eps_high"),
     (["grpo.clip_ratio_c=1.2"], "must exceed 1 + clip_eps_high"),
@@ -445,3 +446,12 @@ def test_meaningless_combinations_are_refused_in_one_line(over, match):
     with pytest.raises(ConfigError, match=match.replace("+", r"\+")) as e:
         load_config(overrides=over)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("eps", ["1", "1.5", "5.0"])
+def test_cispo_accepts_a_weight_bound_of_one_or_more(eps):
+    """DAPO's habit (0.28) is refused above; a bound on the weight at or above the on-policy 1 is CISPO's."""
+    cfg = load_config(overrides=["grpo.loss=cispo", f"grpo.clip_eps_high={eps}"])
+    assert cfg.grpo.eps_high() == float(eps)
+    with pytest.raises(ConfigError, match="clip_eps_high=0.99 with grpo.loss=cispo"):
+        load_config(overrides=["grpo.loss=cispo", "grpo.clip_eps_high=0.99"])

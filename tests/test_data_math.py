@@ -229,7 +229,7 @@ def test_cli_eval_on_math500_gives_pass_at_1_and_k_and_maj(hub, tmp_path, capsys
 def _math_file(tmp_path: Path) -> Path:
     """MATH-shaped rows the embedded model can answer: its arithmetic problems, with MATH's full
     solutions (the reference boxed at the end)."""
-    from nanogrpo.data.arithmetic import make_split
+    from nanogrpo.demos.arithmetic.task import make_split
 
     path = tmp_path / "math_{split}.jsonl"
     for split in ("train", "test"):

@@ -9,7 +9,9 @@ that is never run by the other tests:
 The layers, lowest first (README, "The source tree"):
 
     errors
-    algo, batch                              the algorithm's pure functions, the wire record
+    demos                                    the demos' registry and their tasks (rows made in code)
+    algo, batch, http_limits                 the algorithm's pure functions, the wire record, HTTP
+                                             bodies read with a cap (by clients of every layer above)
     config                                   (which names the algorithm's variants)
     console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
     data                                     datasets and prompts (may read answers with rewards)
@@ -17,14 +19,16 @@ The layers, lowest first (README, "The source tree"):
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
-    serve, report, bench                     split mode, plots, benchmarks (each over training)
+    serve, report, bench, demos.programs     split mode, plots, benchmarks (each over training); the
+                                             demos' builders and environments (anything in a demo's
+                                             folder but its task)
     api                                      the public functions (nanogrpo.train, ...)
     cli                                      the command line, a thin layer over api
     __init__                                 the package: lazy names from api
 
 A package's ``__init__`` re-exporting its submodules (``from nanogrpo.data.sources import
 load_rows``) is no circle: ``from nanogrpo.data import arithmetic`` imports the module
-``nanogrpo.data.arithmetic``, and is counted as that.
+``nanogrpo.demos.arithmetic.task``, and is counted as that.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ PKG = Path(nanogrpo.__file__).parent
 
 LAYERS = [
     {"errors"},
-    {"algo", "batch"},
+    {"demos"},
+    {"algo", "batch", "http_limits"},
     {"config"},
     {"console", "hub", "rewards", "tools"},
     {"data"},
@@ -49,7 +54,7 @@ LAYERS = [
     {"rollout"},
     {"evaluation"},
     {"training"},
-    {"serve", "report", "bench"},
+    {"serve", "report", "bench", "demos.programs"},
     {"api"},
     {"cli"},
     {"__init__"},
@@ -102,6 +107,8 @@ def import_graph() -> dict[str, set[str]]:
 
 def _part(module: str) -> str:
     parts = module.split(".")
+    if parts[1:2] == ["demos"] and len(parts) > 3 and parts[3] != "task":
+        return "demos.programs"  # a demo's builder or environment sits over the trainer; its task, below data
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -180,10 +187,10 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 9, cli layer 11)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 10, cli layer 12)"]
     graph = import_graph()
     assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
-    assert "nanogrpo.data.arithmetic" in graph["nanogrpo.data.sources"]  # not the package __init__
+    assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.data.sources"]  # not the package __init__
 
 
 def test_import_nanogrpo_is_cheap():

@@ -81,6 +81,28 @@ def test_a_resumed_run_asks_the_judge_nothing_for_the_steps_it_replays(assets, t
         assert again[-1]["reward_mean"] == first[-1]["reward_mean"]
 
 
+def test_a_run_goes_on_when_its_judge_streams_without_end(assets, tmp_path) -> None:
+    """A judge whose replies never end (tests/endless_fixtures.py): every row scores the penalty as an
+    error at the reply cap, counted in the metrics; the run trains its steps and ends normally."""
+    from tests.endless_fixtures import EndlessServer, endless, json_answer
+
+    out = tmp_path / "run"
+    routes = {"/v1/models": json_answer({"data": [{"id": "tiny-judge"}]}),
+              "/v1/chat/completions": endless()}
+    with EndlessServer(routes) as srv:
+        spec = f"judge:{srv.url}/v1"
+        judge = [f'rewards.functions=["{spec}", "format"]', f"rewards.judge_template={assets / 'judge.txt'}",
+                 "rewards.judge_max_reply_bytes=65536", "rewards.penalty=-3"]
+        assert main(_args(assets, out, 2, *judge)) == 0
+        answers = srv.answers_to("/v1/chat/completions")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["judge/errors"] == 8 and r["judge/requests"] == r["judge/errors"]  # 2 prompts x 4, once each
+        assert r[f"reward/{spec}"] == -3 and r[f"reward/{spec}/failures"] == 8
+    assert answers and all(a.client_left for a in answers)
+
+
 def test_the_learned_reward_demo_learns(tmp_path) -> None:
     """configs/demo-rm.toml, 10 steps: GRPO with the shipped reward model as its only reward lifts
     held-out accuracy (graded by the rule) by at least 15 points (README: 7% -> ~46% at step 10)."""

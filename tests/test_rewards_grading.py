@@ -43,6 +43,9 @@ REQUIRED_CATEGORIES = {
     "several_candidates", "negated", "range", "wrong_value",
     "format_qwen_newlines", "format_crlf", "format_tabs", "format_nested", "format_draft_in_think",
     "format_second_answer", "format_text_outside", "format_unclosed", "format_truncated",
+    # issue 27: units however written, signs, scale words, compound quantities, cut off without an answer
+    "unit_power", "unit_rate", "unit_degree", "sign_written", "scale_asked", "compound_unit",
+    "truncated_no_answer",
 }
 
 
@@ -69,13 +72,37 @@ def _report(rows: list[dict], judge: str) -> str:
 
 
 def test_agreement_with_the_labels_per_category() -> None:
+    """Every row of every category: a change to the LaTeX path that costs this set one case fails here."""
     table = agreement(ROWS, {k: JUDGES[k] for k in ("correct", "format")})
     total = table["all"]
     assert total["format"] == total["n"], _report(ROWS, "format")
-    assert total["correct"] == total["n"], _report(ROWS, "correct")  # LaTeX answers came later: no regression
+    assert total["correct"] == total["n"], _report(ROWS, "correct")
     for cat, row in table.items():
         assert row["format"] == row["n"], f"format, {cat}:\n" + _report(ROWS, "format")
-        assert row["correct"] >= row["n"] - 1, f"correctness, {cat}:\n" + _report(ROWS, "correct")
+        assert row["correct"] == row["n"], f"correctness, {cat}:\n" + _report(ROWS, "correct")
+    cut = [r for r in ROWS if r.get("finish_reason") == "length"]
+    assert len(cut) >= 10 and {r["correct"] for r in cut} == {True, False}
+    assert all(r["finish_reason"] == "length" for r in ROWS if "finish_reason" in r)
+
+
+@pytest.mark.slow
+def test_bench_rewards_checks_both_sets_and_the_seeds_rule(capsys) -> None:
+    """``nanogrpo bench rewards`` on the shipped sets: every category of the GSM8K-style and the LaTeX set
+    at 100% agreement with the labels, and never below the seed's rule or math_verify alone."""
+    import json
+
+    from nanogrpo import bench
+
+    assert bench.main(["rewards", "--agreement-only"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["n"] == len(ROWS) and row["latex_n"] >= 580
+    assert row["correctness_agreement"] == 1.0 and row["format_agreement"] == 1.0
+    assert row["latex_correctness_agreement"] == 1.0
+    for key in ("categories_below_labels", "categories_below_seed", "categories_below_math_verify",
+                "latex_categories_below_labels", "latex_categories_below_seed",
+                "latex_categories_below_math_verify"):
+        assert row[key] == [], (key, row[key])
+    assert "correctness_median_ms" not in row  # --agreement-only: no timing
 
 
 def test_seed_rules_reference() -> None:

@@ -201,7 +201,7 @@ def test_the_shipped_demo_reward_model_loads_and_knows_the_task() -> None:
     as its card says it does on held-out problems."""
     import json
 
-    from nanogrpo.models.reward_model import packaged_path
+    from nanogrpo.demos.rm.build import packaged_path
 
     card = json.loads((packaged_path() / "rm_card.json").read_text())
     assert card["held_out_ranking"]["right_above_careless"] > 0.9
@@ -227,7 +227,7 @@ def test_on_a_gpu_the_reward_model_runs_in_bf16_close_to_float32(tmp_path) -> No
 
 def test_the_demo_reward_models_contrasts_carry_the_rules_labels() -> None:
     from nanogrpo.data import make_split
-    from nanogrpo.models.reward_model import NEGATIVE_KINDS, POSITIVE_KINDS, contrasts, label, training_pairs
+    from nanogrpo.demos.rm.build import NEGATIVE_KINDS, POSITIVE_KINDS, contrasts, label, training_pairs
 
     rng = random.Random(0)
     rows = make_split("train", 200, seed=1)

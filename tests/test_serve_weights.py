@@ -5,6 +5,7 @@ what it fetched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 
@@ -189,15 +190,17 @@ def test_a_retried_publish_whose_first_attempt_landed_is_a_success():
     st = ServerState(Settings(vocab_size=VOCAB), TOKEN)
     with LiveServer(st) as srv, ServerClient(srv.url, TOKEN, timeout_s=5, retry_for_s=5) as c:
         calls = []
-        real = c.http.request
+        real = c.http.stream  # the client reads every answer streaming (nanogrpo.http_limits)
 
+        @contextlib.contextmanager
         def lose_first_answer(method, path, **kw):
-            r = real(method, path, **kw)
-            if path == "/weights" and method == "POST" and not calls:
-                calls.append(r.status_code)
-                raise httpx.ReadTimeout("answer lost")          # it landed; the client does not know
-            return r
-        c.http.request = lose_first_answer
+            with real(method, path, **kw) as r:
+                if path == "/weights" and method == "POST" and not calls:
+                    r.read()
+                    calls.append(r.status_code)
+                    raise httpx.ReadTimeout("answer lost")      # it landed; the client does not know
+                yield r
+        c.http.stream = lose_first_answer
         c.publish(3, {"w": torch.ones(1)})
         assert calls == [200] and c.weights_version() == 3
 

@@ -62,8 +62,8 @@ def test_split_mode_carries_tool_trajectories(tmp_path):
         fed = batch.completion_mask & ~batch.loss_mask
         assert bool(fed.any()), "no tool output in the batch"
         assert batch.meta["rollout"]["tools/calls"] > 0
+        from nanogrpo.demos.tools.build import embedded_path
         from nanogrpo.models.load import load_tokenizer
-        from nanogrpo.models.warmstart_tools import embedded_path
 
         tok = load_tokenizer(str(embedded_path()))
         row = int(fed.any(1).nonzero()[0])
@@ -107,8 +107,8 @@ def test_a_tool_runs_server_admits_its_longest_trajectories(monkeypatch, tmp_pat
     """A tool trajectory carries up to tools.max_turns tool outputs beyond the sampled tokens: the
     server's length bound on uploads is the longest context the run asks for, not prompt + max_new."""
     from nanogrpo.config import load_config
+    from nanogrpo.demos.tools.build import embedded_path
     from nanogrpo.models.load import load_tokenizer
-    from nanogrpo.models.warmstart_tools import embedded_path
     from nanogrpo.rollout.turns import longest_context
     from nanogrpo.serve.server import build_parser, build_state
 

@@ -2,11 +2,14 @@
 math_verify alone; their speed.
 
 Reads two labelled sets (JSONL: ``completion``, ``reference``, ``question``, ``category``, human
-label ``correct``, and ``format`` in the first): GSM8K-style answers (``--data``, default
-``tests/data/graded_completions.jsonl``) and competition-math LaTeX answers (``--latex``, default
-``tests/data/graded_latex.jsonl``). For each it prints, per category, how often nanogrpo's
-``correctness`` (and ``format``), the seed's rules and math_verify alone (:func:`math_verify_alone`,
-what TRL's and open-r1's accuracy rewards do) agree with the labels; then the time of one
+label ``correct``, and ``format`` in the first; ``finish_reason: "length"`` on a completion the token
+limit cut off): GSM8K-style answers (``--data``, default ``tests/data/graded_completions.jsonl``) and
+competition-math LaTeX answers (``--latex``, default ``tests/data/graded_latex.jsonl``). For each it
+prints, per category, how often nanogrpo's ``correctness`` (and ``format``), the seed's rules and
+math_verify alone (:func:`math_verify_alone`, what TRL's and open-r1's accuracy rewards do) agree with
+the labels, and names the categories where nanogrpo falls short of the labels or of either peer
+(``categories_below_labels``, ``_below_seed``, ``_below_math_verify``: the test suite wants them
+empty); then (unless ``--agreement-only``) the time of one
 ``correctness`` call over each set (median and p99 of all calls over ``--repeats`` passes, in
 this process, after a warm-up, each call with math_verify's caches emptied, the reference's kept,
 as within a group; the p99 over rows of each row's median and the p99 of each call's CPU time,
@@ -15,6 +18,7 @@ math_verify, counted), and the slowest of the :func:`pathological` 100,000-chara
 a number reference and against a LaTeX one.
 
     python -m nanogrpo.bench.rewards [--data FILE] [--latex FILE] [--repeats 20] [--markdown]
+                                     [--agreement-only]
 
 The seed's rules, reproduced below as :func:`seed_correctness` and :func:`seed_format`, are
 those of its vLLM variant, which the issue that introduced this bench quotes: the last number
@@ -90,7 +94,10 @@ def load_set(path: Path) -> list[dict[str, Any]]:
 
 
 def sample_of(row: dict[str, Any]) -> dict[str, Any]:
-    return {"question": row["question"], "answer": row["reference"]}
+    """The sample dict a reward sees for ``row``: its question, reference and, for a completion the token
+    limit cut off, ``finish_reason`` (``"length"``; a row without one ended by itself: ``"stop"``)."""
+    return {"question": row["question"], "answer": row["reference"],
+            "finish_reason": row.get("finish_reason", "stop")}
 
 
 Judges = dict[str, Callable[[dict[str, Any]], bool]]
@@ -103,7 +110,7 @@ JUDGES: Judges = {
     "seed_format": lambda r: seed_format(r["completion"]),
 }
 """Each judge's verdict on a row; ``correct``/``format`` judges are scored against the label of that name."""
-LATEX_JUDGES: Judges = {k: JUDGES[k] for k in ("correct", "mv_correct")}
+LATEX_JUDGES: Judges = {k: JUDGES[k] for k in ("correct", "seed_correct", "mv_correct")}
 
 
 def agreement(rows: list[dict[str, Any]], judges: Judges = JUDGES,
@@ -120,12 +127,26 @@ def agreement(rows: list[dict[str, Any]], judges: Judges = JUDGES,
     return {k: dict(v) for k, v in table.items()}
 
 
+def shortfalls(table: dict[str, dict[str, Any]], judges: Judges) -> dict[str, list[str]]:
+    """The categories where nanogrpo's ``correctness`` (and ``format``) agree with fewer labels than all
+    (``below_labels``), or with fewer than the seed's rule or math_verify alone (``below_seed``,
+    ``below_math_verify``): each list empty is the acceptance bar."""
+    cats = sorted(k for k in table if k != "all")
+    out = {"below_labels": [c for c in cats if any(table[c][k] < table[c]["n"] for k in ("correct", "format")
+                                                    if k in judges)]}
+    for key, peer in (("below_seed", "seed_correct"), ("below_math_verify", "mv_correct")):
+        if peer in judges:
+            out[key] = [c for c in cats if table[c]["correct"] < table[c][peer]]
+    return out
+
+
 def disagreements(rows: list[dict[str, Any]], judge: str = "correct") -> list[dict[str, Any]]:
     """Rows where nanogrpo's ``judge`` (``correct`` or ``format``) disagrees with the label."""
     return [r for r in rows if JUDGES[judge](r) != r[judge]]
 
 
-COLUMNS = {"correct": "correctness: nanogrpo", "seed_correct": "seed", "mv_correct": "math_verify alone",
+COLUMNS = {"correct": "correctness: nanogrpo", "seed_correct": "seed's rule",
+           "mv_correct": "math_verify alone",
            "format": "format: nanogrpo", "seed_format": "seed"}
 
 
@@ -287,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="passes over the GSM8K-style set for the call times (a tenth: the LaTeX set)")
     p.add_argument("--markdown", action="store_true", help="also print the per-category tables as markdown")
     p.add_argument("--show", action="store_true", help="print the rows where nanogrpo disagrees with a label")
+    p.add_argument("--agreement-only", action="store_true",
+                   help="the agreement tables and their shortfalls only, no timing (the test suite's run)")
     a = p.parse_args(argv)
     latex = None if str(a.latex) == "none" else a.latex
     for path in (a.data, latex):
@@ -314,37 +337,48 @@ def main(argv: list[str] | None = None) -> int:
         for r in disagreements(latex_rows):
             print(f"correct label={r['correct']}: {r['id']} {r['category']}: {r['completion']!r}",
                   file=sys.stderr)
-    speed = _speed(rows, a.repeats)
-    patho = pathological_times()
-    worst = max(patho, key=lambda x: x[1])
     total = table["all"]
-    out = {
+    out: dict[str, Any] = {
         "bench": "rewards", "data": str(a.data), "n": total["n"],
         "correctness_agreement": round(total["correct"] / total["n"], 4),
         "seed_correctness_agreement": round(total["seed_correct"] / total["n"], 4),
         "math_verify_alone_agreement": round(total["mv_correct"] / total["n"], 4),
         "format_agreement": round(total["format"] / total["n"], 4),
         "seed_format_agreement": round(total["seed_format"] / total["n"], 4),
-        **{f"correctness_{k}": v for k, v in speed.items()},
-        "pathological_100k_worst_ms": round(1000 * worst[1], 2), "pathological_100k_worst": worst[0],
+        **{f"categories_{k}": v for k, v in shortfalls(table, JUDGES).items()},
     }
     if latex_table is not None:
         lt = latex_table["all"]
-        lspeed = _speed(latex_rows, max(1, a.repeats // 10))
-        lpatho = max(pathological_times(ref=LATEX_REFERENCE), key=lambda x: x[1])
         out.update({
             "latex_data": str(latex), "latex_n": lt["n"],
             "latex_correctness_agreement": round(lt["correct"] / lt["n"], 4),
+            "latex_seed_correctness_agreement": round(lt["seed_correct"] / lt["n"], 4),
             "latex_math_verify_alone_agreement": round(lt["mv_correct"] / lt["n"], 4),
-            "latex_categories_below_math_verify": sorted(
-                c for c, r in latex_table.items() if r["correct"] < r["mv_correct"]),
+            **{f"latex_categories_{k}": v for k, v in shortfalls(latex_table, LATEX_JUDGES).items()},
+        })
+    if not a.agreement_only:
+        out.update(_timings(rows, latex_rows, a.repeats))
+    out["date"] = time.strftime("%Y-%m-%d")
+    print(json.dumps(out))
+    return 0
+
+
+def _timings(rows: list[dict[str, Any]], latex_rows: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """The speed half of the bench (module docstring)."""
+    speed = _speed(rows, repeats)
+    patho = pathological_times()
+    worst = max(patho, key=lambda x: x[1])
+    out = {**{f"correctness_{k}": v for k, v in speed.items()},
+           "pathological_100k_worst_ms": round(1000 * worst[1], 2), "pathological_100k_worst": worst[0]}
+    if latex_rows:
+        lspeed = _speed(latex_rows, max(1, repeats // 10))
+        lpatho = max(pathological_times(ref=LATEX_REFERENCE), key=lambda x: x[1])
+        out.update({
             **{f"latex_correctness_{k}": v for k, v in lspeed.items()},
             "pathological_100k_latex_reference_worst_ms": round(1000 * lpatho[1], 2),
             "pathological_100k_latex_reference_worst": lpatho[0],
         })
-    out["date"] = time.strftime("%Y-%m-%d")
-    print(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -135,6 +135,11 @@ def _check_loss_combination(g: GrpoConfig) -> None:
             what = "a soft gate, no clip" if p.objective == "sapo" else "only an upper bound on its weight " \
                 "(clip_eps_high, its ε_max)"
             raise ValueError(f"grpo.{bad[0]} means nothing for grpo.loss={g.loss} ({what})")
+    if p.objective == "cispo" and r["clip_eps_high"] < 1:
+        raise ValueError(f"grpo.clip_eps_high={r['clip_eps_high']:g} with grpo.loss=cispo: CISPO's "
+                         "clip_eps_high is ε_max, the bound on the importance weight itself (not 1 + ε as in "
+                         "PPO/DAPO), so below 1 it caps every token's weight, on-policy ones included, "
+                         "under 1; use a bound above 1 (the preset's 5.0: leave the key unset)")
     if r["importance_sampling"] == "sequence" and r["loss_reduction"] != "seq-mean-token-mean":
         raise ValueError(f"grpo.importance_sampling=sequence with grpo.loss_reduction={r['loss_reduction']}: "
                          "the sequence ratio is one value per completion; only seq-mean-token-mean optimises "

@@ -62,6 +62,10 @@ class RewardsConfig(_Strict):
     judge_request: dict[str, Any] = Field(default_factory=dict)
     """Extra fields of the request body (``{top_p = 1}``); a null value removes a default field
     (``{max_tokens = null, max_completion_tokens = 512}``)."""
+    judge_max_reply_bytes: int = Field(1 << 20, ge=1024)
+    """The most of one reply (and of ``URL/models``) that is read (1 MiB; a chat completion is a few
+    kilobytes): past it the connection is closed and the row scores ``penalty`` as an error (counted),
+    so a judge that streams without end holds at most ``judge_concurrency`` x this in memory."""
     judge_api_key_env: str = "NANOGRPO_JUDGE_API_KEY"
     """Environment variable holding the judge's API key (unset: no key is sent); never the key itself."""
     judge_cache: str = "auto"
@@ -71,6 +75,13 @@ class RewardsConfig(_Strict):
     """Whether the built-in ``correctness`` credits a completion the token limit cut off
     (``finish_reason == "length"``). True (the seed): it is read like any other. False: it scores
     -1 whatever it says (DAPO's overlong filtering), so answers that never finish earn nothing."""
+    truncated_last_number: bool = False
+    """Whether the built-in ``correctness`` may credit a completion the token limit cut off before it
+    gave any final answer (no ``<answer>`` block, no ``\\boxed{}``, no "the answer is …"). False: it
+    scores -1 whatever its last number is, so the policy is not paid for running out of tokens at the
+    right moment. True: it is read like a completion that ended by itself, by its last sentence with a
+    number, as the seed reads its last number (for parity runs).
+    Moot when ``truncated_correct`` is false (every cut-off completion scores -1)."""
     overlong_buffer: int | None = Field(None, gt=0)
     """The built-in ``overlong`` reward (DAPO's soft overlong punishment): its penalty ramps from 0 to
     -``overlong_penalty`` over the last this many tokens before ``rollout.max_new_tokens``. None: a fifth

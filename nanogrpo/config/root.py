@@ -8,13 +8,13 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from nanogrpo import demos
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
 from nanogrpo.config.grpo import GrpoConfig
@@ -113,8 +113,10 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def preset_path(name: str) -> Path:
-    """Path of a config shipped inside the package (``nanogrpo/presets/NAME.toml``)."""
-    return Path(str(resources.files("nanogrpo") / "presets" / f"{name}.toml"))
+    """Path of a config shipped inside the package: a demo's ``preset.toml`` (``demo`` is
+    ``nanogrpo/demos/arithmetic/preset.toml``, ``demo-NAME`` ``nanogrpo/demos/NAME/preset.toml``)."""
+    found = demos.preset_file(name)
+    return found if found is not None else demos.root() / f"{name}.toml"  # absent: reads as not found
 
 
 def _parse_value(raw: str) -> Any:
@@ -237,8 +239,7 @@ def _validate(data: dict[str, Any], origin: str) -> Config:
 
 def presets() -> list[str]:
     """Names of the configs shipped inside the package."""
-    return sorted(p.name[:-5] for p in resources.files("nanogrpo").joinpath("presets").iterdir()
-                  if p.name.endswith(".toml"))
+    return sorted(demos.preset_name(n) for n in demos.names())
 
 
 def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:

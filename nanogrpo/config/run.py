@@ -112,3 +112,7 @@ class ServerConfig(_Strict):
     max_version_step: int = Field(1000, ge=1)
     """Server: how far one publish may move the policy version forward (the trainer moves it by
     ``publish_every`` optimizer steps); a larger jump is refused."""
+    max_body_mb: float = Field(256.0, gt=0)
+    """Server: the largest rollout batch a worker may upload, in MiB (``nanogrpo serve --max-body-mb``
+    overrides it); beyond it 413. Trainer: a batch it takes from the server is read up to twice this (the
+    reference log-probs the server adds), never more (``nanogrpo.http_limits``)."""

@@ -14,10 +14,10 @@
   (``agentica-org/DeepScaleR-Preview-Dataset``, 40k problems, ``answer``; train
   only). Offline, point ``source`` at a local copy in the same format (the
   reference is found as ``data.answer_from=auto`` finds it).
-- ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.data.arithmetic`);
+- ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.demos.arithmetic.task`);
   split ``train`` has ``arithmetic_train_size`` rows, any other split
   (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
-- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.data.multidigit`),
+- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.demos.tools.task`),
   sized by the same two settings.
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
@@ -40,8 +40,9 @@ from typing import Any
 
 from nanogrpo import hub
 from nanogrpo.config import DataConfig
-from nanogrpo.data import arithmetic, multidigit
 from nanogrpo.data.samples import normalize_rows
+from nanogrpo.demos.arithmetic import task as arithmetic
+from nanogrpo.demos.tools import task as multidigit
 from nanogrpo.errors import DataError
 
 
@@ -180,13 +181,8 @@ def _reachable(name: str) -> None:
     for a local directory; any answer from the hub, even a refusal, is left to ``datasets``."""
     if Path(name).exists() or hub.offline():
         return
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import HfHubHTTPError
-
-    try:
-        hub.ask(lambda: HfApi().dataset_info(name, timeout=hub.TIMEOUT_S))
-    except HfHubHTTPError:
-        return
+    try:  # a HEAD: nothing of the answer's body is read (a GET's JSON would be read without a cap)
+        hub.ask(lambda: hub.head(f"{hub.endpoint()}/api/datasets/{name}"))
     except hub.network_errors() as e:
         raise DataError(f"HF dataset {name}: the HF hub ({hub.endpoint()}) cannot be reached "
                         f"({hub.reason(e)}): point data.source at a local .jsonl/.parquet copy, or set "

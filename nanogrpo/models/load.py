@@ -2,8 +2,9 @@
 
 ``embedded`` names nanogrpo's own tiny model: a Qwen2-architecture model with a
 character-level tokenizer, warm-started by a short supervised stage on the
-embedded arithmetic task (``nanogrpo.models.warmstart``). It is built on first
-use and cached, so ``nanogrpo train`` works offline with no arguments.
+embedded arithmetic task (``nanogrpo.demos.arithmetic.build``), shipped with the package
+(``nanogrpo/demos/arithmetic/weights``), so ``nanogrpo train`` works offline with no arguments;
+``embedded-NAME`` is demo NAME's (:mod:`nanogrpo.demos`).
 """
 
 from __future__ import annotations

@@ -17,16 +17,18 @@ import logging
 import re
 from pathlib import Path
 
-from nanogrpo import hub
+from nanogrpo import demos, hub
 from nanogrpo.errors import ModelError
 
 __all__ = ["EMBEDDED", "EMBEDDED_TOOLS", "check_model_source", "hub_source", "resolve_model_path"]
 
 log = logging.getLogger("nanogrpo.models")
 
-EMBEDDED = "embedded"
-EMBEDDED_TOOLS = "embedded-tools"
-"""The tool demo's warm start (:mod:`nanogrpo.models.warmstart_tools`), same shape and tokenizer."""
+EMBEDDED = demos.EMBEDDED
+"""The default demo's warm start (``nanogrpo/demos/arithmetic/weights``); ``embedded-NAME`` is demo
+NAME's (:mod:`nanogrpo.demos`)."""
+EMBEDDED_TOOLS = demos.model_name("tools")
+"""The tool demo's warm start (:mod:`nanogrpo.demos.tools.build`), same shape and tokenizer."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -39,17 +41,16 @@ def _looks_like_path(s: str) -> bool:
 
 
 def resolve_model_path(path: str) -> str:
-    """Where to load ``path`` from: the embedded models' directories (built on first use), a local
+    """Where to load ``path`` from: a demo's shipped weights (``embedded``, ``embedded-NAME``), a local
     directory (checked to hold an HF model), or for a hub id the id itself or, offline, its
     directory in the HF cache (:func:`hub_source`)."""
-    if path == EMBEDDED:
-        from nanogrpo.models.warmstart import embedded_path
-
-        return str(embedded_path())
-    if path == EMBEDDED_TOOLS:
-        from nanogrpo.models.warmstart_tools import embedded_path as tools_path
-
-        return str(tools_path())
+    shipped = demos.weights_dir(path)
+    if shipped is not None:
+        if not (shipped / "config.json").is_file() or not (shipped / "model.safetensors").is_file():
+            name = shipped.parent.name
+            raise ModelError(f"model {path!r}: the demo's weights are not in this install ({shipped}); build "
+                             f"them with: python -m nanogrpo.demos.{name}.build --out {shipped}")
+        return str(shipped)
     p = Path(path).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
@@ -62,8 +63,9 @@ def resolve_model_path(path: str) -> str:
 
 def check_model_source(cfg) -> str | None:
     """Cheap early check of ``cfg.model.path`` (a :class:`~nanogrpo.config.ModelConfig`), no weights
-    read: where the model will load from, or None for the embedded models (built on first use)."""
-    if cfg.path in (EMBEDDED, EMBEDDED_TOOLS):
+    read: where the model will load from, or None for a demo's shipped weights (checked here too)."""
+    if demos.weights_dir(cfg.path) is not None:
+        resolve_model_path(cfg.path)
         return None
     return resolve_model_path(cfg.path)
 

@@ -12,7 +12,11 @@ rollout for every completion; absent when a reward is called directly).
   ``1/3``, ``25%`` = ``25``) without math_verify; LaTeX answers (``\\frac{\\sqrt3}{2}``,
   ``[-1,4)``, ``1, 2, 3``, matrices) go to math_verify whole, with what a grader ignores taken
   off; multiple-choice letters, words and numbers in other bases are compared as such. The
-  seed compared the last number in the text.
+  seed compared the last number in the text. A number's unit is part of the number however it is
+  written (``96 m^2``, ``45 km/h``, ``-4°F``), a scale word is read against the scale the question asks
+  in, a compound quantity (``2 hours and 30 minutes``) in the unit it asks for. A completion the token
+  limit cut off before it gave any answer scores -1 (``rewards.truncated_last_number``: the seed's
+  last-number reading instead).
 - :func:`overlong`: DAPO's soft overlong punishment, 0 to -1 as a completion's length enters the
   last ``buffer`` tokens before the token limit (``rewards.overlong_buffer``, ``_penalty``).
 - :func:`format_reward`: 1.25 / -1, the seed's format made explicit (see its docstring);
@@ -25,7 +29,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nanogrpo.rewards.grade import answer_equals, grade
+from nanogrpo.rewards.grade import answer_equals, answered, grade
 from nanogrpo.rewards.latex import braced_end
 
 __all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "overlong", "format_reward", "format_strict",
@@ -46,14 +50,20 @@ def answers_match(pred: str, ref: str) -> bool:
     return answer_equals(pred, ref)
 
 
-def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: bool = True) -> float:
+def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: bool = True,
+                truncated_last_number: bool = False) -> float:
     """+1.0 if the completion's final answer equals ``sample["answer"]``, else -1.0 (also when it gives none).
 
-    ``truncated_correct=False`` (config ``rewards.truncated_correct``) scores -1.0 for a
-    completion the token limit cut off (``sample["finish_reason"] == "length"``), whatever it
-    says, as DAPO's overlong filtering does; the default, as the seed, reads it like any other.
+    A completion the token limit cut off (``sample["finish_reason"] == "length"``) before it gave a
+    final answer (an ``<answer>`` block, a box, an announced answer: :func:`~nanogrpo.rewards.grade.
+    answered`) scores -1.0 whatever its last number is; ``truncated_last_number=True`` (config
+    ``rewards.truncated_last_number``) reads it like any other instead (its last sentence with a number,
+    as the seed reads its last number).
+    ``truncated_correct=False`` (config ``rewards.truncated_correct``) scores -1.0 for every cut-off
+    completion, whatever it says, as DAPO's overlong filtering does.
     """
-    if not truncated_correct and sample.get("finish_reason") == "length":
+    if sample.get("finish_reason") == "length" and (
+            not truncated_correct or not (truncated_last_number or answered(completion))):
         return -1.0
     question = sample.get("question")
     question = question if isinstance(question, str) else None

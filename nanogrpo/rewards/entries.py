@@ -160,7 +160,7 @@ def pickled(fn: Any) -> tuple[bytes | None, str]:
 
 
 def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch_timeout_s: float,
-                  chunk_size: int, truncated_correct: bool = True,
+                  chunk_size: int, truncated_correct: bool = True, truncated_last_number: bool = False,
                   overlong_settings: tuple[int | None, float] = (None, 1.0),
                   make_model: Callable[[str], ModelReward] | None = None) -> list[Entry]:
     """Resolve every item (a bad one raises :class:`RewardError`), name it and decide where it runs;
@@ -183,7 +183,8 @@ def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch
                 entries.append(Entry(spec, MODEL, model=make_model(spec)))
                 auto.append(False)
                 continue
-            fn = resolve(spec, truncated_correct, overlong_settings)
+            fn = resolve(spec, truncated_correct, overlong_settings,
+                         truncated_last_number=truncated_last_number)
             entries.append(_function_entry(spec, fn, spec if workers else None, workers, timeout_s,
                                            batch_timeout_s, chunk_size))
             auto.append(False)
@@ -201,7 +202,8 @@ def build_entries(items: Sequence[Any], *, workers: int, timeout_s: float, batch
                               "('correctness', 'module:function', 'rm:PATH', 'judge:URL') or a function")
         name = _callable_name(item)
         builtin = next((k for k, v in BUILTIN.items() if v is item), None)
-        fn = resolve(builtin, truncated_correct, overlong_settings) if builtin else item  # settings apply
+        fn = resolve(builtin, truncated_correct, overlong_settings,
+                     truncated_last_number=truncated_last_number) if builtin else item  # settings apply
         entry = _function_entry(builtin or name, fn, None, workers, timeout_s, batch_timeout_s, chunk_size)
         if workers and builtin:
             entry.source = builtin

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from nanogrpo.rewards.numbers import Num, evaluate, find_number_words, find_numbers, normalize
+from nanogrpo.rewards.arithmetic import evaluate
+from nanogrpo.rewards.numbers import Num, find_number_words, find_numbers, normalize
+from nanogrpo.rewards.units import Measure
 
 __all__ = ["Answer", "read_answer", "extract_answer", "last_number", "WINDOW"]
 
@@ -58,6 +60,8 @@ class Answer:
     """As written (``"$1,234.50"``, ``"forty-two"``, ``"\\frac{3}{4}"``, ``"6 × 7"``)."""
     values: tuple[Fraction, ...] = ()
     """The numbers it can mean (``25%``: 25 and 1/4); empty when it is not a plain number."""
+    measure: Measure | None = None
+    """A compound quantity's kind and amount (``2 hours and 30 minutes``; :attr:`Num.measure`)."""
 
 
 class _Hedged(Exception):
@@ -466,7 +470,7 @@ def _check_hedges(text: str, n: Num) -> None:
 
 
 def _as_answer(text: str, n: Num) -> Answer:
-    return Answer(text[n.start:n.end].strip(), n.values)
+    return Answer(text[n.start:n.end].strip(), n.values, n.measure)
 
 
 def _last_digit(text: str) -> int:

@@ -8,7 +8,11 @@ another base (``1011_2``), or LaTeX (``\\frac{\\sqrt{3}}{2}``, ``[-1,4)``, ``1, 
 The final answer is found as written (:func:`nanogrpo.rewards.latex.final_span`) and what a grader
 ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
 
-- a plain number against a plain number: exact, as fractions (no math_verify call);
+- a plain number against a plain number: exact, as fractions (no math_verify call); a unit after it,
+  however written (``96 m^2``, ``45 km/h``, ``-4°F``), is part of the number, not math; when the
+  question asks in a scale ("how many millions"), a value is read in it too (``$4.5M`` is 4.5);
+- a compound quantity (``2 hours and 30 minutes``, ``5'6"``): in the unit the question asks for, and
+  no value at all when it names none (the stricter reading; money is read in dollars);
 - against a number reference, an answer in words and numbers ("She has 42 apples left.", ``42 (6 ×
   7)``, ``7 × 6 = 42``): the number reader of :mod:`nanogrpo.rewards.extract` (GSM8K-style), which
   refuses hedges ("42 or 56"), ranges and negations; an expression (``\\sqrt{16}``, ``2^{10}``, a list
@@ -36,21 +40,14 @@ from functools import lru_cache
 
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
-from nanogrpo.rewards.latex import (
-    MATH_NAMES,
-    base_number,
-    choice,
-    choices,
-    clean,
-    final_span,
-    math_segment_matches,
-    math_segments,
-    plain_values,
-    split_top,
-    words,
-)
+from nanogrpo.rewards.forms import base_number, choice, choices, math_segment_matches, math_segments, words
+from nanogrpo.rewards.latex import MATH_NAMES, clean, final_span, plain_values, split_top
+from nanogrpo.rewards.numbers import Num, read_number
+from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
 
-__all__ = ["Reference", "reference", "grade", "answer_equals", "kind", "final_answer"]
+THINK_OPEN = "<think>"
+
+__all__ = ["Reference", "reference", "grade", "answer_equals", "answered", "kind", "final_answer"]
 
 _LONG_DECIMAL_RE = re.compile(r"[0-9]\.([0-9]{6,})\s*$")
 
@@ -82,7 +79,7 @@ def reference(text: str) -> Reference:
     if letters is not None:
         return Reference(text, text, choices=letters)
     latex = clean(text)
-    values = plain_values(latex)
+    values = plain_values(latex, units=False)  # "3m^2" is a monomial; "12 \\text{ m}^2" was cleaned to 12
     if values is not None:
         m = _LONG_DECIMAL_RE.search(latex)
         tol = Fraction(1, 2 * 10 ** len(m.group(1))) if m else Fraction(0)
@@ -109,6 +106,7 @@ def kind(text: str) -> str:
     LaTeX command beyond fractions and products, a power, a subscript, brackets, a list)."""
     if plain_values(text) is not None:
         return "number"
+    text = drop_units(text)  # "96 m^2 (12 × 8)": a unit's power is no math
     bare = _COMMAND_RE.sub(" ", text)
     for w in _TOKEN_RE.findall(bare):
         low = w.lower()
@@ -148,12 +146,36 @@ def _numbers(completion: str, ref: Reference, question: str | None) -> bool:
     if answer is None:
         return False
     if answer.values:
-        if ref.tolerance:
-            return any(abs(p - r) <= ref.tolerance for p in answer.values for r in ref.values)
-        return not set(answer.values).isdisjoint(ref.values)
+        return _match(answer.values, ref, question, answer.measure)
     if not any(c.isdigit() or c == "\\" for c in answer.text):
         return False  # words without a number cannot equal one
     return verify.equal(clean(answer.text), ref.latex)
+
+
+def _match(values: tuple[Fraction, ...], ref: Reference, question: str | None,
+           measure: Measure | None = None) -> bool:
+    """Whether a number answer's ``values`` give the number reference: a compound quantity in the unit the
+    question asks for (none named: no value, the stricter reading), any value in the scale it asks in
+    (``1.5 million`` is 1.5 when it asks in millions); a long-decimal reference within its rounding."""
+    if measure is not None:
+        value = in_asked_unit(measure, question)
+        if value is None:
+            return False
+        values = (value,)
+    values = with_scale(values, question)
+    if ref.tolerance:
+        return any(abs(p - r) <= ref.tolerance for p in values for r in ref.values)
+    return not set(values).isdisjoint(ref.values)
+
+
+_MARKUP_RE = re.compile(r"\\\$|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{|\\[()\[\],; ]|[{}$*`]")
+
+
+def _compound(raw: str) -> Num | None:
+    """The compound quantity an answer is, whole (``2 hours and 30 minutes``, ``5'6"``, ``\\$3 and 25
+    cents``, ``2 \\text{ h } 30 \\text{ min}``), or None."""
+    num = read_number(" ".join(_MARKUP_RE.sub(" ", raw).split()))
+    return num if num is not None and num.measure is not None else None
 
 
 def _decimal_vs_exact(values: tuple[Fraction, ...], written: str, ref: Reference) -> bool:
@@ -182,17 +204,17 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
             return base == ref.base
         return what == "number" and text.replace(",", "").upper() == ref.base[0]
     if ref.values is not None:
+        compound = _compound(raw) if what != "number" else None
+        if compound is not None:
+            return _match(compound.values, ref, question, compound.measure)
         if what == "number":
-            values = plain_values(text) or ()
-            if ref.tolerance:
-                return any(abs(p - r) <= ref.tolerance for p in values for r in ref.values)
-            return not set(values).isdisjoint(ref.values)
+            return _match(plain_values(text) or (), ref, question)
         if what == "arithmetic":
             return _numbers(completion, ref, question)
         parts = split_top(text) if what == "symbolic" else []
         if len(parts) > 1 and all(plain_values(p) for p in parts):
             same = len({plain_values(p)[0] for p in parts}) == 1  # "1/2 (or 0.5)": one value, twice written
-            return same and not set(plain_values(parts[0])).isdisjoint(ref.values)
+            return same and _match(plain_values(parts[0]), ref, question)
         if what == "prose":
             if _hedged(raw):
                 return False
@@ -281,6 +303,18 @@ def grade(completion: str, reference_text: str, question: str | None = None) -> 
     if not text:
         return False
     return _against(text, span.text, completion, ref, question)
+
+
+def answered(completion: str) -> bool:
+    """Whether ``completion`` gives a final answer at all: an ``<answer>`` block (closed or not), a
+    ``\\boxed{}``, an announced answer ("the answer is", "Answer:", "####", "**Final Answer**"), and not
+    only inside a ``<think>`` block that never closes (a draft in reasoning that was cut off). A
+    completion without one is still read by its last sentence, unless the token limit cut it off
+    (:func:`nanogrpo.rewards.builtin.correctness`)."""
+    think = completion.rfind(THINK_OPEN)
+    if think != -1 and completion.find(THINK_CLOSE, think) == -1 and completion.find(OPEN, think) == -1:
+        return False
+    return final_span(completion) is not None
 
 
 def answer_equals(answer: str, reference_text: str) -> bool:

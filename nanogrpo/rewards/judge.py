@@ -20,6 +20,10 @@ Per batch:
   scored the penalty as timeouts; the step goes on;
 - a malformed body (not JSON, no ``choices[0].message.content``) scores the penalty as an error; a
   reply without a readable score as unparseable (both counted, neither retried);
+- a reply is read as it arrives and at most ``rewards.judge_max_reply_bytes`` of it (1 MiB; the same for
+  ``/models``): past it the connection is closed and the row scores the penalty as an error, ``reply
+  over N bytes`` (counted, not retried), so a judge that streams without end costs at most
+  ``judge_concurrency x judge_max_reply_bytes`` of memory (:mod:`nanogrpo.http_limits`);
 - identical requests (the same completion twice in a group, a resumed run's replayed steps) are sent
   once: the cache (:mod:`nanogrpo.rewards.judge_cache`) answers repeats without a request.
 
@@ -43,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanogrpo import http_limits
 from nanogrpo.errors import RewardError
 from nanogrpo.rewards.calls import BAD, ERROR, OK, TIMEOUT, Outcome, one_line
 from nanogrpo.rewards.judge_cache import Reply, ReplyCache, request_key
@@ -83,15 +88,16 @@ class Judge:
                  timeout_s: float = 60.0, deadline_s: float = 300.0, retries: int = 4, max_tokens: int = 64,
                  request: dict[str, Any] | None = None, api_key_env: str = "NANOGRPO_JUDGE_API_KEY",
                  cache: ReplyCache | None = None, name: str | None = None, metric_prefix: str = "judge",
-                 backoff_s: tuple[float, float] = (0.5, 8.0)):
+                 backoff_s: tuple[float, float] = (0.5, 8.0), max_reply_bytes: int = 1 << 20):
         url = url.strip().rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"reward 'judge:{url}': the URL must start with http:// or https:// "
                               "(the API base, e.g. http://localhost:8000/v1)")
-        if concurrency < 1 or timeout_s <= 0 or deadline_s <= 0 or retries < 0 or max_tokens < 1:
+        if concurrency < 1 or timeout_s <= 0 or deadline_s <= 0 or retries < 0 or max_tokens < 1 \
+                or max_reply_bytes < 1024:
             raise RewardError(f"judge settings out of range: concurrency {concurrency}, timeout_s "
                               f"{timeout_s}, deadline_s {deadline_s}, retries {retries}, "
-                              f"max_tokens {max_tokens}")
+                              f"max_tokens {max_tokens}, max_reply_bytes {max_reply_bytes} (>= 1024)")
         lo, hi = score_range
         if not lo < hi:
             raise RewardError(f"rewards.judge_range {score_range}: the low end must be below the high end")
@@ -107,6 +113,7 @@ class Judge:
         self.timeout_s, self.deadline_s = float(timeout_s), float(deadline_s)
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_reply_bytes = int(max_reply_bytes)
         self.body = {"temperature": 0.0, "max_tokens": max_tokens}
         for k, v in (request or {}).items():
             if k in ("model", "messages"):
@@ -301,10 +308,13 @@ class Judge:
             retry_after = None
             try:
                 resp = await asyncio.wait_for(
-                    self._http().request(method, url, json=body, headers=self._headers()),
+                    http_limits.arequest(self._http(), method, url, cap=self.max_reply_bytes, json=body,
+                                         headers=self._headers()),
                     timeout=min(self.timeout_s, left))
             except (asyncio.TimeoutError, httpx.TimeoutException):
                 kind, reason = TIMEOUT, f"no reply within {min(self.timeout_s, left):.3g} s"
+            except http_limits.BodyError as e:  # a reply without end: asking again would get another
+                return _Failure(ERROR, f"{e} (rewards.judge_max_reply_bytes)")
             except httpx.HTTPError as e:
                 kind, reason = ERROR, f"request failed ({one_line(e)})"
             else:

@@ -12,9 +12,9 @@ delimiters, ``\\boxed``, ``\\left`` / ``\\right``, ``\\displaystyle``, ``\\dfrac
 (as ``\\frac``), spacing (``\\,``, ``\\!``, ``~``), thousands separators (``1{,}000``, ``1,\\!000``),
 degrees (``^\\circ``), ``\\$``, bold, units in ``\\text{}`` after a value, ``x \\in``, the
 variable of ``x = 5`` / ``f(x) = 3x - 1`` (one variable for all solutions), "or" / "and" between
-solutions (a list), a trailing period. :func:`choice` / :func:`choices` read multiple-choice
-letters, :func:`words` a word answer, :func:`base_number` a number with its base, :func:`plain_values`
-a plain number.
+solutions (a list), a trailing period, a unit after a plain number however written (``72°F``,
+``60 km/h``; :mod:`nanogrpo.rewards.units`). :func:`plain_values` reads a plain number; answers of
+other forms (letters, words, bases, math inside a sentence) are read by :mod:`nanogrpo.rewards.forms`.
 
 Every scan is bounded (:data:`WINDOW` characters around the answer, boxes of at most
 :data:`MAX_BOX` characters), and no pattern can backtrack without bound.
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _last_announcement
-from nanogrpo.rewards.numbers import normalize, read_number
+from nanogrpo.rewards.numbers import leading_number, normalize
+from nanogrpo.rewards.units import unit_end
 
-__all__ = ["Span", "final_span", "clean", "plain_values", "choice", "choices", "words", "base_number",
-           "math_segments", "math_segment_matches", "split_top", "braced_end", "MATH_NAMES",
-           "MATH_SEGMENT_RE", "WINDOW", "MAX_BOX"]
+__all__ = ["Span", "final_span", "clean", "plain_values", "split_top", "braced_end", "MATH_NAMES", "WINDOW",
+           "MAX_BOX"]
 
 WINDOW = 600
 """Characters read after an announcement, and of a region handed to math_verify."""
@@ -250,8 +250,12 @@ _CONNECT_RE = re.compile(r"\s*(?:\\(?:text|mbox|textrm|mathrm)\s{0,2}\{\s{0,3}(?
                          r"|(?<![A-Za-z\\])(?:or|and)(?![A-Za-z]))\s*")
 _TEXT_NUMBER_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,2}([^{}A-Za-z\\]{1,40}?)\s{0,2}\}")
 _BOLD_RE = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm|mathit|textit|emph)\s{0,2}\{")
+_SCALE_WORDS = r"(?:thousand|million|billion|trillion|hundred|dozen)s?"
+_LETTER_RE = re.compile(r"\s*[A-Za-z](?![A-Za-z])")
+_TEXT_SCALE_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s{0,2}\{\s{0,3}(" + _SCALE_WORDS + r")\s{0,3}\}")
 _UNIT_RE = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textrm|mathrm|operatorname)\s{0,2}"
-                      r"\{\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
+                      r"\{(?!\s{0,3}" + _SCALE_WORDS + r"\b)\s{0,3}[A-Za-z][A-Za-z .]{0,30}\}"
+                      r"(?:\s{0,2}\^\s{0,2}\{?[23]\}?)?\s*$")
 _REPEATING_RE = re.compile(r"(-?)(\d{0,12})\.(\d{0,12})\\overline\s{0,2}\{(\d{1,12})\}")
 _COMMAS_RE = re.compile(r",\s*(?:,\s*)+")
 _TRAILING_WORDS_RE = re.compile(r"(?<=[0-9}\)\]A-Za-z])(?:\s+[A-Za-z]{2,}\.?){1,4}\s*$")
@@ -265,29 +269,42 @@ MATH_NAMES = frozenset(
     "cosh tanh infty inf cup cap pm mp le ge leq geq ne neq to in i e dx dy dz dt".split())
 
 
-def plain_values(text: str) -> tuple[Fraction, ...] | None:
-    """The values of ``text`` when the whole of it is one plain number (currency before it; ``%`` or
-    unit words after it, ``5 cm``), else None: ``2\\pi``, ``3i``, ``5x``, ``2^{10}`` are not."""
-    s = normalize(text).strip().rstrip(".")
-    num = read_number(s)
-    if num is None:
+def plain_values(text: str, units: bool = True) -> tuple[Fraction, ...] | None:
+    """The values of ``text`` when the whole of it is one plain number (currency before it; ``%``, unit
+    words or a unit however written after it: ``5 cm``, ``12 m^2``, ``60 km/h``, ``72°F``), else None:
+    ``2\\pi``, ``3i``, ``5x``, ``2^{10}``, ``5 x^2`` are not, nor is a compound quantity (``2 hours and
+    30 minutes``: read against the question by the grader). ``units=False``: unit words only, as a reference
+    is read (``3m^2`` there is a monomial)."""
+    found = _plain(text, units)
+    return found[0] if found is not None else None
+
+
+def _plain(text: str, units: bool = True) -> tuple[tuple[Fraction, ...], str] | None:
+    """``(values, the number as written)``, the number without a unit that is more than words."""
+    s = _TEXT_SCALE_RE.sub(r" \1", normalize(text)).strip().rstrip(".")  # "85 \\text{ million}": a scale word
+    num = leading_number(s)
+    if num is None or num.measure is not None:
         return None
     rest = s[num.end:]
     if rest.strip() in ("", "\\%", "%"):
-        return num.values
-    m = _UNIT_WORDS_RE.match(rest)
-    if m is None or any(w.lower() in MATH_NAMES for w in rest.split()):
-        return None
-    return num.values
+        return num.values, s
+    if _UNIT_WORDS_RE.match(rest) is not None and not any(w.lower() in MATH_NAMES for w in rest.split()):
+        return num.values, s  # "42 apples", kept as written ("5 x" may be a product)
+    if units and unit_end(s, num.end) == len(s):
+        if _LETTER_RE.match(rest):
+            return num.values, s  # "3 m^2", kept as written: against a LaTeX reference it may be a monomial
+        return num.values, s[:num.end]  # "72°F", "13 \\text{ cm}^2", "60 km/h": the unit goes
+    return None
 
 
 def clean(text: str) -> str:
     """``text`` with what a grader ignores taken off (module docstring); the rest stays as written."""
     t = text.replace("**", " ").replace("`", " ")
-    values = plain_values(t)
-    if values is not None:  # "$2B", "1 and 1/2", ".5", "42 apples": as the number reader reads them
-        bare = _THOUSANDS_RE.sub("", t).replace("\\$", "").strip().lstrip("$").strip().rstrip(_TRAIL)
-        return bare if plain_values(bare) == values else t.strip()
+    found = _plain(t)
+    if found is not None:  # "$2B", "1 and 1/2", ".5", "42 apples", "12 m^2": as the number reader reads them
+        values, number = found
+        bare = _THOUSANDS_RE.sub("", number).replace("\\$", "").strip().lstrip("$").strip().rstrip(_TRAIL)
+        return bare if plain_values(bare) == values else number.strip()
     t = t.translate(_UNICODE) if not t.isascii() else t
     t = _DELIMS_RE.sub(" ", t)
     t = _unwrap(t, _BOX_RE)
@@ -376,93 +393,3 @@ def _drop_variable(t: str) -> str:
     if len(names) != 1 or any(not o for o in out):
         return t
     return ", ".join(out)
-
-
-# ----------------------------------------------------------------------------- answers of other kinds
-
-_TEXT_OPEN = r"(?:\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{\s{0,2})?"
-_CHOICE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"\(\s{0,2}([A-Ha-h])\s{0,2}\)"
-                        r"|^\s*" + _TEXT_OPEN + r"([A-H])\s{0,2}\}?\s*(?:[.:)]|$)")
-_LETTERS_RE = re.compile(r"^\(?([A-H])\)?(?:\s{0,3}(?:,|\band\b)\s{0,3}(?:\band\b\s{0,3})?"
-                         r"\(?([A-H])\)?){1,7}$")
-
-
-def _plain_letters(text: str) -> str:
-    t = _DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).replace("*", " ")
-    t = re.sub(r"\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{", " ", t).replace("}", " ")
-    return " ".join(t.split()).rstrip(".")
-
-
-def choice(text: str) -> str | None:
-    """The multiple-choice letter ``text`` gives (``(B)``, ``B``, ``\\text{(B)}``, ``\\textbf{(B)} 12``),
-    upper-cased, or None (also for several letters: :func:`choices`)."""
-    t = " ".join(_DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).replace("*", " ").split())
-    if choices(t) is not None:
-        return None
-    m = _CHOICE_RE.match(t)
-    if m is None:
-        return None
-    return (m.group(1) or m.group(2)).upper()
-
-
-def choices(text: str) -> frozenset[str] | None:
-    """The letters of a several-letter choice (``\\text{A, E}``, ``(B), (D)``, ``A and C``), or None."""
-    t = _plain_letters(text)
-    if _LETTERS_RE.match(t) is None:
-        return None
-    return frozenset(re.findall(r"[A-H]", t))
-
-
-_WORD_TOKEN_RE = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]")
-
-
-def words(text: str) -> str | None:
-    """``text`` as a word answer (``\\text{odd}``, ``Devon``, ``neither``, ``\\text{no solution}``),
-    lower-cased; None unless it is one to four words of two letters or more (``p - q`` is no word)."""
-    t = " ".join(_DELIMS_RE.sub(" ", _unwrap(text, _BOX_RE)).split())
-    m = re.match(r"^\s*" + _TEXT_OPEN + r"([^{}\\$]{2,60}?)\s{0,2}\}?\s*\.?\s*$", t)
-    if m is None:
-        return None
-    tokens = m.group(1).split()
-    if not 1 <= len(tokens) <= 4 or not all(_WORD_TOKEN_RE.fullmatch(w) for w in tokens):
-        return None
-    return " ".join(tokens).lower()
-
-
-_BASE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"([0-9A-Za-z]{1,40})\s{0,2}\}?\s{0,2}"
-                      r"_\s{0,2}\{?\s{0,2}(\d{1,2})\s{0,2}\}?\s*$")
-
-
-def base_number(text: str) -> tuple[str, int] | None:
-    """``(digits, base)`` of a number written with its base: ``1011_2``, ``1011_{2}``, ``\\text{A3}_{16}``."""
-    m = _BASE_RE.match(text)
-    if m is None:
-        return None
-    return m.group(1).upper(), int(m.group(2))
-
-
-MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,400})\$\$|(?<![\\$])\$([^$\n]{1,400})(?<!\\)\$"
-                             r"|\\\((.{1,400}?)\\\)|\\\[(.{1,400}?)\\\]", re.DOTALL)
-"""Delimited math: ``$$…$$``, ``$…$``, ``\\(…\\)``, ``\\[…\\]`` (its content: the group that matched)."""
-
-
-_PROSE_IN_MATH_RE = re.compile(r"(?<![A-Za-z\\])[A-Za-z]{2,}\s+[A-Za-z]{2,}(?![A-Za-z])")
-_TEXT_CMD_RE = re.compile(r"\\(?:text|mbox|textrm|mathrm|textbf|operatorname)\s{0,2}\{[^{}]{0,60}\}"
-                          r"|\\[A-Za-z]+")
-
-
-def math_segment_matches(text: str) -> list[re.Match]:
-    """The delimited math in ``text``, in order (:data:`MATH_SEGMENT_RE`), without what two dollar signs
-    of prose enclose ("a profit of $60, a loss of $20": currency, not math)."""
-    out = []
-    for m in MATH_SEGMENT_RE.finditer(text):
-        content = next(g for g in m.groups() if g is not None)
-        if m.group(2) is not None and _PROSE_IN_MATH_RE.search(_TEXT_CMD_RE.sub(" ", content)):
-            continue
-        out.append(m)
-    return out
-
-
-def math_segments(text: str) -> list[str]:
-    """The delimited math (``$…$``, ``$$…$$``, ``\\(…\\)``, ``\\[…\\]``) in ``text``, in order."""
-    return [next(g for g in m.groups() if g is not None) for m in math_segment_matches(text)]

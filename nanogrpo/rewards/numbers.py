@@ -2,12 +2,14 @@
 
 :func:`find_numbers` finds every number written in digits and reads what is
 around it: ``1,234`` / ``1 234`` / ``1{,}234`` (thousands), ``-5`` / ``−5`` /
-``–5`` / ``negative 5`` / ``5 below zero``, ``3/4``, ``1 1/2`` / ``1½`` /
+``–5`` / ``- 5`` / ``negative 5`` / ``5 below zero``, ``3/4``, ``1 1/2`` / ``1½`` /
 ``1\\frac{1}{2}`` / ``1 and 1/2``, ``¾``, ``\\frac34`` / ``\\dfrac{3}{4}``,
 ``$70k`` / ``70 thousand`` / ``1.5 million`` / ``$2.4M`` / ``2 dozen``,
-``18 dollars and 50 cents``, ``1.2e3`` / ``1.2 \\times 10^3``, ``25%``.
+``18 dollars and 50 cents``, ``1.2e3`` / ``1.2 \\times 10^3``, ``25%``, and compound
+quantities (``2 hours and 30 minutes``, ``5'6"``: :attr:`Num.measure`); the power of a
+unit or a variable (the 2 of ``m^2``) is no number of its own.
 :func:`find_number_words` reads numbers written in words ("forty-two",
-"one hundred and five", "a dozen", "half a dozen", "none").
+"one hundred and five", "a dozen", "half a dozen", "none", "negative five").
 
 A number can mean more than one value: ``25%`` is 25 (the reference is often the
 bare number) and 1/4; ``2100 cents`` is 2100 and 21 (dollars). Those land in
@@ -20,12 +22,14 @@ adversarial input costs time proportional to its length.
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Num", "MAX_DIGITS", "normalize", "find_numbers", "find_number_words", "read_number", "evaluate"]
+from nanogrpo.rewards.units import Measure, compound_at
+
+__all__ = ["Num", "MAX_DIGITS", "normalize", "find_numbers", "find_number_words", "read_number",
+           "leading_number"]
 
 MAX_DIGITS = 30
 """Longer digit runs are not read as numbers (no answer has them; huge ints cost time)."""
@@ -39,13 +43,15 @@ _SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 
 # One character for another, so indices stay valid: minus signs and dashes, the spaces used to
 # group thousands, fraction slashes, full-width digits.
-_TRANSLATE = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u00a0": " ", "\u2009": " ",
+_TRANSLATE = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2010": "-", "\u2011": "-",
+                            "\ufe63": "-", "\uff0d": "-", "\u00a0": " ", "\u2009": " ",
                             "\u202f": " ", "\u2007": " ", "\u200a": " ", "\u2044": "/", "\u2215": "/",
                             **{chr(0xFF10 + d): str(d) for d in range(10)}})
 
 
 def normalize(text: str) -> str:
-    """``text`` with Unicode minus/en dash, thin/no-break spaces, fraction slashes and full-width
+    """``text`` with Unicode minus signs (``−``, ``‐``, ``‑``, ``﹣``, ``－``, en dash), thin/no-break spaces,
+    fraction slashes and full-width
     digits replaced by their ASCII forms (same length, so positions carry over)."""
     return text if text.isascii() else text.translate(_TRANSLATE)
 
@@ -88,8 +94,14 @@ _CENTS_RE = re.compile(r"(?:" + _GAP1 + _DOLLARS + r")?"
 _CENTS_UNIT_RE = re.compile(_GAP + r"(?:cents?\b|¢)")
 _BELOW_ZERO_RE = re.compile(r"(?:" + _GAP1 + r"degrees?)?(?:" + _GAP + r"°(?:" + _GAP + r"[CF])?)?" + _GAP1 +
                             r"below" + _GAP1 + r"(?:zero|0)\b", re.IGNORECASE)
+_UNIT_POWER_RE = re.compile(r"(?:[A-Za-z]|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{[A-Za-z ]{1,20}\})"
+                            r"\s{0,2}\^\s{0,2}\{?\s{0,2}-?$")
+_SPACED_SIGN_RE = re.compile(r"(?:^|[=:(\[{$,\n]|\b(?:is|are|was|were|be|been|equals?|of|at|to|by|from|"
+                             r"answer|"
+                             r"result|total|value|change|difference|about|approximately))[ \t]{0,3}$",
+                             re.IGNORECASE)
 _NEG_WORD_RE = re.compile(r"(?:negative|minus)\s+$", re.IGNORECASE)
-_PLAIN_AFTER = frozenset(",.;:!?)]}\n\r\"'=+<>|&")
+_PLAIN_AFTER = frozenset(",.;:!?)]}\n\r\"=+<>|&")
 _CURRENCY = "$€£¥₹"
 
 
@@ -102,6 +114,9 @@ class Num:
     values: tuple[Fraction, ...]
     words: bool = False
     """Written in words ("forty-two")."""
+    measure: Measure | None = None
+    """A compound quantity (``2 hours and 30 minutes``, ``$3 and 25 cents``): its kind and amount in the
+    kind's smallest unit (:mod:`nanogrpo.rewards.units`); ``values`` then hold its value in its first unit."""
 
     @property
     def value(self) -> Fraction:
@@ -136,8 +151,8 @@ def _frac_value(m: re.Match, base: int) -> Fraction | None:
 
 
 def _sign_before(text: str, start: int) -> int:
-    """Where the minus sign of the number at ``start`` begins (``-5``, ``$-5``, ``-$5``, ``negative 5``),
-    or -1 when it has none."""
+    """Where the minus sign of the number at ``start`` begins (``-5``, ``$-5``, ``-$5``, ``- 5``,
+    ``negative 5``), or -1 when it has none."""
     i = start
     if i > 0 and text[i - 1] in _CURRENCY:
         i -= 1
@@ -147,6 +162,11 @@ def _sign_before(text: str, start: int) -> int:
         # "-5" after a space, bracket, "=" or the start, not "5-3" / "x-3" / "40-45" (a range or subtraction)
         negative = i < 2 or not (text[i - 2].isalnum() or text[i - 2] in ")]}.")
         return i - 1 if negative else -1
+    j = i
+    while j > 0 and i - j < 2 and text[j - 1] in " \t":
+        j -= 1
+    if i - j and j > 0 and text[j - 1] == "-" and _SPACED_SIGN_RE.search(text, max(0, j - 24), j - 1):
+        return j - 1  # "- 5" after "=", "is", a bracket or the start; "10 - 5", "x - 5" subtract
     m = _NEG_WORD_RE.search(text, max(0, i - 12), i)
     if m is None:
         return -1
@@ -155,6 +175,14 @@ def _sign_before(text: str, start: int) -> int:
         if before and (before[-1].isdigit() or before[-1] in ")]}"):
             return -1  # "10 minus 5" subtracts
     return m.start()
+
+
+def _is_power(text: str, start: int) -> bool:
+    """Whether the number at ``start`` is the exponent of a unit or a variable (``m^2``, ``x^{-1}``)."""
+    j = start
+    while j > 0 and start - j < 4 and text[j - 1] in " \t{-":
+        j -= 1
+    return j > 0 and text[j - 1] == "^" and _UNIT_POWER_RE.search(text, max(0, start - 40), start) is not None
 
 
 def _currency_before(text: str, start: int) -> bool:
@@ -175,6 +203,8 @@ def find_numbers(text: str) -> list[Num]:
         start, end = m.start(), m.end()
         pos = end
         kind = m.lastgroup
+        if kind == "num" and _is_power(text, start):
+            continue  # the 2 of "m^2", "\\text{ cm}^{2}", "x^2": a power, not a number of its own
         value: Fraction | None
         is_int = False
         if kind == "frac":
@@ -216,15 +246,23 @@ def find_numbers(text: str) -> list[Num]:
             word = next(g for g in scale.groups() if g is not None).lower()
             value, end = value * _SCALE_WORD[word], scale.end()
         values = [value]
+        measure = None
         pct = _PERCENT_RE.match(text, end)
+        compound = None
+        if pct is None and end < n and (text[end] in " \t'′}" or text[end].isalpha()):
+            compound = compound_at(text, end, value)
         if pct is not None:
             values.append(value / 100)
             end = pct.end()
+        elif compound is not None:  # "2 hours and 30 minutes", "5 ft 6 in", "3 dollars and 25 cents"
+            end, measure, first = compound
+            values = [first]
         else:
             cents = _CENTS_RE.match(text, end) if is_int else None
             if cents is not None:
                 values = [value + Fraction(int(cents.group(1)), 100)]
                 end = cents.end()
+                measure = ("money", values[0] * 100)
             else:
                 unit = _CENTS_UNIT_RE.match(text, end)
                 if unit is not None:
@@ -235,7 +273,8 @@ def find_numbers(text: str) -> list[Num]:
             end = below.end()
         if (below is not None) != (sign >= 0):
             values = [-v for v in values]
-        out.append(Num(sign if sign >= 0 else start, end, tuple(values)))
+            measure = (measure[0], -measure[1]) if measure is not None else None
+        out.append(Num(sign if sign >= 0 else start, end, tuple(values), measure=measure))
         pos = end
     return out
 
@@ -323,11 +362,13 @@ def find_number_words(text: str) -> list[Num]:
                 words, run[:] = words[1:], run[1:]
             value = _phrase_value(words) if words else None
             if value is not None:
-                out.append(Num(run[0][1], run[-1][2], (value,), words=True))
+                out.append(_signed_words(text, run[0][1], run[-1][2], value, out))
             run.clear()
 
     prev_end = -1
     for m in _WORD_RE.finditer(text):
+        if out and not run and m.start() < out[-1].end:
+            continue  # "zero" of "five below zero"
         w = m.group(0).lower()
         if w in _WORDS and (not run or _only_separators(text, prev_end, m.start())):
             run.append((w, m.start(), m.end()))
@@ -338,6 +379,23 @@ def find_number_words(text: str) -> list[Num]:
         prev_end = m.end()
     flush()
     return out
+
+
+def _signed_words(text: str, start: int, end: int, value: Fraction, before: list[Num]) -> Num:
+    """The number in words at ``text[start:end]`` with its sign: "negative five", "minus five" (not
+    "ten minus five"), "five below zero"."""
+    negative = False
+    m = _NEG_WORD_RE.search(text, max(0, start - 12), start)
+    if m is not None:
+        prev = text[max(0, m.start() - 8):m.start()].rstrip()
+        subtracts = m.group(0)[0] in "mM" and (
+            (prev and prev[-1].isdigit()) or (before and before[-1].end >= m.start() - 2))
+        if not subtracts:
+            start, negative = m.start(), True
+    below = _BELOW_ZERO_RE.match(text, end)
+    if below is not None:
+        end, negative = below.end(), not negative
+    return Num(start, end, (-value if negative else value,), words=True)
 
 
 def _only_separators(text: str, a: int, b: int) -> bool:
@@ -352,74 +410,24 @@ def read_number(text: str) -> Num | None:
     """``text`` as one number when the whole of it is one (currency, ``%`` and unit words aside):
     ``"$1,234.50"``, ``"-3/4"``, ``"\\frac{1}{2}"``, ``"forty-two"``. Used for reference answers."""
     t = normalize(text).strip().rstrip(".")
-    nums = find_numbers(t)
-    if len(nums) == 1:
-        if _FULL_RE.fullmatch(t[:nums[0].start]) and not _has_digits(t[nums[0].end:]):
-            return nums[0]
+    num = leading_number(t)
+    if num is None or _has_digits(t[num.end:]):
         return None
+    return num
+
+
+def leading_number(text: str) -> Num | None:
+    """The one number of ``text`` (normalised) when ``text`` starts with it (currency aside), whatever
+    follows it (a unit with a power: ``12 m^2``): written with digits, else in words; None otherwise."""
+    nums = find_numbers(text)
+    if len(nums) == 1:
+        return nums[0] if _FULL_RE.fullmatch(text[:nums[0].start]) else None
     if not nums:
-        words = find_number_words(t)
-        if len(words) == 1 and not t[:words[0].start].strip():
+        words = find_number_words(text)
+        if len(words) == 1 and not text[:words[0].start].strip():
             return words[0]
     return None
 
 
 def _has_digits(s: str) -> bool:
     return any(c.isdigit() for c in s)
-
-
-# ----------------------------------------------------------------------------- arithmetic
-
-_OPERATORS = {"×": "*", "·": "*", "÷": "/", "^": "**", "{": "(", "}": ")", "[": "(", "]": ")", "$": " ",
-              ".": " "}
-_OPERATOR_RE = re.compile(r"\\times|\\cdot|\\div|[×·÷^{}\[\]$.]")
-_LATEX_OP = {"\\times": "*", "\\cdot": "*", "\\div": "/"}
-_MAX_EXPRESSION = 4000
-_MAX_EXPONENT = 20
-
-
-def evaluate(text: str, nums: list[Num]) -> Fraction | None:
-    """Exact value of an arithmetic expression over the numbers ``nums`` found in ``text`` (``6 × 7``,
-    ``(1 + 2) ^ 2``, ``1,200 \\div 3``), or None when it is not one. Python's own parser reads it
-    (``ast``); only + - * / ** and brackets on the given numbers are evaluated, powers bounded."""
-    parts, prev = [], 0
-    for i, n in enumerate(nums):
-        parts += [text[prev:n.start], f" _{i} "]
-        prev = n.end
-    parts.append(text[prev:])
-    expr = "".join(p if i % 2 else _OPERATOR_RE.sub(_operator, p) for i, p in enumerate(parts))
-    if len(expr) > _MAX_EXPRESSION:
-        return None
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-        return _eval(tree.body, [n.value for n in nums])
-    except (SyntaxError, ValueError, RecursionError, ZeroDivisionError, OverflowError):
-        return None
-
-
-def _operator(m: re.Match) -> str:
-    return _OPERATORS.get(m.group(0)) or _LATEX_OP[m.group(0)]
-
-
-def _eval(node: ast.AST, values: list[Fraction]) -> Fraction | None:
-    if isinstance(node, ast.Name) and node.id.startswith("_") and node.id[1:].isdigit():
-        return values[int(node.id[1:])]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _eval(node.operand, values)
-        return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
-    if not isinstance(node, ast.BinOp):
-        return None
-    a, b = _eval(node.left, values), _eval(node.right, values)
-    if a is None or b is None:
-        return None
-    if isinstance(node.op, ast.Add):
-        return a + b
-    if isinstance(node.op, ast.Sub):
-        return a - b
-    if isinstance(node.op, ast.Mult):
-        return a * b
-    if isinstance(node.op, ast.Div):
-        return a / b
-    if isinstance(node.op, ast.Pow) and b.denominator == 1 and abs(b) <= _MAX_EXPONENT and abs(a) < 10**9:
-        return a ** int(b)
-    return None

@@ -40,11 +40,13 @@ Source = str | bytes
 """What a worker loads: a reward spec (resolved by name) or a pickled callable."""
 
 
-def _load(source: Source, truncated_correct: bool, overlong_settings: tuple = (None, 1.0)) -> Any:
+def _load(source: Source, truncated_correct: bool, overlong_settings: tuple = (None, 1.0),
+          truncated_last_number: bool = False) -> Any:
     from nanogrpo.rewards.registry import resolve
 
     if isinstance(source, str):
-        return resolve(source, truncated_correct, overlong_settings)
+        return resolve(source, truncated_correct, overlong_settings,
+                       truncated_last_number=truncated_last_number)
     import pickle
 
     try:
@@ -55,12 +57,13 @@ def _load(source: Source, truncated_correct: bool, overlong_settings: tuple = (N
 
 
 def _worker_main(conn: Connection, sources: list[Source], truncated_correct: bool = True,
-                 batched: list[bool] | None = None, overlong_settings: tuple = (None, 1.0)) -> None:
+                 batched: list[bool] | None = None, overlong_settings: tuple = (None, 1.0),
+                 truncated_last_number: bool = False) -> None:
     """Worker process body: load the rewards, say ready, then score chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     batched = batched or [False] * len(sources)
     try:
-        fns = [_load(s, truncated_correct, overlong_settings) for s in sources]
+        fns = [_load(s, truncated_correct, overlong_settings, truncated_last_number) for s in sources]
     except RewardError as e:
         conn.send(("init_error", str(e)))
         return
@@ -103,13 +106,14 @@ class WorkerPool:
     def __init__(self, sources: Sequence[Source], n: int, timeout_s: float | Sequence[float],
                  startup_timeout_s: float = 120.0, truncated_correct: bool = True,
                  overlong_settings: tuple = (None, 1.0),
-                 batched: Sequence[bool] | None = None):
+                 batched: Sequence[bool] | None = None, truncated_last_number: bool = False):
         if n < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {n}")
         self.sources = list(sources)
         self.specs = [s if isinstance(s, str) else "<callable>" for s in self.sources]  # for messages
         self.batched = list(batched) if batched is not None else [False] * len(self.sources)
         self.truncated_correct = truncated_correct
+        self.truncated_last_number = truncated_last_number
         self.overlong_settings = tuple(overlong_settings)
         self.n = n
         self.timeouts = [float(timeout_s)] * len(self.sources) if isinstance(timeout_s, (int, float)) \
@@ -128,7 +132,7 @@ class WorkerPool:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main, args=(child_conn, self.sources, self.truncated_correct, self.batched,
-                                           self.overlong_settings),
+                                           self.overlong_settings, self.truncated_last_number),
                 daemon=True,
                 name=f"nanogrpo-reward-{self._serial}",
             )

@@ -63,12 +63,14 @@ def _load_module(spec: str, module: str) -> ModuleType:
 
 
 def resolve(name: str, truncated_correct: bool = True,
-            overlong_settings: tuple[int | None, float] = (None, 1.0)) -> RewardFn:
+            overlong_settings: tuple[int | None, float] = (None, 1.0), *,
+            truncated_last_number: bool = False) -> RewardFn:
     """The reward function named by ``name``: a built-in, ``module:function`` or ``file.py:function``.
 
-    ``truncated_correct=False`` (config ``rewards.truncated_correct``) gives the built-in
-    ``correctness`` with that setting bound (``functools.partial``): still a plain function of
-    ``(completion, sample)``, and the same in every worker process, which resolves by name too.
+    ``truncated_correct=False`` (config ``rewards.truncated_correct``) or ``truncated_last_number=True``
+    (``rewards.truncated_last_number``) gives the built-in ``correctness`` with that setting bound
+    (``functools.partial``): still a plain function of ``(completion, sample)``, and the same in every
+    worker process, which resolves by name too.
     ``overlong_settings``: (buffer, penalty) bound into the built-in ``overlong`` likewise
     (``rewards.overlong_buffer``, ``rewards.overlong_penalty``).
     """
@@ -76,8 +78,9 @@ def resolve(name: str, truncated_correct: bool = True,
     if ":" not in name:
         if name in BUILTIN:
             fn = BUILTIN[name]
-            if fn is correctness and not truncated_correct:
-                return functools.partial(correctness, truncated_correct=False)
+            if fn is correctness and (not truncated_correct or truncated_last_number):
+                return functools.partial(correctness, truncated_correct=truncated_correct,
+                                         truncated_last_number=truncated_last_number)
             if fn is overlong and tuple(overlong_settings) != (None, 1.0):
                 return functools.partial(overlong, buffer=overlong_settings[0], penalty=overlong_settings[1])
             return fn

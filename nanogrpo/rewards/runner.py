@@ -102,7 +102,8 @@ class RewardRunner:
                  timeout_s: float = 5.0, penalty: float = -1.0, workers: int = 1,
                  truncated_correct: bool = True, *, chunk_size: int = 0, batch_timeout_s: float = 60.0,
                  rm_scale: str = "none", make_model: Callable[[str], ModelReward] | None = None,
-                 overlong_settings: tuple[int | None, float] = (None, 1.0)):
+                 overlong_settings: tuple[int | None, float] = (None, 1.0),
+                 truncated_last_number: bool = False):
         if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
             raise RewardError(f"rewards must be a list of names or functions, got {type(rewards).__name__}")
         if not rewards:
@@ -120,6 +121,7 @@ class RewardRunner:
         self.penalty = float(penalty)
         self.workers = workers
         self.truncated_correct = truncated_correct
+        self.truncated_last_number = truncated_last_number
         self.rm_scale = rm_scale
         self._closed = False
         self._pool: WorkerPool | None = None
@@ -130,7 +132,7 @@ class RewardRunner:
         self.entries: list[Entry] = build_entries(
             rewards, workers=workers, timeout_s=self.timeout_s, batch_timeout_s=float(batch_timeout_s),
             chunk_size=chunk_size, truncated_correct=truncated_correct, make_model=make_model,
-            overlong_settings=overlong_settings)
+            overlong_settings=overlong_settings, truncated_last_number=truncated_last_number)
         self.specs = [e.name for e in self.entries]
         """Each reward's name, in order (the keys of :attr:`RewardResult.per_function`)."""
         self._problems = _Problems()
@@ -141,7 +143,8 @@ class RewardRunner:
         if in_pool:
             self._pool = WorkerPool([e.source for e in in_pool], workers, [e.timeout_s for e in in_pool],
                                     truncated_correct=truncated_correct, batched=[e.batched for e in in_pool],
-                                    overlong_settings=overlong_settings)
+                                    overlong_settings=overlong_settings,
+                                    truncated_last_number=truncated_last_number)
         models = [e.model for e in self.entries if e.model is not None]
         self._finalizer = weakref.finalize(self, _shut_down, self._pool, models)
 
@@ -165,7 +168,8 @@ class RewardRunner:
                    chunk_size=cfg.chunk_size, batch_timeout_s=cfg.batch_timeout_s,
                    rm_scale=cfg.rm_scale, make_model=_model_factory(cfg, run_dir, make_rm),
                    overlong_settings=(getattr(cfg, "overlong_buffer", None),
-                                      getattr(cfg, "overlong_penalty", 1.0)))
+                                      getattr(cfg, "overlong_penalty", 1.0)),
+                   truncated_last_number=getattr(cfg, "truncated_last_number", False))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -358,6 +362,7 @@ def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelRe
                      score_range=tuple(cfg.judge_range), concurrency=cfg.judge_concurrency,
                      timeout_s=cfg.judge_timeout_s, deadline_s=cfg.judge_deadline_s,
                      retries=cfg.judge_retries, max_tokens=cfg.judge_max_tokens, request=cfg.judge_request,
-                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix)
+                     api_key_env=cfg.judge_api_key_env, cache=cache, name=spec, metric_prefix=prefix,
+                     max_reply_bytes=cfg.judge_max_reply_bytes)
 
     return make

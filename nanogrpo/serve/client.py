@@ -14,6 +14,12 @@ puts it back in the queue). Publishing is idempotent for its own retries (``X-Pu
 and refuses loudly when the server holds a newer version from someone else. Fetched
 weights are validated against the receiver's model before anything is copied
 (:func:`load_published`).
+
+Every answer is read with a cap (:mod:`nanogrpo.http_limits`): a batch at most ``max_batch_bytes``
+(2 x ``server.max_body_mb``), weights at most the receiver's model's size
+(:func:`~nanogrpo.serve.weights.weights_cap`), anything else 1 MiB. An answer past its cap is a
+:class:`ServerError` at once (not retried: the same answer would come again), never a buffer
+without end.
 """
 
 from __future__ import annotations
@@ -31,13 +37,24 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from nanogrpo import http_limits
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import NanoGRPOError
 from nanogrpo.serve.auth import auth_headers
-from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights
+from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights, weights_cap
 
 log = logging.getLogger("nanogrpo.serve.client")
 WEIGHTS_FORMAT = "nanogrpo.weights/1"
+
+
+def batch_read_cap(max_body_mb: float) -> int:
+    """The most of a batch a client reads from ``/get`` when the server's upload cap is ``max_body_mb``
+    MiB: twice it (the server adds reference log-probs, 4 bytes a completion token: less than the batch's
+    own 8-byte token ids)."""
+    return int(2 * max_body_mb * (1 << 20))
+
+
+MAX_BATCH_BYTES = batch_read_cap(256.0)
 
 
 class ServerError(NanoGRPOError):
@@ -81,10 +98,15 @@ class Delivery:
 
 
 class ServerClient:
+    """``max_batch_bytes``: the most of a batch ``get`` reads (2 x the server's upload cap: a batch
+    grows by the reference log-probs the server adds)."""
+
     def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 60.0,
-                 retry_for_s: float = 600.0, backoff_min_s: float = 0.25, backoff_max_s: float = 10.0):
+                 retry_for_s: float = 600.0, backoff_min_s: float = 0.25, backoff_max_s: float = 10.0,
+                 max_batch_bytes: int = MAX_BATCH_BYTES):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.max_batch_bytes = int(max_batch_bytes)
         self.retry_for_s = retry_for_s
         self.backoff = (backoff_min_s, backoff_max_s)
         self.http = httpx.Client(base_url=self.url, headers=auth_headers(token),
@@ -102,13 +124,18 @@ class ServerClient:
 
     # ------------------------------------------------------------------ core
     def _request(self, method: str, path: str, what: str, *, ok: tuple[int, ...] = (200,),
-                 timeout: float | None = None, **kw) -> httpx.Response:
+                 timeout: float | None = None, cap: int = http_limits.SMALL,
+                 too_large: str = "is the URL a nanogrpo server, no proxy between sending without end?",
+                 **kw) -> httpx.Response:
+        """One request, retried as the module docstring says; its answer read with at most ``cap``
+        bytes (past it: :class:`ServerError` saying ``too_large``, not retried)."""
         deadline = time.monotonic() + self.retry_for_s
         delay = self.backoff[0]
         away_since: float | None = None
         while True:
             try:
-                r = self.http.request(method, path, timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
+                r = http_limits.request(self.http, method, path, cap=cap,
+                                        timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
                 if r.status_code in ok:
                     if away_since is not None:
                         log.info("%s: server %s answered again after %.1f s", what, self.url,
@@ -126,6 +153,8 @@ class ServerClient:
                 else:
                     raise ServerError(f"{what}: server {self.url} refused with HTTP {r.status_code}: "
                                       f"{reason}")
+            except http_limits.BodyError as e:
+                raise ServerError(f"{what}: server {self.url} sent a {e}: {too_large}") from None
             except httpx.TransportError as e:
                 problem = f"{type(e).__name__}: {str(e)[:200]}"
                 wait = delay
@@ -159,7 +188,9 @@ class ServerClient:
         """The next ready batch, leased to us, waiting up to ``wait_s`` seconds on the server; None when
         none came. Acknowledge it with :meth:`ack` (else it goes back in the queue after the lease)."""
         r = self._request("GET", "/get", "get batch", ok=(200, 204), params={"wait": wait_s},
-                          timeout=self.timeout_s + wait_s)
+                          timeout=self.timeout_s + wait_s, cap=self.max_batch_bytes,
+                          too_large="a batch larger than this side reads: set server.max_body_mb here to the "
+                                    "server's --max-body-mb (or check for a proxy that sends without end)")
         if r.status_code == 204:
             return None
         try:
@@ -198,7 +229,10 @@ class ServerClient:
         """The published weights when newer than version ``have`` (checked against ``layout``, the
         receiver's model, before they are decoded), else None. Invalid weights raise
         :class:`~nanogrpo.serve.weights.WeightsError` (or the decoder's error)."""
-        r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have})
+        r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have},
+                          cap=weights_cap(layout),
+                          too_large="more than this worker's model can hold: does the trainer train the same "
+                                    "model (model.path)?")
         if r.status_code == 204:
             return None
         version = r.headers.get("x-policy-version", "")

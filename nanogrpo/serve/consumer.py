@@ -133,7 +133,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     from nanogrpo.models.cpu_linear import settle
     from nanogrpo.models.load import load_model, load_policy
     from nanogrpo.serve.auth import load_token
-    from nanogrpo.serve.client import ServerClient, ServerError
+    from nanogrpo.serve.client import ServerClient, ServerError, batch_read_cap
     from nanogrpo.training.checkpoint import latest_checkpoint, load_state
     from nanogrpo.training.distributed import init_distributed, make_backend
     from nanogrpo.training.logging_sinks import RunLogger
@@ -171,7 +171,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
         return 0
     rank, world = init_distributed(cfg.train.backend)  # before loading: pins this rank's GPU
     main = rank == 0
-    client = ServerClient(url, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s)
+    client = ServerClient(url, token, timeout_s=cfg.server.timeout_s, retry_for_s=cfg.server.retry_for_s,
+                          max_batch_bytes=batch_read_cap(cfg.server.max_body_mb))
     client.health()
     if main:
         root.mkdir(parents=True, exist_ok=True)

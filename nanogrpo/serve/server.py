@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="device of the reference model (default: model.device)")
     p.add_argument("--token-file", help="file holding the shared token")
     p.add_argument("--vocab-size", type=int, help="token ids must be below this (default: from the model)")
-    p.add_argument("--max-body-mb", type=float, default=256.0, help="cap on an uploaded batch")
+    p.add_argument("--max-body-mb", type=float, help="cap on an uploaded batch (default: server.max_body_mb)")
     p.add_argument("--max-weights-mb", type=float, default=65536.0, help="cap on published weights")
     p.add_argument("--state-file", type=Path, help="where the queue depth is recorded for restart reports")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
@@ -108,7 +108,8 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
     settings = Settings(
         max_seqs=cfg.rollout.prompts_per_step * cfg.grpo.group_size * 4,
         max_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        max_body=int(a.max_body_mb * (1 << 20)), max_weights_body=int(a.max_weights_mb * (1 << 20)),
+        max_body=int((a.max_body_mb or cfg.server.max_body_mb) * (1 << 20)),
+        max_weights_body=int(a.max_weights_mb * (1 << 20)),
         queue_size=cfg.server.queue_size, max_staleness=cfg.server.max_staleness, lease_s=cfg.server.lease_s,
         max_version_step=cfg.server.max_version_step,
         state_file=a.state_file or default_state_file(a.host, a.port))

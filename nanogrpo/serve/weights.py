@@ -69,6 +69,16 @@ class WeightLayout:
                 raise WeightsError(f"tensor {group[0][:80]!r} is missing ({len(self.shapes)} expected)")
 
 
+def weights_cap(layout: WeightLayout) -> int:
+    """The most bytes a publish of ``layout`` can take: every name's tensor at 8 bytes an element (F64,
+    the widest dtype :func:`check_weights` accepts; tied names counted each) plus the safetensors header
+    (its length, 256 bytes and the name per entry, 64 KiB for the metadata and padding). What a client
+    reads of ``GET /weights`` at most (:mod:`nanogrpo.http_limits`)."""
+    data = sum(math.prod(shape) * 8 for shape in layout.shapes.values())
+    header = 8 + (64 << 10) + sum(len(name.encode()) + 256 for name in layout.shapes)
+    return data + header
+
+
 def layout_from_config(path: str, trust_remote_code: bool = False) -> WeightLayout | None:
     """The model's layout built on the meta device from its config (no weights read); None if the
     config cannot be read."""

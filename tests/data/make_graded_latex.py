@@ -458,6 +458,50 @@ SPECIAL: list[tuple[str, str, str, str, str, bool]] = [
      "$11 = 8 + 2 + 1$.\n\nThe answer is $\\boxed{1011_2}$.", True),
 ]
 
+# Added for issue 27, after SPECIAL so that the earlier rows keep their ids: a number with a unit
+# however written (``m^2``, ``km/h``, ``°C``) is a number; a power on a variable is LaTeX
+# (``3m^2`` against ``3m^2``, never 3); signs written apart; scale words and compound quantities read
+# against what the question asks for.
+SQUARE = "A square garden has sides of $7$ meters. What is its area in square meters?"
+SPEED = "A car travels $150$ km in $2.5$ hours. What is its average speed in kilometers per hour?"
+BOIL = "Water boils at $212^\\circ$F. What is that temperature in degrees Celsius?"
+MONO = "Simplify $(3m)(m)$."
+MINUS = "Compute $3 - 8$."
+LINEAR = "Solve $2x + 14 = 4$ for $x$."
+GROWTH = "A country's population grew from $2.5$ million to $4$ million. By how many millions did it grow?"
+RACE = "A race lasts $135$ minutes. How many hours is that?"
+ADDED: list[tuple[str, str, str, str, bool, str]] = [
+    ("unit_written", SQUARE, "49", "49 \\text{ m}^2", True, "The area is $7^2 = 49$."),
+    ("unit_written", SQUARE, "49", "49 m^2", True, "$7 \\times 7 = 49$ square meters."),
+    ("unit_written", SQUARE, "49", "49\\,\\mathrm{m}^2", True, "Side squared: $7^2$."),
+    ("unit_written", SQUARE, "49", "49 m²", True, "$A = s^2 = 49$."),
+    ("unit_written", SQUARE, "49", "28 m^2", False, "The perimeter is $4 \\cdot 7 = 28$."),
+    ("unit_written", SPEED, "60", "60 \\text{ km/h}", True, "$\\frac{150}{2.5} = 60$."),
+    ("unit_written", SPEED, "60", "60 km/h", True, "Speed $= 150 \\div 2.5 = 60$."),
+    ("unit_written", SPEED, "60", "60\\ \\text{km}/\\text{h}", True, "$150 / 2.5 = 60$."),
+    ("unit_written", SPEED, "60", "375 \\text{ km/h}", False, "$150 \\times 2.5 = 375$."),
+    ("unit_written", BOIL, "100", "100^\\circ \\text{C}", True, "$\\frac{5}{9}(212 - 32) = 100$."),
+    ("unit_written", BOIL, "100", "100°C", True, "$(212 - 32) \\cdot \\frac59 = 100$."),
+    ("unit_written", BOIL, "100", "180^{\\circ}\\mathrm{C}", False, "$212 - 32 = 180$."),
+    ("power_on_variable", MONO, "3m^2", "3m^2", True, "$(3m)(m) = 3 \\cdot m \\cdot m$."),
+    ("power_on_variable", MONO, "3m^2", "3 m^2", True, "Multiply the coefficients and add the exponents."),
+    ("power_on_variable", MONO, "3m^2", "3", False, "The coefficient is $3 \\cdot 1 = 3$."),
+    ("power_on_variable", MONO, "3m^2", "3m", False, "$(3m)(m) = 3m$... one factor of $m$."),
+    ("power_on_variable", MONO, "3m^2", "m^{2} \\cdot 3", True, "$m \\cdot m = m^2$, times $3$."),
+    ("sign_written_apart", MINUS, "-5", "- 5", True, "$3 - 8 = -(8 - 3)$."),
+    ("sign_written_apart", MINUS, "-5", "-\\,5", True, "Subtracting a larger number gives a negative."),
+    ("sign_written_apart", MINUS, "-5", "−5", True, "$8 - 3 = 5$, so $3 - 8 = -5$."),
+    ("sign_written_apart", MINUS, "-5", "5", False, "$8 - 3 = 5$."),
+    ("sign_written_apart", LINEAR, "-5", "x = - 5", True, "$2x = 4 - 14 = -10$."),
+    ("sign_written_apart", LINEAR, "-5", "x = 5", False, "$2x = 14 - 4 = 10$."),
+    ("scale_asked", GROWTH, "1.5", "1.5 \\text{ million}", True, "$4 - 2.5 = 1.5$ million."),
+    ("scale_asked", GROWTH, "1.5", "1{,}500{,}000", True, "$4{,}000{,}000 - 2{,}500{,}000$."),
+    ("scale_asked", GROWTH, "1.5", "1.5 \\text{ billion}", False, "$4 - 2.5 = 1.5$."),
+    ("compound_unit", RACE, "2.25", "2 \\text{ hours } 15 \\text{ minutes}", True, "$135 = 120 + 15$."),
+    ("compound_unit", RACE, "2.25", "\\frac{9}{4}", True, "$\\frac{135}{60} = \\frac{9}{4}$."),
+    ("compound_unit", RACE, "2.25", "2.15", False, "Two hours and fifteen minutes: $2.15$."),
+]
+
 TAGS = ["<think>\n{think}\n</think>\n<answer>\n{ans}\n</answer>",
         "<think>\n{think}\n</think>\n\n<answer>\n{ans}\n</answer>",
         "<think>{think}</think>\n<answer> {ans} </answer>"]
@@ -483,6 +527,12 @@ def rows() -> list[dict]:
     for cat, style, question, ref, text, correct in SPECIAL:
         out.append({"id": f"m{len(out) + 1:03d}", "category": cat, "style": style, "question": question,
                     "reference": ref, "completion": text, "correct": correct})
+    for i, (cat, question, ref, ans, correct, think) in enumerate(ADDED, len(ITEMS)):
+        for style, variants in STYLES.items():
+            template = variants[i % len(variants)]
+            text = template.replace("{think}", think).replace("{{{ans}}}", "{" + ans + "}").replace("{ans}", ans)
+            out.append({"id": f"m{len(out) + 1:03d}", "category": cat, "style": style, "question": question,
+                        "reference": ref, "completion": text, "correct": correct})
     return out
 
 

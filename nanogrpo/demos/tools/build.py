@@ -1,7 +1,7 @@
 """The tool demo's warm start: the embedded model's shape, taught to solve multi-digit problems
 sometimes with the Python tool and sometimes in its head.
 
-Supervised data (:mod:`nanogrpo.data.multidigit`), every solution correct, ``TOOL_RATE`` of them
+Supervised data (:mod:`nanogrpo.demos.tools.task`), every solution correct, ``TOOL_RATE`` of them
 with the tool::
 
     <think><code>print(37*48)</code><output>\\n1776\\n</output>\\n</think><answer>1776</answer>
@@ -15,8 +15,8 @@ already among its samples: GRPO, rewarded only for correct and well-formatted an
 learn to reach for the tool. ``--no-tools`` builds the comparison: the same budget (steps, batch,
 learning rate, problems), every solution in the head.
 
-Shipped in ``nanogrpo/models/embedded_tools/`` (model path ``embedded-tools``); rebuild with
-``python -m nanogrpo.models.warmstart_tools [--no-tools] --out DIR``.
+Shipped in ``nanogrpo/demos/tools/weights/`` (model path ``embedded-tools``); rebuild with
+``python -m nanogrpo.demos.tools.build [--no-tools] --out DIR``.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import hashlib
 import os
 import random
 import shutil
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, render_prompt
-from nanogrpo.data.multidigit import make_split
+from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
+from nanogrpo.demos.tools.task import make_split
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.models.warmstart import SHAPE, save, sft
 from nanogrpo.tools.protocols import CodeProtocol
 
 SEED = 4321
@@ -45,7 +45,7 @@ PRESET = "demo-tools"
 
 
 def packaged_path() -> Path:
-    return Path(str(resources.files("nanogrpo") / "models" / "embedded_tools"))
+    return demos.root() / "tools" / "weights"
 
 
 def embedded_path() -> Path:

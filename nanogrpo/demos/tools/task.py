@@ -4,7 +4,7 @@ Products of two 2-digit numbers, sums and differences of 3-digit numbers, in sho
 problems (``"A crate holds 37 rows of 48 cups. How many cups?"``): the embedded 0.8M-parameter
 model gets most of these wrong when it computes them itself, and right when it writes
 ``<code>print(37*48)</code>`` and copies the interpreter's answer. Same construction as
-:mod:`nanogrpo.data.arithmetic`: seeded ``random.Random`` streams, train and test disjoint by a
+:mod:`nanogrpo.demos.arithmetic.task`: seeded ``random.Random`` streams, train and test disjoint by a
 SHA-256 hash of each (template, a, b) key.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from nanogrpo.data.arithmetic import ITEMS, NAMES, key_split
+from nanogrpo.demos.arithmetic.task import ITEMS, NAMES, key_split
 from nanogrpo.errors import DataError
 
 # name: (op, question template, operand range a, operand range b)

@@ -17,9 +17,10 @@ correct and well-formatted answers, has to find and remove the habit by itself
 (nothing in the reward mentions the ``<think>`` part). Fixed seed: the same
 weights on every machine of the same torch build.
 
-The result ships inside the package (``nanogrpo/models/embedded/``); when it is
-missing it is built on first use into ``~/.cache/nanogrpo/`` (about ten minutes on
-2 CPU cores). Rebuild it with ``python -m nanogrpo.models.warmstart --out DIR``.
+The result ships inside the package (``nanogrpo/demos/arithmetic/weights/``, model path
+``embedded``). Rebuild it with ``python -m nanogrpo.demos.arithmetic.build --out DIR`` (about ten
+minutes on 2 CPU cores); :func:`embedded_path` builds it into ``~/.cache/nanogrpo/`` when an install
+lacks it.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import math
 import os
 import random
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, make_split, render_prompt, solution
 from nanogrpo.models.tiny import make_model, make_tokenizer
@@ -46,7 +47,7 @@ STEPS, BATCH_SIZE, LR = 600, 64, 3e-3
 
 
 def packaged_path() -> Path:
-    return Path(str(resources.files("nanogrpo") / "models" / "embedded"))
+    return demos.root() / "arithmetic" / "weights"
 
 
 def cache_path() -> Path:

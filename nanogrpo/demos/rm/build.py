@@ -1,7 +1,7 @@
 """The demo's reward model (``rm:embedded-rm``): a small classifier that learned the rule reward.
 
 GRPO with only a learned reward needs a reward model that knows the task. This one is trained here,
-offline, like the warm start (:mod:`nanogrpo.models.warmstart`):
+offline, like the warm start (:mod:`nanogrpo.demos.arithmetic.build`):
 
 1. the warm start answers ``PROMPTS`` training problems of the embedded task, ``SAMPLES`` times
    each, sampled at the temperatures in ``TEMPERATURES`` (its careful and careless habits both show);
@@ -33,8 +33,8 @@ against it lifts held-out accuracy within 5-10 steps, then drifts to answers and
 cannot check; hence the demo's KL weight of 0.2 and its 20 steps (README, "Rewards from models").
 
 Its score is the logit, so higher means "more likely correct" to the classifier; nothing in it reads
-the rule at run time. ``python -m nanogrpo.models.reward_model`` builds it into
-``nanogrpo/models/embedded_rm/`` (~3 MB), where ``rm:embedded-rm`` finds it; ``--out DIR`` elsewhere.
+the rule at run time. ``python -m nanogrpo.demos.rm.build`` builds it into
+``nanogrpo/demos/rm/weights/`` (~3 MB), where ``rm:embedded-rm`` finds it; ``--out DIR`` elsewhere.
 """
 
 from __future__ import annotations
@@ -247,8 +247,8 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
 
     from nanogrpo.config import ModelConfig
     from nanogrpo.data import make_split
+    from nanogrpo.demos.arithmetic.build import embedded_path
     from nanogrpo.models.load import load_policy
-    from nanogrpo.models.warmstart import embedded_path
 
     t0 = time.time()
     policy, tok, _ = load_policy(ModelConfig(path="embedded", device="cpu", cpu_linear="torch"))
