@@ -10,8 +10,8 @@ tokens, prompts of at most 400 tokens, save every 200 steps). The embedded CPU d
 ``nanogrpo train`` runs with no arguments is the preset ``demo`` layered on top of these.
 
 One module per section (``model``, ``data``, ``rollout`` with ``vllm``, ``grpo``, ``rewards``,
-``tools``, ``run``: train / eval / log / server); ``root`` puts them together; ``loading`` reads
-files, presets and overrides.
+``tools``, ``run``: train / eval / log / server); ``root`` puts them together and reads files,
+presets and overrides.
 """
 
 from nanogrpo.config.base import _Strict
