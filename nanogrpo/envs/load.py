@@ -39,8 +39,10 @@ LOADERS: dict[str, str] = {
 def _import_attr(spec: str) -> Any:
     module, _, attr = spec.rpartition(":")
     if not module or not attr:
-        raise ConfigError(f"env.source {spec!r}: expected 'module:Class', 'path/to/file.py:Class' or one of "
-                          f"{', '.join(p + ':...' for p in sorted(LOADERS)) or 'the adapters'}")
+        raise ConfigError(
+            f"env.source {spec!r}: expected 'module:Class', 'path/to/file.py:Class' or one of "
+            f"{', '.join(p + ':...' for p in sorted(LOADERS)) or 'the adapters'}"
+        )
     try:
         if module.endswith(".py") or "/" in module:
             path = Path(module).expanduser().resolve()
@@ -56,8 +58,9 @@ def _import_attr(spec: str) -> Any:
         raise
     except (Exception, SystemExit) as e:
         first = (str(e).splitlines() or [""])[0]
-        raise ConfigError(f"env.source {spec!r}: cannot import {module!r} "
-                          f"({type(e).__name__}: {first})") from None
+        raise ConfigError(
+            f"env.source {spec!r}: cannot import {module!r} ({type(e).__name__}: {first})"
+        ) from None
     if not hasattr(mod, attr):
         raise ConfigError(f"env.source {spec!r}: {module!r} has no attribute {attr!r}")
     return getattr(mod, attr)
@@ -66,8 +69,10 @@ def _import_attr(spec: str) -> Any:
 def _check_env(obj: Any, what: str) -> None:
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if missing:
-        raise ConfigError(f"{what} is not an environment: it has no {' or '.join(missing)} method "
-                          "(see nanogrpo/envs/base.py)")
+        raise ConfigError(
+            f"{what} is not an environment: it has no {' or '.join(missing)} method "
+            "(see nanogrpo/envs/base.py)"
+        )
 
 
 def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "env") -> Factory:
@@ -84,8 +89,10 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
         return fork if callable(fork) else (lambda: copy.deepcopy(obj))
     if callable(obj):
         return lambda: obj(**kwargs)
-    raise ConfigError(f"{what}: expected an environment class, a factory or an instance with reset() and "
-                      f"step(), got {type(obj).__name__}")
+    raise ConfigError(
+        f"{what}: expected an environment class, a factory or an instance with reset() and "
+        f"step(), got {type(obj).__name__}"
+    )
 
 
 def resolve(source: Any, kwargs: Mapping[str, Any] | None = None) -> Factory:
