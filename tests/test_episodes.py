@@ -255,3 +255,21 @@ def test_settings_come_from_the_config():
     s = EpisodeSettings.from_config(cfg)
     assert (s.max_turns, s.discount, s.max_prompt_tokens) == (4, 0.8, 50)
     assert generate_episodes  # the function the Episodes object calls
+
+
+def test_nanogrpo_train_takes_an_environment_object(tmp_path):
+    import nanogrpo
+
+    template = env_fixtures.Count()
+    cfg = {"train.steps": 1, "train.out": str(tmp_path / "run"), "rollout.prompts_per_step": 2,
+           "grpo.group_size": 2, "rollout.max_new_tokens": 60, "eval.every": 1, "eval.n": 2,
+           "train.save_every": 0, "rewards.workers": 0}
+    run = nanogrpo.train(nanogrpo.Config.load("demo", cfg), env=template, rewards=["env"],
+                         dataset=[{"question": str(i), "answer": "0"} for i in range(4)],
+                         eval_dataset=[{"question": "e", "answer": "0"}] * 2)
+    rows = run.metrics
+    assert rows[0]["step"] == 0 and "eval/turns_mean" in rows[0]
+    assert rows[1]["env/episodes"] == 4 and rows[1]["env/turns_mean"] >= 1
+    assert not hasattr(template, "n")  # a template: each episode played a copy
+    with pytest.raises(Exception, match="env and tools"):
+        nanogrpo.train(nanogrpo.Config.load("demo-tools", cfg), env=template)
