@@ -225,7 +225,7 @@ def test_broken_environments_end_their_episodes_not_the_run(demo):
 
 def test_the_sandbox_runs_model_written_code_for_an_environment():
     cfg = load_config(
-        preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 5}
+        preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 1.5}
     )
     runner = EnvRunner.from_config(cfg)
     try:
@@ -273,3 +273,16 @@ def test_nanogrpo_train_takes_an_environment_object(tmp_path):
     assert not hasattr(template, "n")  # a template: each episode played a copy
     with pytest.raises(Exception, match="env and tools"):
         nanogrpo.train(nanogrpo.Config.load("demo-tools", cfg), env=template)
+
+
+def test_episodes_of_a_group_may_start_from_different_prompts(demo):
+    cfg, model, tok = demo
+    eps = _episodes(cfg, "tests.env_fixtures:Numbered", max_turns=2)
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=1.0, n=2, seed=1, resume_after_eos=True)
+        rows = [{"question": "a"}, {"question": "b"}]
+        gen = eps.generate(make_engine("fast", model, tok), tok, rows, params)
+    finally:
+        eps.close()
+    prompts = [tok.decode(p) for p in gen.prompt_ids]
+    assert len(set(prompts)) == 4 and all(f"count {q} #" in p for p, q in zip(prompts, "aabb", strict=True))
