@@ -30,7 +30,7 @@ Qwen2.5-Math's (the same instruction as the system prompt)."""
 class DataConfig(_Strict):
     source: str = "gsm8k"
     """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
-    ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
+    ``multidigit``, ``game``, ``dialogue``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
     split: str = "train"
     """The split trained on (of a preset, an ``hf:`` dataset, or ``{split}`` in a file path)."""
     eval_split: str = "test"
@@ -69,7 +69,7 @@ class DataConfig(_Strict):
     shuffle: bool = True
     """Draw prompts in a seeded random order (``train.seed``); False: in file order. Resumable either way."""
     arithmetic_train_size: int = Field(20000, gt=0)
-    """Rows of the synthetic tasks' (``arithmetic``, ``multidigit``) train split."""
+    """Rows of the synthetic tasks' (``arithmetic``, ``multidigit``, ``game``, ``dialogue``) train split."""
     arithmetic_eval_size: int = Field(500, gt=0)
     """Rows of the synthetic tasks' held-out split (disjoint from the train split)."""
 

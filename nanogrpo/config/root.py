@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from nanogrpo import demos
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
+from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import GrpoConfig
 from nanogrpo.config.model import ModelConfig
 from nanogrpo.config.rewards import RewardsConfig
@@ -39,6 +40,7 @@ class Config(_Strict):
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -54,6 +56,11 @@ class Config(_Strict):
         if buf is not None and buf > r.max_new_tokens:
             raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
                              f"{r.max_new_tokens}: the punishment would start before the first token")
+        if self.env.source:
+            with_env(self.rewards)
+        if self.env.source and self.tools.enabled:
+            raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
+                             "environment runs model-written code through its sandbox handle)")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,6 +88,17 @@ class Config(_Strict):
         return Config.from_dict(self.to_dict(), overrides)
 
 
+
+
+def with_env(rewards: RewardsConfig) -> None:
+    """An environment's episodes are scored by their return, the ``env`` reward: ``rewards.functions`` left
+    at its default becomes ``["env"]``; a list without ``env`` gets it first (weight 1)."""
+    if "functions" not in rewards.model_fields_set:
+        rewards.functions, rewards.weights = ["env"], None
+    elif "env" not in [f.strip() for f in rewards.functions]:
+        rewards.weights = None if rewards.weights is None else [1.0, *rewards.weights]
+        rewards.functions = ["env", *rewards.functions]
+    rewards.model_fields_set.add("functions")
 
 
 RUN_CONFIG_FILE = "config.yaml"
