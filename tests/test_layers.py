@@ -13,6 +13,7 @@ The layers, lowest first (README, "The source tree"):
     algo, batch                              the algorithm's pure functions, the wire record
     config                                   (which names the algorithm's variants)
     console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
+    envs                                     multi-turn environments: the interface, loading, calling
     data                                     datasets and prompts (may read answers with rewards)
     models                                   loading, the embedded models and their warm starts
     rollout                                  engines and rollouts
@@ -48,6 +49,7 @@ LAYERS = [
     {"algo", "batch"},
     {"config"},
     {"console", "hub", "rewards", "tools"},
+    {"envs"},
     {"data"},
     {"models"},
     {"rollout"},
@@ -186,7 +188,7 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 10, cli layer 12)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 11, cli layer 13)"]
     graph = import_graph()
     assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
     assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.data.sources"]  # not the package __init__

@@ -79,6 +79,11 @@ class GrpoConfig(_Strict):
     off_policy_mask_kl: float | None = Field(None, gt=0)
     """DeepSeek-V3.2's off-policy sequence mask (TRL ``off_policy_mask_threshold``): a sequence with a
     negative advantage whose mean log(behaviour / policy) exceeds this gets no policy loss."""
+    turn_reward_discount: float = Field(1.0, gt=0, le=1)
+    """Multi-turn episodes (``[env]``): the episode's return is ``sum_t discount**t * r_t`` over its turns'
+    rewards (t = 0 for the first turn); 1.0 sums them, below 1 an early reward counts more (an episode that
+    succeeds in fewer turns scores higher). The return is one reward column; advantages are group-relative
+    over episodes as for completions."""
     std_eps: float = Field(1e-4, gt=0)
     min_reward_spread: float = Field(0.01, ge=0)
     """Groups whose rewards span less than this carry no signal and are dropped."""

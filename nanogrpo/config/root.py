@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from nanogrpo import demos
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
+from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import GrpoConfig
 from nanogrpo.config.model import ModelConfig
 from nanogrpo.config.rewards import RewardsConfig
@@ -39,6 +40,7 @@ class Config(_Strict):
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -54,6 +56,9 @@ class Config(_Strict):
         if buf is not None and buf > r.max_new_tokens:
             raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
                              f"{r.max_new_tokens}: the punishment would start before the first token")
+        if self.env.source and self.tools.enabled:
+            raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
+                             "environment runs model-written code through its sandbox handle)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""Where a run's environment comes from: ``env.source`` (a string) or an object given in Python.
+
+Everything resolves to a **factory**: a zero-argument callable that returns a fresh environment for
+one episode (:mod:`nanogrpo.envs.base`).
+
+- ``"module:Class"`` / ``"path/to/file.py:Class"``: your own class, called with ``env.kwargs`` per
+  episode (a zero-argument function that returns an environment works the same way);
+- ``"PREFIX:REST"`` where ``PREFIX`` is a key of :data:`LOADERS`: that library's adapter
+  (``verifiers:NAME``, ``textarena:GAME-ID``, ``openenv:URL``), imported only when used;
+- from Python (``nanogrpo.train(env=...)``): a class or factory as above, or an instance, which is a
+  template: each episode gets ``obj.fork()`` if it has that method, else ``copy.deepcopy(obj)``.
+
+A source that does not import, or names nothing callable, is a :class:`~nanogrpo.errors.ConfigError`
+at start, in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nanogrpo.errors import ConfigError
+
+Factory = Callable[[], Any]
+"""A zero-argument callable that returns a fresh environment (one episode)."""
+
+LOADERS: dict[str, str] = {
+    # prefix -> "module:function" of a loader ``fn(rest: str, kwargs: dict) -> Factory``, imported lazily.
+    # The library adapters (verifiers:, textarena:, openenv:) register here.
+}
+"""``env.source`` prefixes handled by an adapter: ``"PREFIX:REST"`` -> ``loader(REST, env.kwargs)``."""
+
+
+def _import_attr(spec: str) -> Any:
+    module, _, attr = spec.rpartition(":")
+    if not module or not attr:
+        raise ConfigError(f"env.source {spec!r}: expected 'module:Class', 'path/to/file.py:Class' or one of "
+                          f"{', '.join(p + ':...' for p in sorted(LOADERS)) or 'the adapters'}")
+    try:
+        if module.endswith(".py") or "/" in module:
+            path = Path(module).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"env.source {spec!r}: file not found: {path}")
+            name = f"_nanogrpo_env_{path.stem}_{abs(hash(str(path))) % 10**8}"
+            file_spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise ConfigError(f"env.source {spec!r}: cannot import {module!r} "
+                          f"({type(e).__name__}: {first})") from None
+    if not hasattr(mod, attr):
+        raise ConfigError(f"env.source {spec!r}: {module!r} has no attribute {attr!r}")
+    return getattr(mod, attr)
+
+
+def _check_env(obj: Any, what: str) -> None:
+    missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ConfigError(f"{what} is not an environment: it has no {' or '.join(missing)} method "
+                          "(see nanogrpo/envs/base.py)")
+
+
+def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "env") -> Factory:
+    """The factory for ``obj``: a class or zero-argument function (called with ``kwargs``), or an
+    instance (forked or deep-copied per episode)."""
+    kwargs = dict(kwargs or {})
+    if inspect.isclass(obj):
+        _check_env(obj, f"{what} ({obj.__name__})")
+        return lambda: obj(**kwargs)
+    if callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+        if kwargs:
+            raise ConfigError(f"{what}: env.kwargs is for a class or factory, not an instance")
+        fork = getattr(obj, "fork", None)
+        return fork if callable(fork) else (lambda: copy.deepcopy(obj))
+    if callable(obj):
+        return lambda: obj(**kwargs)
+    raise ConfigError(f"{what}: expected an environment class, a factory or an instance with reset() and "
+                      f"step(), got {type(obj).__name__}")
+
+
+def resolve(source: Any, kwargs: Mapping[str, Any] | None = None) -> Factory:
+    """The factory for ``env.source`` (a string, see the module docstring) or a Python object."""
+    if not isinstance(source, str):
+        return factory_of(source, kwargs)
+    spec = source.strip()
+    prefix, sep, rest = spec.partition(":")
+    if sep and prefix in LOADERS:
+        loader = _import_attr(LOADERS[prefix])
+        return loader(rest, dict(kwargs or {}))
+    return factory_of(_import_attr(spec), kwargs, what=f"env.source {spec!r}")
+
+
+__all__ = ["Factory", "LOADERS", "factory_of", "resolve"]
