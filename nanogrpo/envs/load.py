@@ -31,7 +31,10 @@ Factory = Callable[[], Any]
 
 LOADERS: dict[str, str] = {
     # prefix -> "module:function" of a loader ``fn(rest: str, kwargs: dict) -> Factory``, imported lazily.
-    # The library adapters (verifiers:, textarena:, openenv:) register here.
+    "agent": "nanogrpo.envs.program:load",
+    "verifiers": "nanogrpo.envs.adapters.verifiers:load",
+    "textarena": "nanogrpo.envs.adapters.textarena:load",
+    "openenv": "nanogrpo.envs.adapters.openenv:load",
 }
 """``env.source`` prefixes handled by an adapter: ``"PREFIX:REST"`` -> ``loader(REST, env.kwargs)``."""
 
@@ -64,6 +67,8 @@ def _import_attr(spec: str) -> Any:
 
 
 def _check_env(obj: Any, what: str) -> None:
+    if callable(getattr(obj, "run", None)) and not callable(getattr(obj, "step", None)):
+        return  # an agent program (nanogrpo.envs.program)
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if missing:
         raise ConfigError(f"{what} is not an environment: it has no {' or '.join(missing)} method "
@@ -77,7 +82,8 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
     if inspect.isclass(obj):
         _check_env(obj, f"{what} ({obj.__name__})")
         return lambda: obj(**kwargs)
-    if callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+    if (callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None))) or (
+            not inspect.isfunction(obj) and callable(getattr(obj, "run", None))):  # or an agent program
         if kwargs:
             raise ConfigError(f"{what}: env.kwargs is for a class or factory, not an instance")
         fork = getattr(obj, "fork", None)

@@ -6,9 +6,9 @@ Every route but ``/v1/models`` needs ``Authorization: Bearer KEY`` with the key 
 belongs to. Bodies are read in chunks and refused past ``max_body_bytes`` (413) or past a deadline
 (408), before any JSON is parsed. A request's ``temperature``, ``top_p``, ``top_k``, ``seed`` are not
 used: the run's ``rollout.*`` settings sample every token, so that the log-probs trained on are the
-behaviour policy's. ``max_tokens`` (or ``max_completion_tokens``) is honoured up to
-``rollout.max_new_tokens``; ``stop`` is honoured (the reply's text ends before it, as OpenAI's; the
-tokens sampled are recorded as they are); ``n`` must be 1.
+behaviour policy's. ``max_tokens`` (or ``max_completion_tokens``) is honoured within the episode's
+token budget (``rollout.max_new_tokens`` over all its requests); ``stop`` is honoured (the reply's
+text ends before it, as OpenAI's; the tokens sampled are recorded as they are); ``n`` must be 1.
 """
 
 from __future__ import annotations
@@ -172,23 +172,25 @@ def create_app(ep):
             raise ApiError(400, "'n' must be 1 (each episode samples its own turns)")
         max_tokens = _int(body, "max_completion_tokens", _int(body, "max_tokens", s.max_new_tokens, 1), 1)
         stop = _stops(body)
-        if not ep.episodes.reserve(log, s.max_turns):
-            ep.episodes.refuse(log, "max_turns")
-            raise ApiError(400, f"this episode reached its limit of {s.max_turns} model calls", "max_turns")
         if len(prompt) >= s.max_len:
-            ep.episodes.add(log, None)
-            ep.episodes.refuse(log, "context")
+            ep.episodes.refuse(log, "too_long")
             raise ApiError(400, f"the prompt is {len(prompt)} tokens; this run's context holds {s.max_len}",
                            "context_length_exceeded")
-        budget = min(max_tokens, s.max_new_tokens, s.max_len - len(prompt))
+        granted = ep.episodes.reserve(log, s.max_turns, min(max_tokens, s.max_len - len(prompt)))
+        if granted == "max_turns":
+            ep.episodes.refuse(log, "max_turns")
+            raise ApiError(400, f"this episode reached its limit of {s.max_turns} model calls", "max_turns")
+        if granted == "length":
+            ep.episodes.refuse(log, "length")
+            raise ApiError(400, f"this episode sampled its budget of {s.max_new_tokens} tokens", "max_tokens")
         try:
-            c, lp, why = await asyncio.wrap_future(ep.batcher.submit(prompt, budget, stop))
+            c, lp, why = await asyncio.wrap_future(ep.batcher.submit(prompt, granted, stop))
         except Exception as e:
-            ep.episodes.add(log, None)
+            ep.episodes.add(log, None, granted)
             raise ApiError(503, str(e), "unavailable") from None
         rec = Record(0, kind, prompt, c, lp, why, reused,
                      text=text + tok.decode(c, skip_special_tokens=False))
-        ep.episodes.add(log, rec)
+        ep.episodes.add(log, rec, granted)
         return rec
 
     def reply_text(rec: Record, body: dict) -> str:

@@ -57,6 +57,8 @@ class EpisodeLog:
     """The first limit a request hit (``max_turns``, ``context``), None if none."""
     pending: int = 0
     """Requests admitted, not yet answered."""
+    budget: int = 0
+    """Tokens the episode may still sample (granted to requests as they are admitted)."""
     closed: bool = False
 
 
@@ -67,10 +69,11 @@ class Episodes:
         self._lock = threading.Lock()
         self._open: dict[str, EpisodeLog] = {}
 
-    def open(self) -> str:
+    def open(self, budget: int) -> str:
+        """A new episode that may sample ``budget`` tokens over all its requests; its key."""
         key = "ng-" + secrets.token_urlsafe(24)
         with self._lock:
-            self._open[key] = EpisodeLog(key)
+            self._open[key] = EpisodeLog(key, budget=budget)
         return key
 
     def get(self, key: str | None) -> EpisodeLog | None:
@@ -92,18 +95,25 @@ class Episodes:
                 log.closed = True
             self._open.clear()
 
-    def reserve(self, log: EpisodeLog, max_turns: int) -> bool:
-        """Admit one more request of ``log`` unless it would pass ``max_turns`` (answered or pending)."""
+    def reserve(self, log: EpisodeLog, max_turns: int, want: int) -> int | str:
+        """Admit one more request of ``log`` and grant it up to ``want`` tokens of the episode's budget:
+        the tokens granted, or the limit it hits (``"max_turns"``: answered and pending requests;
+        ``"length"``: no token left)."""
         with self._lock:
             if log.closed or len(log.records) + log.pending >= max_turns:
-                return False
+                return "max_turns"
+            granted = min(want, log.budget)
+            if granted < 1:
+                return "length"
             log.pending += 1
-            return True
+            log.budget -= granted
+            return granted
 
-    def add(self, log: EpisodeLog, rec: Record | None) -> None:
-        """Settle a reserved request: its record (None: it failed)."""
+    def add(self, log: EpisodeLog, rec: Record | None, granted: int) -> None:
+        """Settle a reserved request: its record (None: it failed); unsampled tokens go back to the budget."""
         with self._lock:
             log.pending -= 1
+            log.budget += granted - (len(rec.completion_ids) if rec is not None else 0)
             if rec is not None and not log.closed:
                 rec.index = len(log.records)
                 log.records.append(rec)

@@ -36,7 +36,8 @@ class EndpointSettings:
     max_len: int
     """The longest context a request may build (prompt + sampled tokens)."""
     max_new_tokens: int
-    """The most tokens one request samples (a request's ``max_tokens`` may only lower it)."""
+    """The most tokens an episode samples over all its requests (``rollout.max_new_tokens``); a
+    request's ``max_tokens`` may lower its own share; past it requests are refused (400, ``max_tokens``)."""
     vocab_size: int
     """Token ids a ``/v1/completions`` prompt may hold: ``[0, vocab_size)``."""
     max_turns: int = 64
@@ -113,7 +114,7 @@ class Endpoint:
     # ------------------------------------------------------------------ episodes
     def open_episode(self) -> str:
         """A new episode; its key (the ``api_key`` its program uses)."""
-        return self.episodes.open()
+        return self.episodes.open(self.settings.max_new_tokens)
 
     def close_episode(self, key: str) -> EpisodeLog:
         """The episode's requests, in the order they were answered; its key is refused from now on."""
