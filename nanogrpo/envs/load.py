@@ -90,6 +90,11 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
         return fork if callable(fork) else (lambda: copy.deepcopy(obj))
     if callable(obj):
         return lambda: obj(**kwargs)
+    from nanogrpo.envs.adapters import adapt
+
+    adapted = adapt(obj)  # a library's environment object (verifiers)
+    if adapted is not None:
+        return adapted
     raise ConfigError(f"{what}: expected an environment class, a factory or an instance with reset() and "
                       f"step(), got {type(obj).__name__}")
 
