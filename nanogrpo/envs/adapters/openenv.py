@@ -6,7 +6,8 @@ row, then one ``step`` per model turn. The model's text becomes the action ``{AC
 ``env.kwargs.action_field``, or the action schema's one required string field (read from the server's
 ``/schema`` when the run starts). The observation shown to the model is its
 ``env.kwargs.observation_field``, else its one string field, else its fields as JSON (``reward``,
-``done`` and ``metadata`` left out). Each step's reward is the turn's reward; ``done`` ends the episode.
+``done`` and ``metadata`` left out). Each step's reward is the turn's reward; ``done`` ends the episode;
+an episode succeeds when its return is above 0 (OpenEnv's wire format carries no success flag).
 
 What is read from the server is bounded: every WebSocket message by ``env.kwargs.max_message_bytes``
 (default 1 MiB, OpenEnv's client refuses a larger one), the schema by :func:`read_bounded`.
@@ -89,10 +90,8 @@ class OpenEnvEnv(Environment):
     async def step(self, action: str) -> StepResult:
         res = await self.client.step({self.action_field: action})
         obs = res.observation if isinstance(res.observation, dict) else {}
-        meta = obs.get("metadata") if isinstance(obs.get("metadata"), dict) else {}
-        info = {"success": meta["success"]} if isinstance(meta.get("success"), bool) else {}
         text = None if res.done else observation_text(obs, self.observation_field)
-        return StepResult(text, 0.0 if res.reward is None else res.reward, bool(res.done), info)
+        return StepResult(text, 0.0 if res.reward is None else res.reward, bool(res.done))
 
     async def close(self) -> None:
         if self.client is not None:

@@ -16,7 +16,7 @@ rollout's error (its rubric still scores it).
 - from Python, ``nanogrpo.train(env=vf_env)``.
 
 The dataset rows give the rollout its input: ``prompt`` (chat messages; else the row's ``question``
-as the user's message, after the environment's system prompt), ``answer``, ``info``, ``task``. A
+as the user's message, after the environment's system prompt), ``answer``, ``info``. A
 rollout succeeds when its reward reaches the environment's ``pass_threshold``. Needs verifiers 0.3.x
 (0.4 removed the classic API: ``pip install 'verifiers>=0.3.1,<0.4'``).
 """
@@ -48,7 +48,7 @@ def rollout_input(env, row: dict[str, Any], index: int) -> dict[str, Any]:
         prompt = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else []) + \
             list(env.few_shot or []) + [{"role": "user", "content": str(row.get("question", ""))}]
     out = {"prompt": prompt, "example_id": int(row.get("example_id", index)),
-           "answer": str(row.get("answer", "")), "task": row.get("task") or env.env_id or "default"}
+           "answer": str(row.get("answer", ""))}
     if row.get("info") is not None:
         out["info"] = row["info"]
     return out
