@@ -17,13 +17,11 @@ at start, in one line.
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from nanogrpo.envs.imports import import_attr
 from nanogrpo.errors import ConfigError
 
 Factory = Callable[[], Any]
@@ -40,30 +38,8 @@ LOADERS: dict[str, str] = {
 
 
 def _import_attr(spec: str) -> Any:
-    module, _, attr = spec.rpartition(":")
-    if not module or not attr:
-        raise ConfigError(f"env.source {spec!r}: expected 'module:Class', 'path/to/file.py:Class' or one of "
-                          f"{', '.join(p + ':...' for p in sorted(LOADERS)) or 'the adapters'}")
-    try:
-        if module.endswith(".py") or "/" in module:
-            path = Path(module).expanduser().resolve()
-            if not path.is_file():
-                raise ConfigError(f"env.source {spec!r}: file not found: {path}")
-            name = f"_nanogrpo_env_{path.stem}_{abs(hash(str(path))) % 10**8}"
-            file_spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(module)
-    except ConfigError:
-        raise
-    except (Exception, SystemExit) as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise ConfigError(f"env.source {spec!r}: cannot import {module!r} "
-                          f"({type(e).__name__}: {first})") from None
-    if not hasattr(mod, attr):
-        raise ConfigError(f"env.source {spec!r}: {module!r} has no attribute {attr!r}")
-    return getattr(mod, attr)
+    return import_attr(spec, "env.source", "'module:Class', 'path/to/file.py:Class' or one of "
+                       + (", ".join(p + ":..." for p in sorted(LOADERS)) or "the adapters"))
 
 
 def _check_env(obj: Any, what: str) -> None:

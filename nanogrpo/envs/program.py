@@ -129,9 +129,9 @@ def as_agent_result(value: Any) -> AgentResult:
 def load(rest: str, kwargs: dict) -> Any:
     """``env.source = "agent:module:function"`` (or ``agent:path/file.py:function``): a factory of
     :class:`Program` over the function, called with ``env.kwargs``."""
-    from nanogrpo.envs.load import _import_attr
+    from nanogrpo.envs.imports import import_attr
 
-    fn = _import_attr(rest)
+    fn = import_attr(rest, "env.source 'agent:...'")
     if inspect.isclass(fn):
         raise ConfigError(f"env.source 'agent:{rest}': name a function fn(row, client); a class with a run "
                           "method is a source by itself ('module:Class')")

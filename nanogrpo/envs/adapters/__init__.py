@@ -20,17 +20,6 @@ from typing import Any
 from nanogrpo.errors import ConfigError
 
 
-def require(module: str, package: str, what: str):
-    """``import module`` or a one-line :class:`ConfigError` saying which package to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"{what} needs the {package!r} package: pip install {package} "
-                          f"(or pip install 'nanogrpo[envs]') ({type(e).__name__}: {e})") from None
-
-
 def adapt(obj: Any):
     """A factory for a library's environment object (a verifiers ``Environment``, a TextArena ``Env``),
     or None when ``obj`` is none of them."""

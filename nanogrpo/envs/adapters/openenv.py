@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanogrpo.envs.adapters import require
+from nanogrpo.envs.adapters.common import require
 from nanogrpo.envs.adapters.textarena import seed_of
 from nanogrpo.envs.base import Environment, StepResult
 from nanogrpo.errors import ConfigError

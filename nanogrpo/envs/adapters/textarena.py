@@ -15,7 +15,7 @@ import hashlib
 import threading
 from typing import Any
 
-from nanogrpo.envs.adapters import require
+from nanogrpo.envs.adapters.common import require
 from nanogrpo.envs.base import Environment, StepResult
 
 _SEEDING = threading.Lock()

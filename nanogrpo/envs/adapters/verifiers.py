@@ -27,7 +27,7 @@ import inspect
 import math
 from typing import Any
 
-from nanogrpo.envs.adapters import require
+from nanogrpo.envs.adapters.common import require
 from nanogrpo.envs.program import AgentResult, ModelClient
 from nanogrpo.errors import ConfigError
 
@@ -87,9 +87,9 @@ def load(rest: str, kwargs: dict):
     """The factory for ``verifiers:NAME`` (see the module docstring); the environment loads once, at start."""
     vf = _vf()
     if ":" in rest:
-        from nanogrpo.envs.load import _import_attr
+        from nanogrpo.envs.imports import import_attr
 
-        obj = _import_attr(rest)
+        obj = import_attr(rest, "env.source 'verifiers:...'")
         env = obj(**kwargs) if (inspect.isfunction(obj) or inspect.ismethod(obj)) else obj
     else:
         try:
