@@ -24,6 +24,10 @@
   A script (not a notebook) puts its calls under ``if __name__ == "__main__":``: the workers
   start by spawn, which runs the script again in each.
 - ``tools``: a tool (``"python"``, ``module:function``) or a dict of ``tools`` settings.
+- ``env``: an environment (:mod:`nanogrpo.envs`): a class or zero-argument factory (one call per
+  episode), or an instance (each episode gets its ``fork()``, else a deep copy); the dataset's rows start
+  its episodes, scored by their return (the ``env`` reward). Like a callable reward it is not in the
+  run's config: give it again to resume or evaluate the run (``env.source`` names one by import path).
 
 Nothing here imports torch until a function runs (``import nanogrpo`` stays cheap), and a model
 that cannot be found (a typo, a hub id without network) is reported before torch loads. The
@@ -290,22 +294,38 @@ def _tools(cfg: Config, tools: Any) -> Config:
                       f"{type(tools).__name__}")
 
 
+def _env(cfg: Config, env: Any) -> Config:
+    """The config for an environment object given in Python: its episodes are scored by their return."""
+    if env is None:
+        return cfg
+    if isinstance(env, str):
+        return cfg.with_overrides({"env.source": env})
+    if cfg.tools.enabled:
+        raise ConfigError("env and tools both make multi-turn rollouts; use one (an environment runs "
+                          "model-written code through its sandbox handle)")
+    from nanogrpo.config.root import with_env
+
+    cfg = cfg.model_copy(deep=True)
+    with_env(cfg.rewards)
+    return cfg
+
+
 # ----------------------------------------------------------------------------- the functions
 
 
 def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, *,
           rewards: Sequence[str | Callable] | str | Callable | None = None, dataset: Any = None,
           eval_dataset: Any = None, tools: str | Mapping[str, Any] | bool | None = None,
-          resume: str | os.PathLike | None = None, verbose: bool = False) -> Run:
+          env: Any = None, resume: str | os.PathLike | None = None, verbose: bool = False) -> Run:
     """Run GRPO as ``nanogrpo train`` does; returns the :class:`Run` (its directory, metrics,
     checkpoints). ``config``: a :class:`Config`, a file or preset name, a dict (None: the demo,
     or with ``resume`` the run's own config). ``resume``: a run directory to continue from its last
     checkpoint (with the same ``rewards`` and ``dataset`` as it started with). See the module
-    docstring for ``rewards``, ``dataset``, ``eval_dataset`` and ``tools``."""
+    docstring for ``rewards``, ``dataset``, ``eval_dataset``, ``tools`` and ``env``."""
     _not_in_a_spawned_copy("train")
     with screen(verbose):
         cfg = run_config(resume) if config is None and resume is not None else as_config(config)
-        cfg = _tools(cfg, tools)
+        cfg = _env(_tools(cfg, tools), env)
         root = Path(resume or cfg.train.out)
         data = _data(cfg, dataset, eval_dataset, root)
         if rewards is None and _callables_in(data.cfg):
@@ -321,7 +341,7 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
             from nanogrpo.training.trainer import train as run_training
 
             prepared = prepare(cfg, Path(resume) if resume is not None else None, rewards=runner,
-                               model_path=model_path, **given)
+                               model_path=model_path, env=None if isinstance(env, str) else env, **given)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -336,7 +356,7 @@ def evaluate(model: str | os.PathLike | Run, *,
              config: Config | str | os.PathLike | Mapping[str, Any] | None = None, dataset: Any = None,
              split: str | None = None, n: int | None = None, k: int | None = None,
              rewards: Sequence[str | Callable] | str | Callable | None = None,
-             out: str | os.PathLike | None = None, overrides: Overrides = (),
+             out: str | os.PathLike | None = None, overrides: Overrides = (), env: Any = None,
              verbose: bool = False) -> dict[str, Any]:
     """Greedy pass@1 (``k`` 1) or sampled pass@k and maj@k of a model, with the training rewards, as
     ``nanogrpo eval`` does; returns its summary (``accuracy``, ``format_rate``, ``reward_mean``,
@@ -349,7 +369,8 @@ def evaluate(model: str | os.PathLike | Run, *,
     its held-out split), else the config's ``split`` (default ``data.eval_split``) of ``data.eval_source``
     (else ``data.source``); the first ``n`` of
     them (default: all the rows given, else ``eval.n``). ``out``: also write the summary JSON there,
-    and per-sample records beside it.
+    and per-sample records beside it. ``env``: an environment object (else the config's ``env.source``):
+    each row starts an episode and ``accuracy`` is their success rate, with ``turns_mean``.
     """
     _not_in_a_spawned_copy("evaluate")
     with screen(verbose):
@@ -362,6 +383,7 @@ def evaluate(model: str | os.PathLike | Run, *,
             cfg = as_config({}, overrides)  # your model on a dataset preset: the demo's lengths do not fit
         else:
             cfg = as_config(config, overrides)
+        cfg = _env(cfg, env)
         if k is not None and k < 1:
             raise ConfigError(f"k must be at least 1, got {k}")
         if n is not None and n < 1:
@@ -407,7 +429,7 @@ def evaluate(model: str | os.PathLike | Run, *,
             n = n or (len(rows) if dataset is not None else cfg.eval.n)
             label = split if dataset is None or isinstance(dataset, Mapping) else "dataset"
             return run_eval(cfg, policy, tok, label, n, Path(out) if out is not None else None, k=k,
-                            rows=rows, rewards=runner)
+                            rows=rows, rewards=runner, env=None if isinstance(env, str) else env)
         finally:
             if runner is not None:
                 runner.close()

@@ -20,6 +20,10 @@ Summary fields:
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
 - with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
   once) and ``tool_calls_mean`` (calls per completion);
+- with an environment (``[env]``): each problem is an episode (``k`` per row), ``accuracy`` its success
+  rate (the environment's ``info["success"]``, else a return above 0), ``pass@k`` the share of rows with
+  a successful episode among k, ``turns_mean`` (model turns per episode), ``return_mean`` and
+  ``finish/REASON`` counts (``maj@k`` and ``format_rate`` mean nothing there: not reported);
 - given the policy model (``policy``): ``entropy``, the policy's mean per-token entropy over the
   completions' tokens (the sampled ones: tool output left out), at the run's log-prob temperature,
   from the same chunked pass the trainer uses (:func:`nanogrpo.algo.logprobs.token_stats`).
@@ -47,6 +51,7 @@ from nanogrpo.rewards.grade import final_answer
 from nanogrpo.rewards.latex import clean, plain_values
 from nanogrpo.rollout.collect import completion_samples, generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
+from nanogrpo.rollout.episodes import Episodes
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
@@ -103,10 +108,15 @@ def completion_entropy(model, prompts: list[list[int]], completions: list[list[i
 
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                   max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
-                  seed: int = 0, tools=None, policy=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  seed: int = 0, tools=None, policy=None,
+                  env=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
     ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None.
-    ``policy``: the model whose entropy over the completions is reported (``entropy``), or None."""
+    ``policy``: the model whose entropy over the completions is reported (``entropy``), or None.
+    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes`: the rows start episodes, scored by success."""
+    if env is not None:
+        return _evaluate_episodes(engine, tokenizer, rows, cfg, rewards, max_new_tokens, batch_size, k,
+                                  temperature, seed, env, policy)
     records: list[dict[str, Any]] = []
     skipped = 0
     ent_sum, ent_n = 0.0, 0
@@ -181,6 +191,72 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
     return summary, records
 
 
+def _evaluate_episodes(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
+                       max_new_tokens: int, batch_size: int, k: int, temperature: float | None, seed: int,
+                       env, policy) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:func:`evaluate_rows` with an environment: ``k`` episodes per row (greedy when ``k == 1``)."""
+    records: list[dict[str, Any]] = []
+    skipped, ent_sum, ent_n = 0, 0.0, 0
+    finishes: Counter = Counter()
+    lens: list[int] = []
+    t0 = time.perf_counter()
+    temp = 0.0 if k == 1 else (temperature or cfg.rollout.temperature)
+    for b, i in enumerate(range(0, len(rows), batch_size)):
+        chunk = rows[i:i + batch_size]
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, n=k,
+                                top_p=cfg.rollout.top_p if k > 1 else 1.0,
+                                top_k=cfg.rollout.top_k if k > 1 else 0,
+                                seed=None if k == 1 else seed * 1_000_003 + b, resume_after_eos=True)
+        gen = env.generate(engine, tokenizer, chunk, params)
+        kept = [chunk[j] for j in gen.kept]
+        skipped += len(chunk) - len(kept)
+        if not kept:
+            continue
+        if policy is not None:
+            s_, n_ = completion_entropy(policy, gen.prompt_ids, gen.completion_ids, gen.loss_masks,
+                                        tokenizer.pad_token_id, cfg.rollout.logprob_temperature(),
+                                        cfg.train.micro_batch_size, cfg.train.logprob_chunk,
+                                        cfg.rollout.logprob_support())
+            ent_sum, ent_n = ent_sum + s_, ent_n + n_
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+        samples = completion_samples(kept, k, gen.finish_reasons, [sum(m) for m in gen.loss_masks],
+                                     max_new_tokens)
+        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+        scored = rewards.score(texts, samples)
+        finishes.update(gen.finish_reasons)
+        lens += [len(c) for c in gen.completion_ids]
+        for p, r in enumerate(kept):
+            sl = slice(p * k, (p + 1) * k)
+            records.append({
+                "id": r.get("id"), "question": r.get("question"), "answer": r.get("answer"),
+                "completions": texts[sl], "rewards": scored.total[sl],
+                "reward_breakdown": {name: vals[sl] for name, vals in scored.per_function.items()},
+                "correct": [s["success"] for s in samples[sl]],
+                "returns": [s["env_reward"] for s in samples[sl]],
+                "turns": [s["num_turns"] for s in samples[sl]], "finish_reasons": gen.finish_reasons[sl],
+                "transcripts": [s["turns"] for s in samples[sl]],
+            })
+    n = len(records)
+    nan = float("nan")
+    flat = [c for x in records for c in x["correct"]]
+    turns = [t for x in records for t in x["turns"]]
+    summary: dict[str, Any] = {
+        "accuracy": sum(flat) / len(flat) if flat else nan,
+        "reward_mean": statistics.fmean(v for x in records for v in x["rewards"]) if n else nan,
+        "return_mean": statistics.fmean(v for x in records for v in x["returns"]) if n else nan,
+        "turns_mean": statistics.fmean(turns) if turns else nan,
+        "n": n, "k": k, "temperature": temp,
+        "pass@1": sum(flat) / len(flat) if flat else nan,
+        f"pass@{k}": sum(any(x["correct"]) for x in records) / n if n else nan,
+        "completion_len_mean": statistics.fmean(lens) if lens else nan, "skipped_long_prompts": skipped,
+        "time_s": round(time.perf_counter() - t0, 3),
+        **{f"finish/{w}": finishes[w] for w in sorted(finishes)},
+    }
+    if policy is not None:
+        summary["entropy"] = ent_sum / ent_n if ent_n else nan
+    return summary, records
+
+
 def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: Path) -> None:
     """``out`` gets the summary JSON; ``out`` with suffix ``.samples.jsonl`` one record per problem."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,13 +268,16 @@ def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 
 def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
              engine=None, rows: list[dict] | None = None,
-             rewards: RewardRunner | None = None) -> dict[str, Any]:
+             rewards: RewardRunner | None = None, env=None) -> dict[str, Any]:
     """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``; the
     problems come from ``data.eval_source``, else ``data.source``); ``rows``: samples to take them from
-    instead, ``rewards``: a runner instead of ``cfg.rewards``'."""
+    instead, ``rewards``: a runner instead of ``cfg.rewards``', ``env``: an environment object instead of
+    ``env.source``'s (episodes: ``accuracy`` is their success rate)."""
     rows = (rows if rows is not None else load_eval_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    engine = engine or engine_for(cfg, model, tokenizer, max_len=longest_context(cfg, tokenizer, max_new))
+    episodes = Episodes.from_config(cfg, env)
+    max_len = longest_context(cfg, tokenizer, max_new) if episodes is None else episodes.longest(max_new)
+    engine = engine or engine_for(cfg, model, tokenizer, max_len=max_len)
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     if rewards is None:
@@ -212,8 +291,10 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
             summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,
-                                             tools=tools, policy=model)
+                                             tools=tools, policy=model, env=episodes)
     finally:
+        if episodes is not None:
+            episodes.close()
         if rewards is None:
             runner.close()
         if tools is not None:

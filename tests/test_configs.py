@@ -36,6 +36,14 @@ def test_demo_config_is_the_preset():
     assert load_config(CONFIGS / "demo.toml") == load_config(preset_path("demo"))
 
 
+def test_every_demo_ships_its_preset_as_a_config_copy():
+    from nanogrpo import demos
+
+    for name in demos.names():
+        preset = demos.preset_name(name)
+        assert load_config(CONFIGS / f"{preset}.toml") == load_config(preset_path(preset)), preset
+
+
 @pytest.mark.parametrize("path", GSM8K, ids=lambda p: p.name)
 def test_gsm8k_configs_carry_the_seed_recipe(path):
     cfg = load_config(path)

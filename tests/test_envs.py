@@ -50,15 +50,18 @@ def test_step_results_of_every_shape():
     assert msgs == [{"role": "tool", "content": "42"}]
 
 
-@pytest.mark.parametrize("bad, words", [
-    (("o", float("nan"), False), "non-finite"),
-    (("o", math.inf, True), "non-finite"),
-    (("o", "lots", False), "not a number"),
-    (42, "StepResult"),
-    ((123, 1.0, False), "observation of type int"),
-    (([{"role": "user"}], 1.0, False), "observation"),
-    (StepResult("o", info=[1]), "info"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (("o", float("nan"), False), "non-finite"),
+        (("o", math.inf, True), "non-finite"),
+        (("o", "lots", False), "not a number"),
+        (42, "StepResult"),
+        ((123, 1.0, False), "observation of type int"),
+        (([{"role": "user"}], 1.0, False), "observation"),
+        (StepResult("o", info=[1]), "info"),
+    ],
+)
 def test_bad_step_results_are_refused(bad, words):
     with pytest.raises(EnvResultError, match=words):
         as_step_result(bad)
@@ -77,30 +80,38 @@ def test_factories_give_one_fresh_environment_per_episode(tmp_path):
     class Forks(Counter):
         def fork(self):
             return Counter(99)
+
     assert factory_of(Forks())().n == 99
     f = tmp_path / "my_env.py"
-    f.write_text("from nanogrpo.envs import Environment, StepResult\n"
-                 "class Mine(Environment):\n    def step(self, action):\n"
-                 "        return StepResult(done=True)\n")
+    f.write_text(
+        "from nanogrpo.envs import Environment, StepResult\n"
+        "class Mine(Environment):\n    def step(self, action):\n"
+        "        return StepResult(done=True)\n"
+    )
     assert resolve(f"{f}:Mine")().step("a").done
     assert resolve("tests.test_envs:Counter", {"start": 2})().n == 2
 
 
-@pytest.mark.parametrize("source, words", [
-    ("nope", "expected 'module:Class'"),
-    ("no_such_module_xyz:Env", "cannot import"),
-    ("tests.test_envs:Nothing", "no attribute"),
-    ("/no/such/file.py:Env", "file not found"),
-    ("tests.test_envs:math", "not an environment|expected an environment"),
-])
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("nope", "expected 'module:Class'"),
+        ("no_such_module_xyz:Env", "cannot import"),
+        ("tests.test_envs:Nothing", "no attribute"),
+        ("/no/such/file.py:Env", "file not found"),
+        ("tests.test_envs:math", "not an environment|expected an environment"),
+    ],
+)
 def test_bad_sources_fail_in_one_line(source, words):
     with pytest.raises(ConfigError, match=words):
         resolve(source)
 
 
 def test_config_section_and_its_refusals():
-    cfg = Config.load("demo", ["env.source=tests.test_envs:Counter", "env.kwargs={start: 1}",
-                               "grpo.turn_reward_discount=0.9"])
+    cfg = Config.load(
+        "demo",
+        ["env.source=tests.test_envs:Counter", "env.kwargs={start: 1}", "grpo.turn_reward_discount=0.9"],
+    )
     assert cfg.env.kwargs == {"start": 1} and cfg.grpo.turn_reward_discount == 0.9
     with pytest.raises(ConfigError, match="max_turn"):
         Config.load("demo", ["env.max_turnz=3"])

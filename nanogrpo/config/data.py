@@ -30,7 +30,7 @@ Qwen2.5-Math's (the same instruction as the system prompt)."""
 class DataConfig(_Strict):
     source: str = "gsm8k"
     """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
-    ``multidigit``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
+    ``multidigit``, ``game``, ``dialogue``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
     split: str = "train"
     eval_split: str = "test"
     eval_source: str | None = None
@@ -62,7 +62,8 @@ class DataConfig(_Strict):
     shuffle: bool = True
     arithmetic_train_size: int = Field(20000, gt=0)
     arithmetic_eval_size: int = Field(500, gt=0)
-    """Rows of the synthetic tasks (``arithmetic``, ``multidigit``): the train split and the held-out one."""
+    """Rows of the synthetic tasks (``arithmetic``, ``multidigit``, ``game``, ``dialogue``): the train split
+    and the held-out one."""
 
     @model_validator(mode="before")
     @classmethod

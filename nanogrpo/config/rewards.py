@@ -11,7 +11,8 @@ from nanogrpo.config.base import _Strict
 
 class RewardsConfig(_Strict):
     functions: list[str] = Field(default_factory=lambda: ["correctness", "format"])
-    """Built-in names (``correctness``, ``format``, ``format_strict``, ``format_boxed``, ``overlong``),
+    """Built-in names (``correctness``, ``format``, ``format_strict``, ``format_boxed``, ``overlong``;
+    ``env``: a multi-turn episode's return, which ``[env]`` runs put first by themselves),
     ``module:function`` or
     ``path/to/file.py:function`` (per-completion or batched, ``nanogrpo.rewards.batching``). (Python's
     API also takes callables: ``nanogrpo.rewards.entries``.)"""

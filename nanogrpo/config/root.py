@@ -56,6 +56,8 @@ class Config(_Strict):
         if buf is not None and buf > r.max_new_tokens:
             raise ValueError(f"rewards.overlong_buffer={buf} is longer than rollout.max_new_tokens="
                              f"{r.max_new_tokens}: the punishment would start before the first token")
+        if self.env.source:
+            with_env(self.rewards)
         if self.env.source and self.tools.enabled:
             raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
                              "environment runs model-written code through its sandbox handle)")
@@ -86,6 +88,17 @@ class Config(_Strict):
         return Config.from_dict(self.to_dict(), overrides)
 
 
+
+
+def with_env(rewards: RewardsConfig) -> None:
+    """An environment's episodes are scored by their return, the ``env`` reward: ``rewards.functions`` left
+    at its default becomes ``["env"]``; a list without ``env`` gets it first (weight 1)."""
+    if "functions" not in rewards.model_fields_set:
+        rewards.functions, rewards.weights = ["env"], None
+    elif "env" not in [f.strip() for f in rewards.functions]:
+        rewards.weights = None if rewards.weights is None else [1.0, *rewards.weights]
+        rewards.functions = ["env", *rewards.functions]
+    rewards.model_fields_set.add("functions")
 
 
 RUN_CONFIG_FILE = "config.yaml"

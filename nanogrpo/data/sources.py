@@ -19,6 +19,9 @@
   (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
 - ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.demos.tools.task`),
   sized by the same two settings.
+- ``game``, ``dialogue``: the rows that start the multi-turn demos' episodes (guess the number,
+  :mod:`nanogrpo.demos.game.task`; a simulated user, :mod:`nanogrpo.demos.dialogue.task`), sized
+  likewise; they are played with an environment (``[env]``).
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
@@ -42,6 +45,8 @@ from nanogrpo import hub
 from nanogrpo.config import DataConfig
 from nanogrpo.data.samples import normalize_rows
 from nanogrpo.demos.arithmetic import task as arithmetic
+from nanogrpo.demos.dialogue import task as dialogue
+from nanogrpo.demos.game import task as game
 from nanogrpo.demos.tools import task as multidigit
 from nanogrpo.errors import DataError
 
@@ -229,6 +234,8 @@ def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[di
         return _arithmetic_rows(cfg, split)
     if source == "multidigit":
         return _arithmetic_rows(cfg, split, multidigit)
+    if source in ("game", "dialogue"):
+        return _arithmetic_rows(cfg, split, game if source == "game" else dialogue)
     if source in PRESETS:
         return _preset_rows(cfg, source, split)
     if source.startswith("hf:"):
@@ -240,7 +247,7 @@ def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[di
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() not in READERS:
         raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}, arithmetic, "
-                        f"multidigit), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
+                        f"multidigit, game, dialogue), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
     return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
 
 

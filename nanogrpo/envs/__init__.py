@@ -6,5 +6,15 @@ from nanogrpo.envs.base import Environment, EnvResultError, Message, Observation
 from nanogrpo.envs.load import LOADERS, resolve
 from nanogrpo.envs.runner import EnvRunner, Outcome
 
-__all__ = ["Environment", "EnvResultError", "EnvRunner", "LOADERS", "Message", "Observation", "Outcome",
-           "StepResult", "as_step_result", "resolve"]
+__all__ = [
+    "Environment",
+    "EnvResultError",
+    "EnvRunner",
+    "LOADERS",
+    "Message",
+    "Observation",
+    "Outcome",
+    "StepResult",
+    "as_step_result",
+    "resolve",
+]

@@ -82,11 +82,9 @@ class SandboxHandle(Protocol):
 class EnvironmentLike(Protocol):
     """Any object with these two methods is an environment (sync or ``async def``)."""
 
-    def reset(self, row: dict[str, Any]) -> Observation:
-        ...
+    def reset(self, row: dict[str, Any]) -> Observation: ...
 
-    def step(self, action: str) -> Any:
-        ...
+    def step(self, action: str) -> Any: ...
 
 
 class Environment:
@@ -115,11 +113,14 @@ def check_observation(obs: Any, where: str) -> Observation | None:
     if obs is None or isinstance(obs, str):
         return obs
     if isinstance(obs, (list, tuple)) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in obs):
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in obs
+    ):
         return [dict(m) for m in obs]
-    raise EnvResultError(f"{where} answered an observation of type {type(obs).__name__}: use a string or a "
-                         "list of {'role': ..., 'content': ...} messages")
+    raise EnvResultError(
+        f"{where} answered an observation of type {type(obs).__name__}: use a string or a "
+        "list of {'role': ..., 'content': ...} messages"
+    )
 
 
 def as_step_result(value: Any) -> StepResult:
@@ -140,14 +141,17 @@ def as_step_result(value: Any) -> StepResult:
         else:
             res = StepResult(*value)
     else:
-        raise EnvResultError(f"step answered {type(value).__name__}: answer a StepResult or a tuple "
-                             "(observation, reward, done[, info])")
+        raise EnvResultError(
+            f"step answered {type(value).__name__}: answer a StepResult or a tuple "
+            "(observation, reward, done[, info])"
+        )
     res.observation = check_observation(res.observation, "step")
     try:
         reward = float(res.reward)
     except (TypeError, ValueError):
-        raise EnvResultError(f"step answered a reward of type {type(res.reward).__name__}, "
-                             "not a number") from None
+        raise EnvResultError(
+            f"step answered a reward of type {type(res.reward).__name__}, not a number"
+        ) from None
     if not math.isfinite(reward):
         raise EnvResultError(f"step answered a non-finite reward ({reward})")
     res.reward = reward
@@ -159,5 +163,14 @@ def as_step_result(value: Any) -> StepResult:
     return res
 
 
-__all__ = ["Environment", "EnvironmentLike", "EnvResultError", "Message", "Observation", "SandboxHandle",
-           "StepResult", "as_step_result", "check_observation"]
+__all__ = [
+    "Environment",
+    "EnvironmentLike",
+    "EnvResultError",
+    "Message",
+    "Observation",
+    "SandboxHandle",
+    "StepResult",
+    "as_step_result",
+    "check_observation",
+]

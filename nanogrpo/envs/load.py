@@ -47,8 +47,10 @@ def _check_env(obj: Any, what: str) -> None:
         return  # an agent program (nanogrpo.envs.program)
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if missing:
-        raise ConfigError(f"{what} is not an environment: it has no {' or '.join(missing)} method "
-                          "(see nanogrpo/envs/base.py)")
+        raise ConfigError(
+            f"{what} is not an environment: it has no {' or '.join(missing)} method "
+            "(see nanogrpo/envs/base.py)"
+        )
 
 
 def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "env") -> Factory:

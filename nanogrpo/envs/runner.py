@@ -194,8 +194,9 @@ class EnvRunner:
             self._workers.jobs.put(job)
         return job
 
-    def run_all(self, fns: Sequence[Callable[[], Any]], what: str,
-                is_async: Sequence[bool] | None = None) -> list[Outcome]:
+    def run_all(
+        self, fns: Sequence[Callable[[], Any]], what: str, is_async: Sequence[bool] | None = None
+    ) -> list[Outcome]:
         """Run ``fns`` concurrently, each under the deadline (counted from when it starts)."""
         jobs = [self._submit(f, bool(is_async and is_async[i])) for i, f in enumerate(fns)]
         out: dict[int, Outcome] = {}
@@ -230,18 +231,26 @@ class EnvRunner:
         key = f"{what}/{r.status}"
         self.counts[key] += 1
         if self.counts[key] <= _WARN_LIMIT:
-            log.warning("environment %s: %s %s (%s)%s", self.source, what, r.status, r.error,
-                        "; further ones are counted, not logged" if self.counts[key] == _WARN_LIMIT else "")
+            log.warning(
+                "environment %s: %s %s (%s)%s",
+                self.source,
+                what,
+                r.status,
+                r.error,
+                "; further ones are counted, not logged" if self.counts[key] == _WARN_LIMIT else "",
+            )
 
     # ------------------------------------------------------------------ episodes
 
     def make(self, n: int) -> list[Outcome]:
         """``n`` fresh environments (each made by the factory under the deadline), sandbox handle set."""
+
         def one():
             env = self.factory()
             if self.sandbox is not None and hasattr(env, "sandbox"):
                 env.sandbox = self.sandbox
             return env
+
         return self.run_all([one] * n, "create")
 
     def call(self, envs: Sequence[Any], method: str, args: Sequence[Any]) -> list[Outcome]:
@@ -258,8 +267,9 @@ class EnvRunner:
         """``close()`` each environment that has one (failures logged, never raised)."""
         todo = [e for e in envs if callable(getattr(e, "close", None))]
         if todo:
-            self.run_all([e.close for e in todo], "close",
-                         [inspect.iscoroutinefunction(e.close) for e in todo])
+            self.run_all(
+                [e.close for e in todo], "close", [inspect.iscoroutinefunction(e.close) for e in todo]
+            )
 
     def close(self) -> None:
         if self._workers is not None:

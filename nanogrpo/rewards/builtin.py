@@ -137,8 +137,17 @@ def overlong(completion: str, sample: dict[str, Any], *, buffer: int | None = No
     return -penalty * min(max(n - (limit - cache), 0), cache) / cache
 
 
+def env_return(completion: str, sample: dict[str, Any]) -> float:
+    """A multi-turn episode's return (``[env]``): its turns' rewards summed, discounted by
+    ``grpo.turn_reward_discount``, or ``env.error_penalty`` when the environment broke it (the rollout
+    puts it in the sample as ``env_reward``)."""
+    if "env_reward" not in sample:
+        raise KeyError("the env reward scores episodes of an environment: set env.source")
+    return float(sample["env_reward"])
+
+
 BUILTIN = {"correctness": correctness, "format": format_reward, "format_strict": format_strict,
-           "format_boxed": format_boxed, "overlong": overlong}
+           "format_boxed": format_boxed, "overlong": overlong, "env": env_return}
 FORMATS = ("format_boxed", "format_strict", "format")
 """The built-in format rewards, the one a run's format rate is measured by first."""
 

@@ -4,7 +4,10 @@ The same function runs inside the single-process trainer and inside each
 ``nanogrpo rollout`` worker; only where the batch goes differs. With a tool
 (``tools``), each completion is a multi-turn trajectory (:mod:`nanogrpo.rollout.turns`):
 the rewards see its whole text and, in the sample dict, its ``turns`` and
-``tool_calls``; the batch carries a ``loss_mask`` that leaves the tool output out.
+``tool_calls``; the batch carries a ``loss_mask`` that leaves the tool output out. With an
+environment (``env``), each completion is an episode (:mod:`nanogrpo.rollout.episodes`): the
+sample dict carries its return (``env_reward``, the ``env`` reward), ``success`` (what ``accuracy``
+counts), ``turns`` and ``turn_rewards``; the environment's observations are left out of the loss.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class RolloutStats:
     reward_model_metrics: dict[str, float] = field(default_factory=dict)
     """Model rewards' figures (``judge/…``, ``rm/…``), :attr:`nanogrpo.rewards.RewardResult.metrics`."""
     tool_metrics: dict[str, float] = field(default_factory=dict)
-    """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`)."""
+    """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`), ``env/…``
+    ones of episodes (:func:`nanogrpo.rollout.episodes.env_metrics`)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -136,6 +140,8 @@ class _Round:
     """One generation round of a step: its prompts (those kept), completions and rewards."""
 
     prompt_ids: list[list[int]]
+    """One per completion (a group's completions share theirs, except episodes whose first
+    observations differ)."""
     rows: list[dict]
     gen: Any
     texts: list[str]
@@ -145,8 +151,11 @@ class _Round:
 
 
 def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
-                    cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools) -> _Round:
+                    cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools,
+                    env=None) -> _Round:
     """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
+    if env is not None:
+        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env)
     prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
     skipped_set = set(skipped)
     kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
@@ -162,7 +171,30 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
     samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons, sampled, cfg.max_new_tokens)
     if tools is not None:
         samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+    prompt_ids = [p for p in prompt_ids for _ in range(grpo.group_size)]  # one per completion
     return _Round(prompt_ids, kept_rows, gen, texts, samples, rewards.score(texts, samples), len(skipped))
+
+
+def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, cfg: RolloutConfig,
+                   grpo: GrpoConfig, seed: int | None, env) -> _Round:
+    """``grpo.group_size`` episodes per row with the environment (``env``: an
+    :class:`~nanogrpo.rollout.episodes.Episodes`), scored."""
+    if not rows:
+        return _Round([], [], None, [], [], None, 0)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, n=grpo.group_size, seed=seed,
+                            logprob_temperature=cfg.logprob_temperature(),
+                            support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
+    gen = env.generate(engine, tokenizer, rows, params)
+    kept_rows = [rows[i] for i in gen.kept]
+    if not kept_rows:
+        return _Round([], [], None, [], [], None, len(rows))
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+    samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons,
+                                 [sum(m) for m in gen.loss_masks], cfg.max_new_tokens)
+    samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+    return _Round(gen.prompt_ids, kept_rows, gen, texts, samples, rewards.score(texts, samples),
+                  len(rows) - len(kept_rows))
 
 
 def _informative(rnd: _Round, rewards: RewardRunner, grpo: GrpoConfig) -> torch.Tensor:
@@ -183,10 +215,11 @@ def _sum(reduce: Reduce | None, values: list[float]) -> list[float]:
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
             policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None,
-            more=None) -> tuple[RolloutBatch | None, RolloutStats]:
+            more=None, env=None) -> tuple[RolloutBatch | None, RolloutStats]:
     """Sample, score and package one step's groups; ``None`` when no group carries signal.
 
     ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None.
+    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes` (episodes with an environment), or None.
     ``reduce``: several ranks roll out shares of one batch: sums over them for the batch-level
     advantage estimators and the refill decisions (every rank calls this function, with or without rows).
     ``more(n)``: this rank's share of the next ``n`` prompts of the (global) prompt stream, for
@@ -199,7 +232,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     g = grpo.group_size
     stats = RolloutStats()
     target = len(rows)
-    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools)]
+    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env)]
     dynamic = grpo.dynamic_sampling and more is not None
     if dynamic:
         informative = [_informative(rounds[0], rewards, grpo)]
@@ -212,7 +245,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
             r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
             rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
-                                  grpo, template, r_seed, tools)
+                                  grpo, template, r_seed, tools, env)
             rounds.append(rnd)
             informative.append(_informative(rnd, rewards, grpo))
         stats.refills = len(rounds) - 1
@@ -233,18 +266,24 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     per_function = {k: [v for r in live for v in r.scored.per_function[k]]
                     for k in live[0].scored.per_function}
     total = [v for r in live for v in r.scored.total]
-    if tools is not None:
-        stats.tool_metrics = _merge_tool_metrics([(len(x.gen.completion_ids), x.gen.tool_metrics)
-                                                  for x in live])
+    multi = tools is not None or env is not None
+    if multi:
+        parts = [(len(x.gen.completion_ids), x.gen.tool_metrics if env is None else x.gen.env_metrics)
+                 for x in live]
+        stats.tool_metrics = _merge_tool_metrics(parts)
     r = torch.tensor(total, dtype=torch.float32)                                  # (N,)
-    acc = _metric_column("correctness", correctness, per_function, texts, samples)
+    if env is not None:  # an episode's success (the environment's say, else a return above 0)
+        acc = [1.0 if s["success"] else 0.0 for s in samples]
+    else:
+        acc = _metric_column("correctness", correctness, per_function, texts, samples)
     fmt_name = format_name(list(per_function))  # the run's own format reward (format_boxed, ...)
-    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], per_function, texts, samples)
+    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], per_function, texts, samples) \
+        if env is None or fmt_name in per_function else []
     lens = [len(c) for c in comp]
     stats.reward_mean = float(r.mean())
     stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
     stats.accuracy = sum(a > 0 for a in acc) / len(acc)
-    stats.format_rate = sum(f > 0 for f in fmt) / len(fmt)
+    stats.format_rate = sum(f > 0 for f in fmt) / len(fmt) if fmt else float("nan")
     stats.completion_len_mean = statistics.fmean(lens)
     stats.completion_tokens = sum(lens)
     stats.num_completions = len(lens)
@@ -259,15 +298,15 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             fails[k] = fails.get(k, 0) + v
     stats.reward_failures_by_function = fails
     stats.reward_model_metrics = dict(live[-1].scored.metrics)
-    stats.examples = [{"question": samples[i]["question"], "completion": texts[i], "reward": total[i],
+    stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
                        **{k: v[i] for k, v in per_function.items()}}
                       for i in range(min(keep_examples, len(texts)))]
 
     groups = len(kept_rows)
     stats.groups_total = groups
     per_fn = torch.tensor([per_function[s] for s in rewards.specs], dtype=torch.float64).T  # (N, F)
-    loss_masks = [m for x in live for m in x.gen.loss_masks] if tools is not None else None
-    trained = [sum(m) for m in loss_masks] if tools is not None else lens                    # (N,)
+    loss_masks = [m for x in live for m in x.gen.loss_masks] if multi else None
+    trained = [sum(m) for m in loss_masks] if multi else lens                    # (N,)
     adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
                                   reduce)                                          # (N,) each
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
@@ -281,11 +320,11 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
         return None, stats
     rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
     idx = rows_kept.tolist()
-    ids, am, cm, lp, p = pad_batch([prompt_ids[i // g] for i in idx], [comp[i] for i in idx],
+    ids, am, cm, lp, p = pad_batch([prompt_ids[i] for i in idx], [comp[i] for i in idx],
                                    [lps[i] for i in idx], tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in idx], dtype=torch.int64)
     lm = None
-    if tools is not None:
+    if multi:
         lm = torch.zeros_like(cm)                                                  # (n, C)
         for j, i in enumerate(idx):
             lm[j, :len(loss_masks[i])] = torch.tensor(loss_masks[i], dtype=torch.bool)

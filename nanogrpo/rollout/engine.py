@@ -51,6 +51,11 @@ class SamplingParams:
     engine built with a tokenizer. An engine that does not stop early ignores it; a
     :class:`TurnSession` always cuts there, so results agree, only compute differs."""
 
+    resume_after_eos: bool = False
+    """Multi-turn sessions whose turns end at EOS (chat turns with an environment): a row that ended at
+    EOS may be stepped again, so a session that keeps caches (the fast engine's) keeps its cache then too
+    (by default only rows that completed a stop string are expected back)."""
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

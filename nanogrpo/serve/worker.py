@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.models.reward import reward_runner
     from nanogrpo.rollout.collect import rollout
+    from nanogrpo.rollout.episodes import Episodes
     from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
     from nanogrpo.serve.auth import load_token
@@ -128,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     client.health()
     rewards = reward_runner(cfg)  # rm: reward models on this worker's device, where generation happens
     tools = ToolRunner.from_config(cfg.tools)
+    episodes = Episodes.from_config(cfg)  # env.source: episodes with an environment
     try:
         model, tok, _ = load_policy(cfg.model)
         model.eval().requires_grad_(False)
-        engine = engine_for(cfg, model, tok, max_len=longest_context(cfg, tok, cfg.rollout.max_new_tokens))
+        max_new = cfg.rollout.max_new_tokens
+        engine = engine_for(cfg, model, tok, max_len=longest_context(cfg, tok, max_new) if episodes is None
+                            else episodes.longest(max_new))
         follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
         if getattr(engine, "owns_weights", False):
             del model  # vllm holds its own copy of the weights; new ones come from the relay
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
                                        seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
-                                       more=sampler.next_batch)  # grpo.dynamic_sampling's refill rounds
+                                       more=sampler.next_batch,  # grpo.dynamic_sampling's refill rounds
+                                       env=episodes)
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)
@@ -172,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         rewards.close()
         if tools is not None:
             tools.close()
+        if episodes is not None:
+            episodes.close()
         client.close()
     log.info("worker %s: done, %d batch(es) uploaded", worker_id, uploaded)
     return 0

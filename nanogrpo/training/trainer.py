@@ -27,6 +27,7 @@ from nanogrpo.models.load import check_model_source, load_model, load_policy, re
 from nanogrpo.models.reward import reward_runner
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.episodes import Episodes
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
 from nanogrpo.tools.registry import ToolRunner
@@ -62,6 +63,9 @@ class PreparedRun:
     tools: ToolRunner | None = None
     """The run's tool (``tools.enabled``); built from ``cfg.tools`` when not given (its sandbox
     starts on first use and stops at :meth:`ToolRunner.close` or when the object goes)."""
+    env: Episodes | None = None
+    """The run's environment episodes (``env.source``, or an object given to ``nanogrpo.train(env=...)``);
+    None: plain completions (or ``[tools]``)."""
     model_path: str | None = None
     """Where ``cfg.model.path`` loads from (:func:`~nanogrpo.models.source.check_model_source`:
     a hub id, a local directory, the HF cache's copy offline); None: resolved at load."""
@@ -76,19 +80,21 @@ _UNSET: Any = object()
 
 def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunner | None = None,
             rows: list[dict] | None = None, eval_rows: list[dict] | None = _UNSET,
-            tools: ToolRunner | None = _UNSET, model_path: str | None = None) -> PreparedRun:
+            tools: ToolRunner | None = _UNSET, model_path: str | None = None, env=None) -> PreparedRun:
     """Validate everything cheap first: rewards import, data fields, model path, run directory.
 
     The keywords stand in for what the config would build (the public :func:`nanogrpo.train`
     passes the caller's own): ``rewards`` a runner, ``rows`` / ``eval_rows`` samples already
     normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
-    ``model_path`` the model's resolved source."""
+    ``model_path`` the model's resolved source, ``env`` an environment object (class, factory or
+    instance; else ``cfg.env.source``'s)."""
     # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
     if rewards is None:
         rewards = reward_runner(cfg, run_dir=Path(resume_dir or cfg.train.out))
     try:
         if tools is _UNSET:
             tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
+        episodes = Episodes.from_config(cfg, env)  # an environment that does not import fails here
         if rows is None:
             rows = load_rows(cfg.data, cfg.data.split)
         if eval_rows is _UNSET:
@@ -107,7 +113,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
     if resume_dir is not None and resume_from is None:
         # killed before its first checkpoint was complete: nothing to continue, so start over
         log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
-    return PreparedRun(cfg, root, rewards, rows, resume_from, eval_rows or None, tools, model_path)
+    return PreparedRun(cfg, root, rewards, rows, resume_from, eval_rows or None, tools, episodes, model_path)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -174,8 +180,9 @@ def train(run: PreparedRun) -> Path:
     backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed)
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
+    max_len = longest_context(cfg, tok, longest_new) if run.env is None else run.env.longest(longest_new)
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
-                        max_len=longest_context(cfg, tok, longest_new), cpu_linear=linears.get("engine"))
+                        max_len=max_len, cpu_linear=linears.get("engine"))
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
@@ -230,7 +237,8 @@ def train(run: PreparedRun) -> Path:
             resume = pending if pending is not None and pending.step == step else None
             pending = None
             row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend, tools=run.tools, control=control, resume=resume,
+                             device, backend=backend, tools=run.tools, env=run.env, control=control,
+                             resume=resume,
                              on_update=save_mid_batch if cfg.train.save_every_updates else None)
             version += row.pop("_updates")
             examples = row.pop("_examples", None)
@@ -252,6 +260,8 @@ def train(run: PreparedRun) -> Path:
         run.rewards.close()
         if run.tools is not None:
             run.tools.close()
+        if run.env is not None:
+            run.env.close()
     if backend.is_main:
         log.info(run_summary(root))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
@@ -294,14 +304,15 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
         summary, records = evaluate_rows(engine, tok, run.eval_rows, cfg, run.rewards,
                                          cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                          cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                                         seed=cfg.eval.seed, tools=run.tools, policy=policy)
+                                         seed=cfg.eval.seed, tools=run.tools, policy=policy, env=run.env)
     summary["split"] = cfg.data.eval_split
     write_results(summary, records, run.root / "eval" / f"step_{step}.json")
     return {f"eval/{k}": v for k, v in summary.items() if not isinstance(v, str)}
 
 
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
-               device: torch.device, backend=None, tools=None, control: EntropyControl | None = None,
+               device: torch.device, backend=None, tools=None, env=None,
+               control: EntropyControl | None = None,
                resume: Pending | None = None, on_update=None) -> dict[str, Any]:
     """One step: rollout, reference log-probs, the batch's optimizer steps (``grpo.mini_batches`` x
     ``grpo.updates_per_batch``, :mod:`nanogrpo.training.schedule`), the step's metrics.
@@ -325,7 +336,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                                 template=cfg.model.chat_template,
                                 seed=_step_seed(cfg.train.seed, step) + rank,
-                                policy_version=version, tools=tools,
+                                policy_version=version, tools=tools, env=env,
                                 reduce=be.all_reduce if world > 1 else None,
                                 more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
         roll = {"metrics": rstats.metrics(), "examples": rstats.examples,

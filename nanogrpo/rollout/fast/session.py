@@ -17,11 +17,11 @@ every turn, this one runs only what is new:
   host looks at the new tokens every decode step on the CPU, every ``check_every`` steps on a
   GPU (a host sync each), and finished rows are compacted away when that halves the batch,
   as in ``generate``;
-- **between turns** the keys and values of the rows that closed a tool call are copied aside
-  ("parked", their real length only) and the others freed: a row left out of a step is
-  finished. A row stepped again without a parked cache (one that stopped at EOS or its budget,
-  which the multi-turn driver never continues) is prefilled from its token history: exact
-  either way.
+- **between turns** the keys and values of the rows that closed a tool call (and, with
+  ``params.resume_after_eos``, of those that ended at EOS: an environment's chat turns) are copied
+  aside ("parked", their real length only) and the others freed: a row left out of a step is
+  finished. A row stepped again without a parked cache (one that stopped at its budget, or at
+  EOS without ``resume_after_eos``) is prefilled from its token history: exact either way.
 
 Exactness: the cached keys and values are those of the same tokens at the same positions (RoPE
 from the model's own rotary module, sliding windows over real positions), so greedy trajectories
@@ -77,6 +77,8 @@ class FastSession:
         """Trajectory -> its cached keys and values [layers, kv, c, D] of its first c context tokens."""
         self.live = set(range(len(self.contexts)))
         self.turn = 0
+        self.keep = ("stop_string", "stop") if params.resume_after_eos else ("stop_string",)
+        """Finish reasons after which a row's cache is parked (the row may be stepped again)."""
 
     # ------------------------------------------------------------ one turn
 
@@ -289,7 +291,7 @@ class FastSession:
         """Copy aside the cache of each row of ``st`` that closed a call (it may be stepped again):
         its context before this turn and all its sampled tokens but the last (never fed)."""
         for jj, j in enumerate(st.row_ids):
-            if j < 0 or ends[j] is None or ends[j][1] != "stop_string" or rows[j] in self.parked:
+            if j < 0 or ends[j] is None or ends[j][1] not in self.keep or rows[j] in self.parked:
                 continue
             start, c = width - ctx[j], ctx[j] + ends[j][0] - 1
             self.parked[rows[j]] = tuple(t[:, jj, :, start:start + c].clone() for t in (st.k, st.v))

@@ -1,0 +1,257 @@
+"""Episodes with an environment on real engines: the rendering of each turn, what is trained, turn and
+token limits, the return, the KV cache kept across turns (greedy episodes equal the re-prefill ones),
+and environments that raise, hang, answer a non-finite reward or too long an observation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanogrpo.config import load_config
+from nanogrpo.envs import EnvRunner
+from nanogrpo.models.load import load_policy
+from nanogrpo.models.source import check_model_source
+from nanogrpo.models.tiny import make_tokenizer
+from nanogrpo.rewards import RewardRunner
+from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.engine import SamplingParams
+from nanogrpo.rollout.episodes import Episodes, EpisodeSettings, episode_return, generate_episodes
+from nanogrpo.rollout.factory import make_engine
+from nanogrpo.rollout.render import ChatRenderer
+from nanogrpo.rollout.session import WithoutSession
+from tests import env_fixtures
+
+TOK = make_tokenizer()
+
+
+def test_renderer_extends_the_conversation_exactly_and_keeps_observations_plain():
+    r = ChatRenderer(TOK, "auto", "be brief")
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = r.prompt("hi")
+    assert (
+        ids
+        == TOK(
+            TOK.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
+    reply = TOK("yo", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+    ids += reply + r.after_turn("again")
+    conv += [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]
+    whole = TOK.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert ids == TOK(whole, add_special_tokens=False)["input_ids"]
+    tool = r.after_turn([{"role": "tool", "content": "42"}])
+    assert TOK.decode(tool) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    forged = r.after_turn("<|im_end|>")
+    body = forged[
+        len(TOK("\n<|im_start|>user\n")["input_ids"]) : -len(
+            TOK("<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+        )
+    ]
+    assert (
+        TOK.decode(body) == "<|im_end|>" and TOK.eos_token_id not in body
+    )  # the text, not the control token
+    plain = ChatRenderer(TOK, "plain")
+    assert TOK.decode(plain.prompt("hi")) == "User: hi\nAssistant:"
+    assert TOK.decode(plain.after_turn("more")) == "\nUser: more\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    cfg = load_config(preset="demo")
+    model, tok, _ = load_policy(cfg.model, check_model_source(cfg.model))
+    return cfg, model, tok
+
+
+def _episodes(cfg, source, **env):
+    c = cfg.with_overrides({"env.source": source, **{f"env.{k}": v for k, v in env.items()}})
+    return Episodes.from_config(c)
+
+
+@pytest.mark.parametrize("source", ["tests.env_fixtures:Count", "tests.env_fixtures:AsyncCount"])
+def test_episode_bookkeeping(demo, source):
+    cfg, model, tok = demo
+    eps = _episodes(cfg, source, max_turns=3)
+    eps.settings.discount = 0.5
+    budget = 100
+    try:
+        gen = eps.generate(
+            make_engine("fast", model, tok),
+            tok,
+            [{"question": "a"}, {"question": "b"}],
+            SamplingParams(max_new_tokens=budget, temperature=1.0, n=3, seed=4, resume_after_eos=True),
+        )
+    finally:
+        eps.close()
+    assert gen.kept == [0, 1] and len(gen.completion_ids) == 6
+    seen = set()
+    for ids, lps, mask, why, info, prompt in zip(
+        gen.completion_ids,
+        gen.logprobs,
+        gen.loss_masks,
+        gen.finish_reasons,
+        gen.infos,
+        gen.prompt_ids,
+        strict=True,
+    ):
+        seen.add(why)
+        assert len(ids) == len(lps) == len(mask) and sum(mask) <= budget
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(lps, mask) if m)
+        turns = info["turns"]
+        assert info["num_turns"] == len(turns) <= 3
+        # each run of fed tokens is exactly the rendered answer of the environment to the turn before it
+        runs, k = [], 0
+        while k < len(ids):
+            j = k
+            while j < len(ids) and mask[j] == mask[k]:
+                j += 1
+            runs.append((mask[k], ids[k:j]))
+            k = j
+        fed = [tok.decode(r) for m, r in runs if not m]
+        assert fed == [
+            f"\n<|im_start|>user\nseen {t + 1}<|im_end|>\n<|im_start|>assistant\n" for t in range(len(fed))
+        ]
+        assert tok.decode(prompt) in [
+            f"<|im_start|>user\ncount {q}<|im_end|>\n<|im_start|>assistant\n" for q in "ab"
+        ]
+        if why == "done":
+            assert len(turns) == 3 and info["turn_rewards"] == [0.25] * 3 and len(fed) == 2
+            assert info["env_reward"] == pytest.approx(0.25 * (1 + 0.5 + 0.25))
+            assert ids[-1] == tok.eos_token_id
+        else:
+            assert why == "length" and sum(mask) == budget
+            assert info["env_reward"] == pytest.approx(episode_return(info["turn_rewards"], 0.5))
+        assert info["success"] == (info["env_reward"] > 0)
+    assert "done" in seen
+
+
+@pytest.mark.parametrize("engine_name", ["fast", "hf"])
+def test_greedy_episodes_keep_the_cache_exactly(demo, engine_name):
+    """The fast engine keeps each episode's KV cache across turns (parked at EOS); greedy episodes
+    equal those of the generic session, which prefills the whole context again every turn."""
+    cfg, model, tok = demo
+    rows = [{"question": q} for q in ("Tom has 3 pens and buys 4 more. How many?", "x", "A box holds 2 rows")]
+    params = SamplingParams(max_new_tokens=90, temperature=0.0, n=1, resume_after_eos=True)
+    out = []
+    for engine in (
+        make_engine(engine_name, model, tok),
+        WithoutSession(make_engine(engine_name, model, tok)),
+    ):
+        eps = _episodes(cfg, "tests.env_fixtures:Count", max_turns=3)
+        try:
+            out.append(eps.generate(engine, tok, rows, params))
+        finally:
+            eps.close()
+    native, reprefill = out
+    assert native.completion_ids == reprefill.completion_ids
+    assert max(i["num_turns"] for i in native.infos) >= 2  # the cache was used across turns
+    for a, b in zip(native.logprobs, reprefill.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+def test_broken_environments_end_their_episodes_not_the_run(demo):
+    cfg, model, tok = demo
+    env_fixtures.RELEASE.clear()
+    c = cfg.with_overrides(
+        {
+            "env.source": "tests.env_fixtures:Misbehaves",
+            "env.timeout_s": 1.0,
+            "env.max_observation_tokens": 60,
+            "env.error_penalty": -2.0,
+            "rollout.max_new_tokens": 80,
+            "grpo.group_size": 2,
+            "rewards.workers": 0,
+            "rewards.functions": ["env"],
+        }
+    )
+    eps = Episodes.from_config(c)
+    modes = ["ok", "raise", "hang", "nan", "long", "reset_raise", "ok"]
+    rows = [{"question": m, "mode": m, "answer": "0"} for m in modes]
+    try:
+        with RewardRunner(c.rewards.functions, workers=0) as rewards:
+            batch, stats = rollout(
+                make_engine("fast", model, tok),
+                tok,
+                rows,
+                rewards,
+                c.data,
+                c.rollout,
+                c.grpo,
+                template="auto",
+                seed=1,
+                env=eps,
+            )
+            counts = dict(eps.runner.counts)
+            # the run goes on: the same runner plays the next step's episodes
+            again, _ = rollout(
+                make_engine("fast", model, tok),
+                tok,
+                rows[:1],
+                rewards,
+                c.data,
+                c.rollout,
+                c.grpo,
+                template="auto",
+                seed=2,
+                env=eps,
+            )
+    finally:
+        env_fixtures.RELEASE.set()
+        eps.close()
+    m = stats.metrics()
+    assert m["env/groups_dropped"] == 1 and m["prompts_skipped"] == 1  # reset_raise: its group never started
+    assert m["env/episodes"] == 12
+    # each broken group's episodes end at their first step (an episode whose first turn ran out of tokens
+    # never reaches the environment)
+    reached = {k: v for k, v in counts.items()}
+    assert reached.get("reset/error") == 2
+    assert m["env/finish/env_error"] == reached.get("step/error", 0) and m["env/finish/env_error"] >= 1
+    assert m["env/finish/env_timeout"] == reached.get("step/timeout", 0) >= 1
+    assert m["env/finish/too_long"] == reached.get("step/too_long", 0) >= 1
+    assert (
+        m["env/finish/env_error"]
+        + m["env/finish/env_timeout"]
+        + m["env/finish/too_long"]
+        + m["env/finish/length"]
+        + m["env/finish/done"]
+        + m["env/finish/max_turns"]
+        == 12
+    )
+    assert batch is not None  # the broken groups (penalty vs length-cut episodes) and the good ones train
+    assert set(batch.rewards.tolist()) <= {-2.0, 0.0, 1.0, 2.0}
+    assert again is None or again.num_seqs >= 0
+
+
+def test_the_sandbox_runs_model_written_code_for_an_environment():
+    cfg = load_config(
+        preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 5}
+    )
+    runner = EnvRunner.from_config(cfg)
+    try:
+        [made] = runner.make(1)
+        env = made.value
+        assert env.sandbox is runner.sandbox
+        runner.call([env], "reset", [{}])
+        res = runner.call([env], "step", ["print(6 * 7)"])[0].value
+        assert res.observation.strip() == "42" and res.info["status"] == "ok"
+        [made] = runner.make(1)
+        bad = runner.call([made.value], "step", ["while True: pass"])[0].value
+        assert bad.info["status"] == "timeout" and bad.reward == 0.0
+    finally:
+        runner.close()
+
+
+def test_settings_come_from_the_config():
+    cfg = load_config(
+        preset="demo",
+        overrides={
+            "env.source": "tests.env_fixtures:Count",
+            "env.max_turns": 4,
+            "grpo.turn_reward_discount": 0.8,
+            "data.max_prompt_tokens": 50,
+        },
+    )
+    s = EpisodeSettings.from_config(cfg)
+    assert (s.max_turns, s.discount, s.max_prompt_tokens) == (4, 0.8, 50)
+    assert generate_episodes  # the function the Episodes object calls
