@@ -95,6 +95,8 @@ class AgentEpisodes:
         """Agent episodes when ``runner``'s factory makes agent programs, else None."""
         probe = runner.make(1)[0]
         if not probe.ok or not is_program(probe.value):
+            if probe.ok:
+                runner.close_envs([probe.value])
             return None
         return cls(runner, AgentSettings.from_config(cfg))
 
