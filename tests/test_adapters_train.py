@@ -198,3 +198,21 @@ def test_train_with_an_openenv_server(tmp_path, captured, openenv_server):  # no
         assert [h for (k, t), h in zip([s for s in segs if s[0] == "fed"], hints)
                 if f"user\n{h}<|im_end|>" not in t] == []
         assert batch.rewards[j] == pytest.approx(expected)
+
+
+def test_train_on_the_extra_sequences_of_a_rewritten_history(tmp_path, captured):
+    from nanogrpo.envs.program import agent
+    from tests.adapter_fixtures import forgetful_agent
+
+    batch, gen, metrics = run(tmp_path, captured, {"rollout.max_new_tokens": 40}, ROWS,
+                              env=agent(forgetful_agent))
+    assert batch.num_seqs == 16 and batch.group_size == 1  # each episode: its last sequence + the first
+    assert metrics["agent/extra_sequences"] == 8 and metrics["agent/rewritten_episodes"] == 8
+    for j in range(8):
+        (first,) = gen.extra_sequences[j]
+        prompt, comp, mask, _ = row_of(batch, 8 + j)
+        assert prompt == first.prompt_ids and comp == first.completion_ids and all(mask)
+        assert batch.group_ids[8 + j] == batch.group_ids[j] == j // 4
+        assert batch.advantages[8 + j] == batch.advantages[j]  # the episode's advantage on both
+        assert batch.rewards[8 + j] == batch.rewards[j] == 0.5
+    assert metrics["loss"] == metrics["loss"]  # the update ran on them (finite)
