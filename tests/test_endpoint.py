@@ -332,3 +332,19 @@ def test_tool_calls_in_a_reply():
                       "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     assert tool_calls("no call here", 0) is None
     assert tool_calls("<tool_call>{not json}</tool_call>", 0) is None
+
+
+def test_the_guide_examples_run():
+    """docs/guides/agents.md: every Python block not marked "Not run here" runs as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md").read_text()
+    blocks = re.findall(r"(\*Not run here[^\n]*(?:\n[^\n]+)*\*\n\n)?```python\n(.*?)```", text, flags=re.S)
+    runnable = [code for skip, code in blocks if not skip]
+    assert len(runnable) == 2
+    ns: dict = {}
+    for code in runnable:
+        exec(compile(code, "agents.md", "exec"), ns)  # noqa: S102
+    assert callable(ns["solve"]) and ns["rec"].finish_reason in ("stop", "length")
+    assert 1 <= len(ns["rec"].completion_ids) <= 8
