@@ -129,16 +129,20 @@ class AgentEpisodes:
         made = self.runner.make(len(rows) * n)
         keys = [ep.open_episode() for _ in made]
         fns, is_async = [], []
+        live = _Live()
         for i, (o, key) in enumerate(zip(made, keys, strict=True)):
             client = ModelClient(ep.url, key, self.settings.model_name)
             if o.ok and is_program(o.value):
                 run = o.value.run
-                fns.append(lambda run=run, row=rows[i // n], c=client: run(row, c))
-                is_async.append(inspect.iscoroutinefunction(run))
+                asy = inspect.iscoroutinefunction(run)
+                fns.append(live.wrap(lambda run=run, row=rows[i // n], c=client: run(row, c), asy))
+                is_async.append(asy)
             else:
                 why = o.error or f"the source made {type(o.value).__name__}, not an agent program"
-                fns.append(lambda why=why: _raise(why))
+                fns.append(live.wrap(lambda why=why: _raise(why), False))
                 is_async.append(False)
+        calls0, gen0 = ep.batcher.calls, ep.batcher.generate_s
+        ep.batcher.live = live.count
         done: list = []
         worker = threading.Thread(target=lambda: done.append(self.runner.run_all(fns, "run", is_async)),
                                   name="nanogrpo-agents", daemon=True)
@@ -147,13 +151,16 @@ class AgentEpisodes:
         worker.join()
         outcomes = done[0] if done else []
         eps = [self._episode(o, ep.close_episode(k), tokenizer) for o, k in zip(outcomes, keys, strict=True)]
+        ep.batcher.fail_waiting()  # a program past its deadline still asking: not for the next rollout
         wall = time.perf_counter() - t0
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         rows_out = [e.seqs[-1] if e.seqs else Sequence([eos], finish_reason="stop") for e in eps]
+        ep.batcher.live = None
+        calls, gen_s = ep.batcher.calls - calls0, ep.batcher.generate_s - gen0
         out = AgentGeneration(
             completion_ids=[s.completion_ids for s in rows_out], logprobs=[s.logprobs for s in rows_out],
             finish_reasons=[e.finish for e in eps],
-            stats={"generate_s": ep.batcher.generate_s, "env_s": wall},
+            stats={"generate_s": gen_s, "env_s": wall},
             loss_masks=[s.loss_mask for s in rows_out],
             infos=[{"env_reward": e.reward, "success": e.success, "num_turns": e.requests,
                     "turns": [{"action": tokenizer.decode(s.completion_ids, skip_special_tokens=True)}
@@ -161,7 +168,7 @@ class AgentEpisodes:
                     "turn_rewards": [], "sequences": len(e.seqs), "agent_info": e.info} for e in eps],
             kept=list(range(len(rows))), prompt_ids=[s.prompt_ids for s in rows_out],
             extra_sequences=[e.seqs[:-1] for e in eps])
-        out.env_metrics = agent_metrics(eps, ep, wall)
+        out.env_metrics = agent_metrics(eps, ep, wall, calls)
         return out
 
     def _episode(self, o, log, tokenizer) -> _Episode:
@@ -183,6 +190,40 @@ class AgentEpisodes:
         return _Episode(finish=log.limit or "done", reward=res.reward, success=success, info=res.info, **base)
 
 
+class _Live:
+    """How many programs of a rollout are running (started, not finished): the batcher waits for all of
+    them to ask before it calls the engine."""
+
+    def __init__(self):
+        self.running = 0
+        self._lock = threading.Lock()
+
+    def count(self) -> int:
+        return self.running
+
+    def _add(self, k: int) -> None:
+        with self._lock:
+            self.running += k
+
+    def wrap(self, fn, is_async: bool):
+        if is_async:
+            async def run_async():
+                self._add(1)
+                try:
+                    return await fn()
+                finally:
+                    self._add(-1)
+            return run_async
+
+        def run():
+            self._add(1)
+            try:
+                return fn()
+            finally:
+                self._add(-1)
+        return run
+
+
 def _raise(why: str):
     raise RuntimeError(why)
 
@@ -193,7 +234,7 @@ def _bad(error: str):
     return Outcome("error", error=error)
 
 
-def agent_metrics(eps: list[_Episode], ep: Endpoint, wall_s: float) -> dict[str, float]:
+def agent_metrics(eps: list[_Episode], ep: Endpoint, wall_s: float, calls: int) -> dict[str, float]:
     """The step's ``env/…`` metrics (as environment episodes') and ``agent/…`` ones."""
     k = max(len(eps), 1)
     seqs = [s for e in eps for s in e.seqs]
@@ -211,7 +252,7 @@ def agent_metrics(eps: list[_Episode], ep: Endpoint, wall_s: float) -> dict[str,
            "agent/extra_sequences": sum(max(len(e.seqs) - 1, 0) for e in eps),
            "agent/refused_requests": sum(e.refused for e in eps),
            "agent/unauthorized_requests": ep.unauthorized,
-           "agent/engine_calls": ep.batcher.calls}
+           "agent/engine_calls": calls}
     for why in FINISH_REASONS:
         out[f"env/finish/{why}"] = sum(e.finish == why for e in eps)
     return out

@@ -2,11 +2,14 @@
 ``engine.generate`` calls made by the thread that owns the engine.
 
 HTTP handlers (uvicorn's thread) :meth:`Batcher.submit` a prompt and wait for its future; the
-rollout's own thread calls :meth:`Batcher.serve`, which takes every request waiting (plus those
-arriving within ``linger_s`` of the first) and answers them with one ``generate`` per distinct set
-of stop strings. Each answer is cut again at its own budget and its first stop string
-(:mod:`nanogrpo.rollout.stops`' rule): one call serves requests with different budgets, and
-sampling is causal, so the tokens before a cut are those a call with that budget would give.
+rollout's own thread calls :meth:`Batcher.serve`, which gathers requests and answers them with one
+``generate`` per distinct set of stop strings. It gathers until every program still running has a
+request waiting (``live()``, when the caller knows it: then no program is left for the next call),
+or no new request came for ``linger_s`` (``wait_s`` when ``live`` is known: a program may be busy
+with its own work), or ``max_wait_s`` passed since the first. Each answer is cut again at its own
+budget and its first stop string (:mod:`nanogrpo.rollout.stops`' rule): one call serves requests
+with different budgets, and sampling is causal, so the tokens before a cut are those a call with that
+budget would give.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ class Job:
 
 class Batcher:
     def __init__(self, engine: Engine, tokenizer, params: SamplingParams, *, linger_s: float = 0.01,
-                 max_batch: int = 256):
+                 wait_s: float = 0.25, max_wait_s: float = 1.0, max_batch: int = 256):
         self.engine = engine
         self.tokenizer = tokenizer
         self.params = params
-        self.linger_s = linger_s
+        self.linger_s, self.wait_s, self.max_wait_s = linger_s, wait_s, max_wait_s
         self.max_batch = max_batch
+        self.live: Callable[[], int] | None = None
+        """The number of programs still running, when known (set by the rollout)."""
         self.q: queue.Queue[Job] = queue.Queue()
         self._stops: dict[tuple[str, ...], StopStrings] = {}
         self.calls = 0
@@ -62,11 +67,17 @@ class Batcher:
                 if until():
                     return
                 continue
-            jobs = [first]
-            deadline = time.monotonic() + self.linger_s
+            jobs, t0 = [first], time.monotonic()
             while len(jobs) < self.max_batch:
+                live = self.live() if self.live is not None else None
+                if live is not None and len(jobs) + self.q.qsize() >= live:
+                    while len(jobs) < self.max_batch and not self.q.empty():
+                        jobs.append(self.q.get_nowait())
+                    break  # every running program waits for an answer
+                gap = self.linger_s if live is None else self.wait_s
+                left = max(0.0, t0 + self.max_wait_s - time.monotonic())
                 try:
-                    jobs.append(self.q.get(timeout=max(0.0, deadline - time.monotonic())))
+                    jobs.append(self.q.get(timeout=min(gap, left)))
                 except queue.Empty:
                     break
             self._run(jobs)
@@ -74,6 +85,10 @@ class Batcher:
     def close(self) -> None:
         """Refuse new requests; fail those still waiting."""
         self.open = False
+        self.fail_waiting()
+
+    def fail_waiting(self) -> None:
+        """Fail the requests waiting (a program past its deadline asking after its rollout ended)."""
         while True:
             try:
                 job = self.q.get_nowait()
