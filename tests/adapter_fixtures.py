@@ -3,7 +3,19 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
+
+import pytest
+
+
+def need(module: str):
+    """``import module``, or skip the test when it is not installed, unless ``NANOGRPO_REQUIRE_ENVS=1``
+    (set by ``.ci/run``, which installs the envs extra): then its absence is a failure."""
+    if os.environ.get("NANOGRPO_REQUIRE_ENVS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[envs]')")
 
 
 def answer_of(text: str) -> str | None:

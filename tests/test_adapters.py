@@ -20,9 +20,9 @@ from nanogrpo.models.load import load_policy
 from nanogrpo.rollout.agents import AgentEpisodes
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
-from tests.adapter_fixtures import ROWS, answer_of
+from tests.adapter_fixtures import ROWS, answer_of, need
 
-pytest.importorskip("openai")
+need("openai")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def check_trajectory(gen, i, tok):
 
 
 def test_verifiers_multiturn_env_through_the_endpoint(policy):
-    pytest.importorskip("verifiers")
+    need("verifiers")
     _, tok = policy
     gen = play(agent_episodes("verifiers:tests.adapter_fixtures:retry_env"), policy)
     assert len(gen.completion_ids) == 4 and gen.kept == [0, 1]
@@ -155,7 +155,7 @@ def test_sources_that_cannot_load_are_one_line_errors():
 
 
 def test_textarena_game_with_its_real_rules():
-    pytest.importorskip("textarena")
+    need("textarena")
     import textarena as ta
 
     # the secret of seed 3, read from the library's own game
@@ -179,7 +179,7 @@ def test_textarena_game_with_its_real_rules():
 
 @pytest.fixture
 def openenv_server():
-    pytest.importorskip("openenv.core")
+    need("openenv.core")
     import uvicorn
 
     from tests.adapter_fixtures import openenv_app

@@ -14,7 +14,7 @@ import nanogrpo
 from nanogrpo.config import Config
 from nanogrpo.rollout.agents import AgentEpisodes
 from nanogrpo.rollout.episodes import Episodes
-from tests.adapter_fixtures import ROWS, answer_of
+from tests.adapter_fixtures import ROWS, answer_of, need
 from tests.test_adapters import openenv_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def check_rows(batch, gen, tok):
 
 
 def test_train_with_a_verifiers_multiturn_env(tmp_path, captured):
-    pytest.importorskip("verifiers")
+    need("verifiers")
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.models.source import resolve_model_path
 
@@ -127,7 +127,7 @@ GAME_ROWS = [{"question": f"game {i}", "answer": "0", "id": f"g{i}", "seed": 11 
 
 
 def test_train_with_a_textarena_game(tmp_path, captured):
-    ta = pytest.importorskip("textarena")
+    ta = need("textarena")
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.models.source import resolve_model_path
 

@@ -19,8 +19,9 @@ from nanogrpo.rollout.endpoint.app import strip_stop, tool_calls
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
 from nanogrpo.rollout.trajectory import assemble
+from tests.adapter_fixtures import need
 
-openai = pytest.importorskip("openai")
+openai = need("openai")
 
 
 class Spy:
