@@ -240,8 +240,11 @@ def test_keys_are_required_and_die_with_their_episode(tiny):
         r = httpx.post(ep.url + "/chat/completions", json={"messages": msgs},
                        headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 401 and "key" in r.json()["error"]["message"]
-        assert httpx.get(ep.url + "/models").json()["data"][0]["id"] == "nanogrpo"
-        assert ep.unauthorized == 3
+        assert httpx.get(ep.url + "/models").status_code == 401
+        live = ep.open_episode()
+        models = httpx.get(ep.url + "/models", headers={"Authorization": f"Bearer {live}"}).json()
+        assert models["data"][0]["id"] == "nanogrpo"
+        assert ep.unauthorized == 4
     finally:
         ep.stop()
 
@@ -265,7 +268,8 @@ def test_bound_to_loopback_only(tiny):
     ep, _ = start(tiny)
     try:
         assert HOST == "127.0.0.1" and ep.url.startswith("http://127.0.0.1:")
-        assert httpx.get(ep.url + "/models").status_code == 200
+        key = ep.open_episode()
+        assert httpx.get(ep.url + "/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         with pytest.raises(OSError):
             socket.create_connection((addr, ep.port), timeout=2).close()
     finally:

@@ -1,7 +1,7 @@
 """The endpoint's HTTP side: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI's
 shapes, enough for the ``openai`` package and the libraries built on it).
 
-Every route but ``/v1/models`` needs ``Authorization: Bearer KEY`` with the key of an open episode
+Every route needs ``Authorization: Bearer KEY`` with the key of an open episode
 (:class:`~nanogrpo.rollout.endpoint.episodes.Episodes`); the key also says which episode a request
 belongs to. Bodies are read in chunks and refused past ``max_body_bytes`` (413) or past a deadline
 (408), before any JSON is parsed. A request's ``temperature``, ``top_p``, ``top_k``, ``seed`` are not
@@ -297,9 +297,10 @@ def create_app(ep):
         return JSONResponse({**head, "choices": [choice], "usage": usage(rec)})
 
     async def models(request):
+        episode_of(request)
         return JSONResponse({"object": "list", "data": [{"id": s.model_name, "object": "model",
                                                          "created": 0, "owned_by": "nanogrpo"}]})
 
     return Starlette(routes=[Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
                              Route("/v1/completions", guarded(completions), methods=["POST"]),
-                             Route("/v1/models", models, methods=["GET"])])
+                             Route("/v1/models", guarded(models), methods=["GET"])])
