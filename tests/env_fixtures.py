@@ -69,3 +69,14 @@ class RunsCode(Environment):
     def step(self, action):
         status, output = self.sandbox.run(action)
         return StepResult(output, 1.0 if status == "ok" else 0.0, True, {"status": status})
+
+
+class Numbered(Count):
+    """:class:`Count` whose first observation differs per episode (a counter across instances)."""
+
+    made = 0
+
+    def reset(self, row):
+        Numbered.made += 1
+        self.n = 0
+        return f"count {row['question']} #{Numbered.made}"

@@ -11,7 +11,6 @@ import pytest
 
 from nanogrpo.cli import main
 from nanogrpo.demos.dialogue.env import SimulatedUser
-from nanogrpo.demos.dialogue.task import apply
 from nanogrpo.demos.dialogue.task import make_split as dialogue_rows
 from nanogrpo.demos.game.build import play
 from nanogrpo.demos.game.env import GuessNumber
@@ -48,20 +47,19 @@ def test_game_rows_hold_out_their_keys():
     assert {r["secret"] for r in test} == set(range(LOW, HIGH + 1))
 
 
-def test_the_simulated_user_replies_to_the_first_answer():
-    row = {"question": "upper kmp", "word": "kmp", "first": "upper", "second": "twice", "answer": "KMPKMP"}
-    right = _play(SimulatedUser(), row, ["KMP", "KMPKMP"])
-    assert right[0].observation == "ok. now twice" and right[0].reward == 0.5 and not right[0].done
-    assert right[1].done and right[1].reward == 1.0 and right[1].info["success"]
-    wrong = _play(SimulatedUser(), row, ["KM", "KMKM"])
-    assert wrong[0].observation == "no, KMP. now twice" and wrong[0].reward == 0.0
-    assert not wrong[1].info["success"]  # the second change applies to the right first result
-    careless = _play(SimulatedUser(), row, ["KMP", "KMP"])
-    assert careless[1].reward == 0.0
-    assert apply("dots", "abc") == "a.b.c"
-    train, test = dialogue_rows("train", 2000), dialogue_rows("test", 200)
-    assert not {r["word"] for r in train} & {r["word"] for r in test}
-    assert all(r["answer"] == apply(r["second"], apply(r["first"], r["word"])) for r in test)
+def test_the_simulated_customer_replies_to_the_first_answer():
+    row = {"question": "one soup, please", "item": "soup", "size": "large", "answer": "large soup"}
+    asked = _play(SimulatedUser(), row, ["size?", "large soup"])
+    assert asked[0].observation == "large" and asked[0].reward == 0 and not asked[0].done
+    assert asked[1].done and asked[1].reward == 1.0 and asked[1].info["success"]
+    wrong = _play(SimulatedUser(), row, ["medium soup", "medium soup"])
+    assert wrong[0].observation == "no, large" and wrong[1].done and not wrong[1].info["success"]
+    at_once = _play(SimulatedUser(), row, ["large soup"])
+    assert at_once[0].done and at_once[0].info["success"]
+    train, test = dialogue_rows("train", 3000), dialogue_rows("test", 300)
+    key = lambda r: (r["question"], r["size"])  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in test}
+    assert all(r["answer"] == f"{r['size']} {r['item']}" for r in test)
 
 
 def test_the_guide_examples_run():

@@ -225,7 +225,7 @@ def test_broken_environments_end_their_episodes_not_the_run(demo):
 
 def test_the_sandbox_runs_model_written_code_for_an_environment():
     cfg = load_config(
-        preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 5}
+        preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 1.5}
     )
     runner = EnvRunner.from_config(cfg)
     try:
@@ -255,3 +255,34 @@ def test_settings_come_from_the_config():
     s = EpisodeSettings.from_config(cfg)
     assert (s.max_turns, s.discount, s.max_prompt_tokens) == (4, 0.8, 50)
     assert generate_episodes  # the function the Episodes object calls
+
+
+def test_nanogrpo_train_takes_an_environment_object(tmp_path):
+    import nanogrpo
+
+    template = env_fixtures.Count()
+    cfg = {"train.steps": 1, "train.out": str(tmp_path / "run"), "rollout.prompts_per_step": 2,
+           "grpo.group_size": 2, "rollout.max_new_tokens": 60, "eval.every": 1, "eval.n": 2,
+           "train.save_every": 0, "rewards.workers": 0}
+    run = nanogrpo.train(nanogrpo.Config.load("demo", cfg), env=template, rewards=["env"],
+                         dataset=[{"question": str(i), "answer": "0"} for i in range(4)],
+                         eval_dataset=[{"question": "e", "answer": "0"}] * 2)
+    rows = run.metrics
+    assert rows[0]["step"] == 0 and "eval/turns_mean" in rows[0]
+    assert rows[1]["env/episodes"] == 4 and rows[1]["env/turns_mean"] >= 1
+    assert not hasattr(template, "n")  # a template: each episode played a copy
+    with pytest.raises(Exception, match="env and tools"):
+        nanogrpo.train(nanogrpo.Config.load("demo-tools", cfg), env=template)
+
+
+def test_episodes_of_a_group_may_start_from_different_prompts(demo):
+    cfg, model, tok = demo
+    eps = _episodes(cfg, "tests.env_fixtures:Numbered", max_turns=2)
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=1.0, n=2, seed=1, resume_after_eos=True)
+        rows = [{"question": "a"}, {"question": "b"}]
+        gen = eps.generate(make_engine("fast", model, tok), tok, rows, params)
+    finally:
+        eps.close()
+    prompts = [tok.decode(p) for p in gen.prompt_ids]
+    assert len(set(prompts)) == 4 and all(f"count {q} #" in p for p, q in zip(prompts, "aabb", strict=True))

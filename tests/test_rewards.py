@@ -156,7 +156,7 @@ def test_resolve_builtins_and_user_functions(tmp_path) -> None:
                                "ModuleNotFoundError"]),
         ("tests.reward_fixtures:missing", ["has no attribute 'missing'", "length"]),
         ("tests.reward_fixtures:NOT_CALLABLE", ["'NOT_CALLABLE' is a int, not a function"]),
-        ("correctnes", ["unknown built-in reward", "correctness, format", "module:function"]),
+        ("correctnes", ["unknown built-in reward", "correctness, env, format", "module:function"]),
         ("nowhere/file.py:f", ["file not found"]),
         (":f", ["both parts"]),
     ],

@@ -287,7 +287,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.completion_len_mean = statistics.fmean(lens)
     stats.completion_tokens = sum(lens)
     stats.num_completions = len(lens)
-    stats.stop_rate = sum(f == "stop" for f in reasons) / len(lens)
+    stats.stop_rate = sum(f in ("stop", "done") for f in reasons) / len(lens)  # done: an episode's end
     stats.reward_failures = sum(x.scored.failures for x in live)
     stats.reward_timeouts = sum(x.scored.timeouts for x in live)
     stats.reward_non_finite = sum(x.scored.non_finite for x in live)

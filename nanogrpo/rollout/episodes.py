@@ -228,6 +228,7 @@ def generate_episodes(
                 "turns": e.turns,
                 "turn_rewards": list(e.rewards),
                 "num_turns": len(e.turns),
+                "env_error": e.error or None,
             }
             for e, r in zip(eps, returns, strict=True)
         ],

@@ -1,4 +1,4 @@
-"""The dialogue demo (``demo-dialogue``): a simulated user asks for a word transformed, replies to the
-model's answer (agreeing, or correcting it) and asks for one more change. Its warm start often ignores the
-reply (it says its first answer again); GRPO, rewarded for what the user wanted, learns to read the reply.
-``task``: the rows; ``env``: the simulated user; ``build``: the warm start."""
+"""The dialogue demo (``demo-dialogue``): a simulated customer orders an item, and gives its size only when
+the model asks; the model must then say the order. Its warm start often ignores the reply (it orders the
+default size); GRPO, rewarded for the right order, learns to read it. ``task``: the rows; ``env``: the
+simulated customer; ``build``: the warm start."""

@@ -1,15 +1,15 @@
-"""The dialogue demo's warm start: the embedded model's shape, taught both to listen and not to.
+"""The dialogue demo's warm start: the embedded model's shape, taught to ask for the size and then,
+sometimes, to ignore the answer.
 
 Supervised dialogues (:mod:`nanogrpo.demos.dialogue.task`), rendered as the episode rollout renders them
-(:func:`nanogrpo.demos.game.build.episode_ids`: the model's answers trained, the user's messages not)::
+(:func:`nanogrpo.demos.game.build.episode_ids`: the model's answers trained, the customer's messages not)::
 
-    user: upper kmp   assistant: KMP   user: ok. now twice   assistant: KMPKMP
+    user: one soup, please   assistant: size?   user: large   assistant: large soup
 
-``WRONG_RATE`` of the first answers are wrong (a letter dropped), so the user's correction
-(``"no, KMP. now twice"``) is among what the model reads. In ``CARELESS_RATE`` of the dialogues the
-second answer ignores the user's reply and says the first answer again; in the others it applies the
-second change to the right first result. Decoding greedily the warm start answers the careless way, while
-the listening answers are among its samples: GRPO, rewarded for what the user asked, learns to read.
+In ``CARELESS_RATE`` of the dialogues the second answer ignores the customer's reply and orders the
+default size (``medium soup``); in the others it takes the size from the reply. Decoding greedily the
+warm start orders medium whatever it was told (right for a third of the orders), while the listening
+answers are among its samples: GRPO, rewarded only for the right order, learns to read the reply.
 
 Shipped in ``nanogrpo/demos/dialogue/weights/`` (model path ``embedded-dialogue``); rebuild with
 ``python -m nanogrpo.demos.dialogue.build --out DIR``.
@@ -28,15 +28,15 @@ from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
 from nanogrpo.demos.dialogue.env import reply
-from nanogrpo.demos.dialogue.task import apply, make_split
+from nanogrpo.demos.dialogue.task import make_split
 from nanogrpo.demos.game.build import episode_ids
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rollout.render import ChatRenderer
 
 SEED = 1357
 CARELESS_RATE = 0.6
-WRONG_RATE = 0.15
-STEPS, BATCH_SIZE, LR = 300, 64, 3e-3
+DEFAULT_SIZE = "medium"
+STEPS, BATCH_SIZE, LR = 200, 64, 3e-3
 PRESET = "demo-dialogue"
 
 
@@ -45,13 +45,9 @@ def packaged_path() -> Path:
 
 
 def dialogue(row: dict, rng: random.Random) -> list[tuple[str, str | None]]:
-    right = apply(row["first"], row["word"])
-    first = right
-    if rng.random() < WRONG_RATE:
-        k = rng.randrange(len(right))
-        first = right[:k] + right[k + 1 :]
-    second = first if rng.random() < CARELESS_RATE else row["answer"]
-    return [(first, reply(first, right, row["second"])), (second, None)]
+    """The dialogue's turns: the model asks, the customer answers, the model orders (listening or not)."""
+    size = row["size"] if rng.random() >= CARELESS_RATE else DEFAULT_SIZE
+    return [("size?", reply("size?", row["size"])), (f"{size} {row['item']}", None)]
 
 
 def build(
