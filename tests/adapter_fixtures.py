@@ -113,6 +113,12 @@ def retry_env(max_turns: int = 2):
     return make_retry_env(ROWS, max_turns=max_turns)
 
 
+def load_environment(max_turns: int = 2):
+    """What ``vf.load_environment("tests.adapter_fixtures")`` calls (an environment module's entry point):
+    ``env.source = "verifiers:tests.adapter_fixtures"``."""
+    return retry_env(max_turns)
+
+
 # ----------------------------------------------------------------------------- an OpenAI-SDK agent
 
 def sdk_agent(row, client):

@@ -144,6 +144,15 @@ def test_a_program_that_raises_answers_nan_or_hangs_gets_the_penalty_and_the_run
     assert gen.finish_reasons == ["env_timeout"] * 4 and gen.env_metrics["env/finish/env_timeout"] == 4
 
 
+def test_verifiers_load_environment_and_objects_from_python():
+    need("verifiers")
+    from tests.adapter_fixtures import retry_env
+
+    program = resolve("verifiers:tests.adapter_fixtures", {"max_turns": 3})()  # vf.load_environment
+    assert type(program).__name__ == "VerifiersProgram" and program.env.max_turns == 3
+    assert resolve(retry_env())().env.max_turns == 2  # a verifiers Environment object given from Python
+
+
 def test_sources_that_cannot_load_are_one_line_errors():
     for source, words in [("verifiers:no_such_env_module_xyz", "load_environment failed"),
                           ("textarena:NoSuchGame-v0", "no such TextArena game"),
