@@ -23,13 +23,13 @@ from nanogrpo.errors import ConfigError
 def adapt(obj: Any):
     """A factory for a library's environment object (a verifiers ``Environment``, a TextArena ``Env``),
     or None when ``obj`` is none of them."""
-    mod = type(obj).__module__ or ""
-    if mod.startswith("verifiers."):
+    mods = [c.__module__ or "" for c in type(obj).__mro__]  # a subclass defined anywhere counts
+    if any(m.startswith("verifiers.") for m in mods):
         from nanogrpo.envs.adapters.verifiers import VerifiersProgram
 
         program = VerifiersProgram(obj)
         return lambda: program
-    if mod.startswith("textarena."):
+    if any(m.startswith("textarena.") for m in mods):
         raise ConfigError("a TextArena game from Python: pass env.source='textarena:GAME-ID' (each episode "
                           "makes its own game)")
     return None
