@@ -286,3 +286,16 @@ def test_episodes_of_a_group_may_start_from_different_prompts(demo):
         eps.close()
     prompts = [tok.decode(p) for p in gen.prompt_ids]
     assert len(set(prompts)) == 4 and all(f"count {q} #" in p for p, q in zip(prompts, "aabb", strict=True))
+
+
+def test_the_fast_session_keeps_the_cache_of_turns_that_ended_at_eos(demo):
+    cfg, model, tok = demo
+    engine = make_engine("fast", model, tok)
+    prompts = [ChatRenderer(tok).prompt("Tom has 3 pens and buys 4 more. How many?")]
+    for resume in (True, False):
+        params = SamplingParams(60, temperature=0.0, n=2, resume_after_eos=resume)
+        session = engine.open_session(prompts, params, 200)
+        gen = session.step([0, 1], [[], []], [60, 60])
+        assert gen.finish_reasons == ["stop", "stop"]
+        assert set(session.parked) == ({0, 1} if resume else set())  # a next turn prefills only new tokens
+        session.close()
