@@ -17,13 +17,11 @@ at start, in one line.
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from nanogrpo.envs.imports import import_attr
 from nanogrpo.errors import ConfigError
 
 Factory = Callable[[], Any]
@@ -31,42 +29,22 @@ Factory = Callable[[], Any]
 
 LOADERS: dict[str, str] = {
     # prefix -> "module:function" of a loader ``fn(rest: str, kwargs: dict) -> Factory``, imported lazily.
-    # The library adapters (verifiers:, textarena:, openenv:) register here.
+    "agent": "nanogrpo.envs.program:load",
+    "verifiers": "nanogrpo.envs.adapters.verifiers:load",
+    "textarena": "nanogrpo.envs.adapters.textarena:load",
+    "openenv": "nanogrpo.envs.adapters.openenv:load",
 }
 """``env.source`` prefixes handled by an adapter: ``"PREFIX:REST"`` -> ``loader(REST, env.kwargs)``."""
 
 
 def _import_attr(spec: str) -> Any:
-    module, _, attr = spec.rpartition(":")
-    if not module or not attr:
-        raise ConfigError(
-            f"env.source {spec!r}: expected 'module:Class', 'path/to/file.py:Class' or one of "
-            f"{', '.join(p + ':...' for p in sorted(LOADERS)) or 'the adapters'}"
-        )
-    try:
-        if module.endswith(".py") or "/" in module:
-            path = Path(module).expanduser().resolve()
-            if not path.is_file():
-                raise ConfigError(f"env.source {spec!r}: file not found: {path}")
-            name = f"_nanogrpo_env_{path.stem}_{abs(hash(str(path))) % 10**8}"
-            file_spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(module)
-    except ConfigError:
-        raise
-    except (Exception, SystemExit) as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise ConfigError(
-            f"env.source {spec!r}: cannot import {module!r} ({type(e).__name__}: {first})"
-        ) from None
-    if not hasattr(mod, attr):
-        raise ConfigError(f"env.source {spec!r}: {module!r} has no attribute {attr!r}")
-    return getattr(mod, attr)
+    return import_attr(spec, "env.source", "'module:Class', 'path/to/file.py:Class' or one of "
+                       + (", ".join(p + ":..." for p in sorted(LOADERS)) or "the adapters"))
 
 
 def _check_env(obj: Any, what: str) -> None:
+    if callable(getattr(obj, "run", None)) and not callable(getattr(obj, "step", None)):
+        return  # an agent program (nanogrpo.envs.program)
     missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
     if missing:
         raise ConfigError(
@@ -82,17 +60,21 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
     if inspect.isclass(obj):
         _check_env(obj, f"{what} ({obj.__name__})")
         return lambda: obj(**kwargs)
-    if callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+    if (callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None))) or (
+            not inspect.isfunction(obj) and callable(getattr(obj, "run", None))):  # or an agent program
         if kwargs:
             raise ConfigError(f"{what}: env.kwargs is for a class or factory, not an instance")
         fork = getattr(obj, "fork", None)
         return fork if callable(fork) else (lambda: copy.deepcopy(obj))
     if callable(obj):
         return lambda: obj(**kwargs)
-    raise ConfigError(
-        f"{what}: expected an environment class, a factory or an instance with reset() and "
-        f"step(), got {type(obj).__name__}"
-    )
+    from nanogrpo.envs.adapters import adapt
+
+    adapted = adapt(obj)  # a library's environment object (verifiers)
+    if adapted is not None:
+        return adapted
+    raise ConfigError(f"{what}: expected an environment class, a factory or an instance with reset() and "
+                      f"step(), got {type(obj).__name__}")
 
 
 def resolve(source: Any, kwargs: Mapping[str, Any] | None = None) -> Factory:

@@ -320,18 +320,34 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
         return None, stats
     rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
     idx = rows_kept.tolist()
-    ids, am, cm, lp, p = pad_batch([prompt_ids[i] for i in idx], [comp[i] for i in idx],
-                                   [lps[i] for i in idx], tokenizer.pad_token_id)
-    group_ids = torch.tensor([i // g for i in idx], dtype=torch.int64)
+    prompts_b, comp_b, lps_b = [prompt_ids[i] for i in idx], [comp[i] for i in idx], [lps[i] for i in idx]
+    masks_b = [loss_masks[i] for i in idx] if multi else None
+    cut_b = [reasons[i] == "length" for i in idx]
+    rows_b, size = list(idx), g
+    extra = [e for x in live
+             for e in getattr(x.gen, "extra_sequences", None) or [[]] * len(x.gen.completion_ids)]
+    if any(extra[i] for i in idx):  # agent programs that rewrote their history: more rows, same advantage
+        for i in idx:
+            for sq in extra[i]:
+                prompts_b.append(sq.prompt_ids)
+                comp_b.append(sq.completion_ids)
+                lps_b.append(sq.logprobs)
+                masks_b.append(sq.loss_mask)
+                cut_b.append(sq.finish_reason == "length")
+                rows_b.append(i)
+        size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
+    rows_t = torch.tensor(rows_b, dtype=torch.int64)
+    ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, tokenizer.pad_token_id)
+    group_ids = torch.tensor([i // g for i in rows_b], dtype=torch.int64)
     lm = None
     if multi:
         lm = torch.zeros_like(cm)                                                  # (n, C)
-        for j, i in enumerate(idx):
-            lm[j, :len(loss_masks[i])] = torch.tensor(loss_masks[i], dtype=torch.bool)
+        for j, m in enumerate(masks_b):
+            lm[j, :len(m)] = torch.tensor(m, dtype=torch.bool)
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
-                         rewards=r[rows_kept], advantages=adv[rows_kept], group_ids=group_ids,
-                         old_logprobs=lp, prompt_len=p, group_size=g, policy_version=policy_version,
-                         truncated=torch.tensor([reasons[i] == "length" for i in idx]),
+                         rewards=r[rows_t], advantages=adv[rows_t], group_ids=group_ids,
+                         old_logprobs=lp, prompt_len=p, group_size=size, policy_version=policy_version,
+                         truncated=torch.tensor(cut_b),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
 

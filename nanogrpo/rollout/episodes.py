@@ -85,7 +85,12 @@ class Episodes:
         from nanogrpo.envs.runner import EnvRunner
 
         runner = EnvRunner.from_config(cfg, env)
-        return None if runner is None else cls(runner, EpisodeSettings.from_config(cfg))
+        if runner is None:
+            return None
+        from nanogrpo.rollout.agents import AgentEpisodes
+
+        agents = AgentEpisodes.from_runner(runner, cfg)  # agent programs (verifiers too): the endpoint
+        return agents if agents is not None else cls(runner, EpisodeSettings.from_config(cfg))
 
     def generate(
         self, engine: Engine, tokenizer, rows: list[dict], params: SamplingParams

@@ -1,0 +1,114 @@
+"""``env.source = "openenv:URL"``: an OpenEnv environment server (``openenv-core``) as an environment.
+
+Each episode opens its own session on the server through OpenEnv's client (``GenericEnvClient``: a
+WebSocket per episode, the server keeps one environment per session), ``reset`` with a seed from the
+row, then one ``step`` per model turn. The model's text becomes the action ``{ACTION_FIELD: text}``:
+``env.kwargs.action_field``, or the action schema's one required string field (read from the server's
+``/schema`` when the run starts). The observation shown to the model is its
+``env.kwargs.observation_field``, else its one string field, else its fields as JSON (``reward``,
+``done`` and ``metadata`` left out). Each step's reward is the turn's reward; ``done`` ends the episode;
+an episode succeeds when its return is above 0 (OpenEnv's wire format carries no success flag).
+
+What is read from the server is bounded: every WebSocket message by ``env.kwargs.max_message_bytes``
+(default 1 MiB, OpenEnv's client refuses a larger one), the schema by :func:`read_bounded`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanogrpo.envs.adapters.common import require
+from nanogrpo.envs.adapters.textarena import seed_of
+from nanogrpo.envs.base import Environment, StepResult
+from nanogrpo.errors import ConfigError
+
+MAX_MESSAGE_BYTES = 1 << 20
+SCHEMA_BYTES = 1 << 20
+
+
+def read_bounded(url: str, cap: int, timeout_s: float = 10.0) -> bytes:
+    """GET ``url``, streamed, stopping past ``cap`` bytes with a one-line error.
+    # TODO(issue 34): switch to the shared bounded-HTTP-read helper when it lands.
+    """
+    import httpx
+
+    chunks, size = [], 0
+    with httpx.stream("GET", url, timeout=timeout_s) as r:
+        r.raise_for_status()
+        for chunk in r.iter_bytes():
+            size += len(chunk)
+            if size > cap:
+                raise ConfigError(f"{url}: answered more than {cap} bytes; is it an OpenEnv server?")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def action_field(url: str) -> str:
+    """The one required string field of the server's action schema."""
+    try:
+        schema = json.loads(read_bounded(url.rstrip("/") + "/schema", SCHEMA_BYTES))["action"]
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to read it is one line at start
+        raise ConfigError(f"env.source 'openenv:{url}': cannot read its action schema ({type(e).__name__}: "
+                          f"{e}); is the server up? (or set env.kwargs.action_field)") from None
+    props = schema.get("properties", {})
+    fields = [k for k in schema.get("required", []) if props.get(k, {}).get("type") == "string"]
+    if len(fields) != 1:
+        raise ConfigError(f"env.source 'openenv:{url}': its action has {len(fields)} required string fields "
+                          f"({', '.join(fields) or 'none'}); set env.kwargs.action_field to the one the "
+                          "model writes")
+    return fields[0]
+
+
+def observation_text(obs: dict[str, Any], field: str | None) -> str:
+    if field is not None:
+        return str(obs.get(field, ""))
+    rest = {k: v for k, v in obs.items() if k not in ("reward", "done", "metadata")}
+    texts = [v for v in rest.values() if isinstance(v, str)]
+    if len(texts) == 1:
+        return texts[0]
+    return json.dumps(rest, ensure_ascii=False)
+
+
+class OpenEnvEnv(Environment):
+    def __init__(self, url: str, action_field: str, observation_field: str | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, timeout_s: float = 60.0):
+        self.url, self.action_field, self.observation_field = url, action_field, observation_field
+        self.max_message_bytes, self.timeout_s = max_message_bytes, timeout_s
+        self.client = None
+
+    async def reset(self, row: dict[str, Any]) -> str:
+        core = require("openenv.core", "openenv-core", "env.source 'openenv:...'")
+        self.client = core.GenericEnvClient(base_url=self.url, message_timeout_s=self.timeout_s,
+                                            max_message_size_mb=self.max_message_bytes / 2**20)
+        await self.client.connect()
+        res = await self.client.reset(seed=seed_of(row))
+        return observation_text(res.observation, self.observation_field)
+
+    async def step(self, action: str) -> StepResult:
+        res = await self.client.step({self.action_field: action})
+        obs = res.observation if isinstance(res.observation, dict) else {}
+        text = None if res.done else observation_text(obs, self.observation_field)
+        return StepResult(text, 0.0 if res.reward is None else res.reward, bool(res.done))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+
+def load(rest: str, kwargs: dict):
+    """The factory for ``openenv:URL`` (``http://host:port``)."""
+    require("openenv.core", "openenv-core", "env.source 'openenv:...'")
+    if not rest.startswith(("http://", "https://", "ws://", "wss://")):
+        raise ConfigError(f"env.source 'openenv:{rest}': expected a URL, e.g. openenv:http://127.0.0.1:8000")
+    kw = dict(kwargs)
+    field = kw.pop("action_field", None) or action_field(rest.replace("ws", "http", 1)
+                                                          if rest.startswith("ws") else rest)
+    unknown = set(kw) - {"observation_field", "max_message_bytes", "timeout_s"}
+    if unknown:
+        raise ConfigError(f"env.kwargs for openenv: unknown {sorted(unknown)}; known: action_field, "
+                          "observation_field, max_message_bytes, timeout_s")
+    return lambda: OpenEnvEnv(rest, field, **kw)

@@ -1,0 +1,142 @@
+"""Agent programs: code that drives the model itself, through an OpenAI client, and says how it went.
+
+An environment (:mod:`nanogrpo.envs.base`) is called by the rollout once per model turn. An agent
+program is the other way round: it is called **once per episode** and calls the model as often as
+it likes, through the OpenAI SDK (or any library built on it), then answers the episode's reward::
+
+    def solve(row, client):                      # env.source = "agent:my_agents:solve"
+        oa = client.openai()                     # openai.OpenAI(base_url=..., api_key=...)
+        msgs = [{"role": "user", "content": row["question"]}]
+        reply = oa.chat.completions.create(model=client.model, messages=msgs)
+        ...                                      # tools, follow-ups, several calls
+        return 1.0 if check(reply, row) else 0.0  # or AgentResult(reward, success, info)
+
+During a rollout ``client`` points at nanogrpo's endpoint in front of the rollout engine
+(:mod:`nanogrpo.rollout.endpoint`: loopback only, a key per episode), which records every request's
+token ids; the rollout assembles the episode's training sequences from them
+(:mod:`nanogrpo.rollout.trajectory`). A program that already reads ``OPENAI_BASE_URL`` /
+``OPENAI_API_KEY`` runs unchanged given ``client.environ()``.
+
+- ``run(row, client)`` may be ``async def`` (``client.async_openai()``); it runs under
+  ``env.timeout_s`` for the **whole episode** (model calls included); a program that raises, runs
+  past it or answers a non-finite reward gets ``env.error_penalty`` (counted), the run goes on.
+- it answers a number (the reward; success when above 0), an :class:`AgentResult`, or a dict with
+  ``reward`` (and optionally ``success``, ``info``).
+- a plain function ``fn(row, client)`` is a program through ``env.source = "agent:module:function"``
+  or ``nanogrpo.train(env=agent(fn))``; a class with a ``run`` method is one as ``module:Class``.
+
+Nothing here knows tokens or training.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanogrpo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelClient:
+    """Where an agent program reaches the model: an OpenAI-compatible ``base_url`` and the episode's key."""
+
+    base_url: str
+    api_key: str
+    model: str = "nanogrpo"
+
+    def openai(self, **kwargs):
+        """An ``openai.OpenAI`` client for this episode (no retries: a refused request is an answer)."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def async_openai(self, **kwargs):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def environ(self) -> dict[str, str]:
+        """The variables the OpenAI SDKs read, for a program run as a subprocess."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+
+
+@dataclass
+class AgentResult:
+    """What an agent program's episode came to."""
+
+    reward: float
+    success: bool | None = None
+    """None: the reward is above 0."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Program:
+    """An agent program made of a function ``fn(row, client)`` (see the module docstring)."""
+
+    def __init__(self, fn, **kwargs):
+        if not callable(fn):
+            raise ConfigError(f"an agent program must be callable as fn(row, client), "
+                              f"got {type(fn).__name__}")
+        self.fn, self.kwargs = fn, kwargs
+        if inspect.iscoroutinefunction(fn):
+            self.run = self._run_async
+
+    def run(self, row: dict, client: ModelClient) -> Any:
+        return self.fn(row, client, **self.kwargs)
+
+    async def _run_async(self, row: dict, client: ModelClient) -> Any:
+        return await self.fn(row, client, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"agent({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def agent(fn, **kwargs) -> Program:
+    """``fn(row, client, **kwargs)`` as an agent program (``nanogrpo.train(env=agent(fn))``)."""
+    return Program(fn, **kwargs)
+
+
+def is_program(obj: Any) -> bool:
+    """An agent program: it has ``run`` and is not a turn-by-turn environment (no ``step``)."""
+    return callable(getattr(obj, "run", None)) and not callable(getattr(obj, "step", None))
+
+
+def as_agent_result(value: Any) -> AgentResult:
+    """An :class:`AgentResult` from what a program answered; ValueError (one line) for anything else or a
+    reward that is not a finite number."""
+    if isinstance(value, AgentResult):
+        res = value
+    elif isinstance(value, dict) and "reward" in value:
+        res = AgentResult(value["reward"], value.get("success"), dict(value.get("info") or {}))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        res = AgentResult(value)
+    else:
+        raise ValueError(f"an agent program answered {type(value).__name__}: answer the reward (a number), "
+                         "an AgentResult or a dict with 'reward'")
+    try:
+        reward = float(res.reward)
+    except (TypeError, ValueError):
+        raise ValueError(f"an agent program answered a reward of type {type(res.reward).__name__}") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"an agent program answered a non-finite reward ({reward})")
+    if res.success is not None and not isinstance(res.success, bool):
+        raise ValueError(f"an agent program answered success={res.success!r}, not a bool")
+    return AgentResult(reward, res.success, res.info)
+
+
+def load(rest: str, kwargs: dict) -> Any:
+    """``env.source = "agent:module:function"`` (or ``agent:path/file.py:function``): a factory of
+    :class:`Program` over the function, called with ``env.kwargs``."""
+    from nanogrpo.envs.imports import import_attr
+
+    fn = import_attr(rest, "env.source 'agent:...'")
+    if inspect.isclass(fn):
+        raise ConfigError(f"env.source 'agent:{rest}': name a function fn(row, client); a class with a run "
+                          "method is a source by itself ('module:Class')")
+    program = Program(fn, **kwargs)
+    return lambda: program
+
+
+__all__ = ["AgentResult", "ModelClient", "Program", "agent", "as_agent_result", "is_program", "load"]
