@@ -41,6 +41,11 @@ the same table):
   (:func:`nanogrpo.serve.weights.weights_cap`); every other answer (``/health``, ``/stats``,
   ``/upload``, ``/ack``, ``/weights/version``, a publish's answer) :data:`SMALL`. Past it: a
   :class:`~nanogrpo.serve.client.ServerError` at once, not retried.
+- ``openenv:URL`` (:mod:`nanogrpo.envs.adapters.openenv`): the server's ``/schema`` at start, at most
+  1 MiB (past it: one line at start); its WebSocket messages at most ``env.kwargs.max_message_bytes``
+  (1 MiB, the client library's own limit).
+- The agent endpoint (:mod:`nanogrpo.rollout.endpoint`) is a server: request bodies capped at 1 MiB
+  while they stream (413).
 - Hub checks (:mod:`nanogrpo.hub`: a model's ``config.json`` in :mod:`nanogrpo.models.source`, a
   dataset in :mod:`nanogrpo.data.sources`): HEAD requests, so no body at all; headers are capped at
   100 KiB by httpcore's parser.

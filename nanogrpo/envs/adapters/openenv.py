@@ -28,20 +28,18 @@ SCHEMA_BYTES = 1 << 20
 
 
 def read_bounded(url: str, cap: int, timeout_s: float = 10.0) -> bytes:
-    """GET ``url``, streamed, stopping past ``cap`` bytes with a one-line error.
-    # TODO(issue 34): switch to the shared bounded-HTTP-read helper when it lands.
-    """
+    """GET ``url`` with its body read through :mod:`nanogrpo.http_limits`, at most ``cap`` bytes."""
     import httpx
 
-    chunks, size = [], 0
-    with httpx.stream("GET", url, timeout=timeout_s) as r:
-        r.raise_for_status()
-        for chunk in r.iter_bytes():
-            size += len(chunk)
-            if size > cap:
-                raise ConfigError(f"{url}: answered more than {cap} bytes; is it an OpenEnv server?")
-            chunks.append(chunk)
-    return b"".join(chunks)
+    from nanogrpo import http_limits
+
+    with httpx.Client(timeout=timeout_s) as client:
+        try:
+            r = http_limits.request(client, "GET", url, cap=cap)
+        except http_limits.BodyError:
+            raise ConfigError(f"{url}: answered more than {cap} bytes; is it an OpenEnv server?") from None
+    r.raise_for_status()
+    return r.content
 
 
 def action_field(url: str) -> str:
