@@ -202,9 +202,16 @@ def test_resume_is_exact_for_every_loss(assets, loss):
 def test_resume_reuses_the_cpu_linear_decisions_when_the_timing_says_otherwise(assets, monkeypatch, capsys):
     """``model.cpu_linear=auto`` decided by timing; the resumed process's timing says the opposite for
     both the trainer's and the engine's shapes (as it can on a loaded machine). It reuses what the
-    checkpoint recorded, times nothing, and logs the same metrics as the uninterrupted run; an
-    explicit ``model.cpu_linear`` on resume wins (and then the metrics show what ran)."""
-    timed = []
+    checkpoint recorded, times nothing, says so in one line, runs its linears on what was recorded and
+    logs the same metrics as the uninterrupted run. An explicit ``model.cpu_linear`` on resume wins:
+    it is what runs, and what every later row records.
+
+    What runs is observed, not inferred from the metrics: every oneDNN product goes through
+    ``cpu_linear._lp`` and every switch of a model's linears through ``use_onednn_linears``, both
+    counted here. (Whether the other library changes the metrics depends on the CPU: oneDNN's and
+    MKL's float32 products differ in their last bits on some CPUs and shapes and agree on others, and
+    a last-bit difference in a log-prob need not change a sampled token, a reward or a logged figure.)"""
+    timed, products, switched = [], [], []
 
     def timing(trainer_fast: bool):
         def onednn_faster(rows, k, n, threads):
@@ -212,44 +219,54 @@ def test_resume_reuses_the_cpu_linear_decisions_when_the_timing_says_otherwise(a
             return trainer_fast if rows == cpu_linear.TRAIN_ROWS else not trainer_fast
         return onednn_faster
 
+    lp, use = cpu_linear._lp, cpu_linear.use_onednn_linears
+    monkeypatch.setattr(cpu_linear, "_lp", lambda *a: products.append(1) or lp(*a))
+    monkeypatch.setattr(cpu_linear, "use_onednn_linears", lambda m: switched.append(1) or use(m))
+
+    def ran(run_: Path, *args: str) -> tuple[bool, bool]:
+        """(the trainer's linears were switched to oneDNN, some product ran on oneDNN) in this run."""
+        products.clear()
+        switched.clear()
+        assert main(list(args)) == 0, run_
+        return bool(switched), bool(products)
+
     # the engine's log-probs enter the later update (its anchor) and the correction
     over = ["eval.every=0", "log.samples_every=0", "grpo.updates_per_batch=2",
             "rollout.correction=token_truncate"]
-    straight, halves, forced = (assets / f"linears-{n}" for n in ("straight", "halves", "forced"))
+    straight, halves, forced, forced_dnn = (assets / f"linears-{n}"
+                                            for n in ("straight", "halves", "forced", "forced-onednn"))
     monkeypatch.setattr(cpu_linear, "onednn_faster", timing(False))
-    assert main(_args(assets, straight, 4)[:-2] + over) == 0
-    assert main(_args(assets, halves, 2)[:-2] + over) == 0
+    # trainer on torch (no switch), engine on oneDNN (its decode products call _lp)
+    assert ran(straight, *_args(assets, straight, 4)[:-2], *over) == (False, True)
+    assert ran(halves, *_args(assets, halves, 2)[:-2], *over) == (False, True)
     assert sorted(timed) == [32, 32, 256, 256]                     # each run timed both, once
-    for run in (halves, forced):
-        if run == forced:
-            shutil.copytree(halves, forced)
+    for run in (halves, forced, forced_dnn):
+        if run != halves:
+            shutil.copytree(halves, run)
         ckpt = json.loads((run / "checkpoints" / "step_2" / "trainer_state.json").read_text())
         assert ckpt["cpu_linear"] == {"trainer": "torch", "engine": "onednn"}
     monkeypatch.setattr(cpu_linear, "onednn_faster", timing(True))  # the resumed process: the other way
     timed.clear()
     capsys.readouterr()
-    assert main(_resume_args(halves, 4)) == 0
-    assert timed == [] and "as the checkpoint recorded" in capsys.readouterr().err
+    assert ran(halves, *_resume_args(halves, 4)) == (False, True)  # what was recorded runs, not the timing
+    said = [line for line in capsys.readouterr().err.splitlines() if "model.cpu_linear" in line]
+    assert timed == [] and len(said) == 1 and "as the checkpoint recorded" in said[0], said
     rows = _comparable(straight)
     assert all(r["cpu_linear/trainer"] == "torch" and r["cpu_linear/engine"] == "onednn" for r in rows)
-    assert _comparable(halves) == rows
-    assert main(_resume_args(forced, 4) + ["model.cpu_linear=torch"]) == 0
-    after = _comparable(forced)                                    # steps 1-4
-    assert after[:2] == rows[:2]
-    assert {(r.pop("cpu_linear/trainer"), r.pop("cpu_linear/engine")) for r in after[2:]} == {("torch",) * 2}
-    if _libraries_differ():  # then the other BLAS changes the engine's float32 log-probs, and the metrics
-        assert after[2:] != [{k: v for k, v in r.items() if not k.startswith("cpu_linear")} for r in rows[2:]]
+    assert _comparable(halves) == rows                             # same process config, same CPU: exact
 
+    def later_rows_record(run_: Path, setting: str) -> None:
+        after = _comparable(run_)                                  # steps 1-4
+        assert after[:2] == rows[:2]
+        assert {(r["cpu_linear/trainer"], r["cpu_linear/engine"]) for r in after[2:]} == {(setting,) * 2}
+        state = json.loads((run_ / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+        assert state["cpu_linear"] == {"trainer": setting, "engine": setting}  # and its own resumes reuse it
 
-def _libraries_differ() -> bool:
-    """Whether oneDNN's and torch's float32 linears differ in some bit on the tiny model's decode products
-    (they do on the shared AMD EPYC machines, at 1-4 rows; they agree at many rows)."""
-    import torch
-    import torch.nn.functional as F
-
-    from nanogrpo.models.cpu_linear import _lp
-
-    g = torch.Generator().manual_seed(0)
-    xs = [(torch.randn(r, k, generator=g), torch.randn(n, k, generator=g))
-          for r in (1, 2, 4) for k, n in ((64, 128), (128, 64), (64, 64))]
-    return any(not torch.equal(_lp(x, w, None), F.linear(x, w)) for x, w in xs)
+    # an explicit setting wins over the record, times nothing, and is what runs: torch everywhere ...
+    assert ran(forced, *_resume_args(forced, 4), "model.cpu_linear=torch") == (False, False)
+    assert timed == []
+    later_rows_record(forced, "torch")
+    # ... or oneDNN everywhere (the trainer's linears switched as well)
+    assert ran(forced_dnn, *_resume_args(forced_dnn, 4), "model.cpu_linear=onednn") == (True, True)
+    assert timed == []
+    later_rows_record(forced_dnn, "onednn")
