@@ -133,12 +133,14 @@ def test_correctness_is_fast_on_the_set() -> None:
 @pytest.mark.parametrize("name, text", list(pathological()), ids=[n for n, _ in pathological()])
 def test_adversarial_completion_takes_bounded_time(name: str, text: str) -> None:
     sample = {"question": "What is 2 + 3?", "answer": "5"}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     c, f = correctness(text, sample), format_reward(text, sample)
-    best = time.perf_counter() - t0
+    best = time.process_time() - t0
     assert c in (1.0, -1.0) and f in (1.25, -1.0)
     # target 50 ms for 100k characters (bench); 10x margin here. Quadratic patterns took seconds to minutes.
-    assert best < 0.5, f"{name}: {best * 1000:.0f} ms"
+    # CPU time, not wall time: on a shared machine other processes stretch the wall clock (7 ms of CPU
+    # measured 35 ms of wall clock here at a load of 3), not the work this call does.
+    assert best < 0.5, f"{name}: {best * 1000:.0f} ms of CPU"
 
 
 # ----------------------------------------------------------------------------- how numbers are written

@@ -281,9 +281,10 @@ def test_adversarial_completions_take_bounded_time_against_latex_references(ref:
     ok("<answer>0</answer>", ref)  # the reference is parsed once per group, before the completions
     worst = ("", 0.0)
     for name, text in pathological():
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         ok(text, ref)
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         worst = max(worst, (name, dt), key=lambda x: x[1])
-    # target 50 ms for 100k characters (bench); 10x margin here
+    # target 50 ms for 100k characters (bench); 10x margin here. CPU time, not wall time: other processes
+    # on a shared machine stretch the wall clock, not the work a call does
     assert worst[1] < 0.5, worst
