@@ -242,9 +242,10 @@ def test_hanging_function_is_cut_and_the_rest_still_scored() -> None:
     assert res.per_function["tests.reward_fixtures:hang"] == [2.0, -5.0, 2.0, 2.0]
     assert res.per_function["correctness"] == [1.0, 1.0, -1.0, 1.0]
     assert res.timeouts == 1 and res.failures == 0
-    # 1 s to the cut, then the replacement worker starts (it imports math_verify first: seconds on a busy
-    # machine) before the rest of the chunk runs; an unbounded hang would be 100 s
-    assert elapsed < 30.0, f"hang not bounded: {elapsed:.1f} s"
+    # 1 s to the cut, then the replacement worker starts (it imports math_verify and sympy first: 1-2 s of
+    # CPU, many times that in wall clock when a shared machine's cores are busy) before the rest of the
+    # chunk runs; an unbounded hang would be 100 s
+    assert elapsed < 60.0, f"hang not bounded: {elapsed:.1f} s"
     assert again.total == [3.0]
 
 

@@ -93,7 +93,9 @@ def test_a_hanging_batched_call_is_cut_and_the_other_chunks_scored() -> None:
         again = runner.score(["x"], [SAMPLE])  # a replacement worker carries on
     assert res.total == [-9.0, -9.0, -9.0, 1.0, 1.0, 1.0]
     assert res.timeouts == 3
-    assert elapsed < 20, elapsed
+    # 1 s to the cut, then a replacement worker starts (imports: seconds of wall clock on a busy shared
+    # machine); an unbounded hang would be 100 s
+    assert elapsed < 60, elapsed
     assert again.total == [1.0]
 
 
