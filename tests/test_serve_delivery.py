@@ -114,7 +114,11 @@ def _state(**kw) -> ServerState:
 
 
 def test_http_get_leases_ack_confirms_and_an_unacked_batch_is_delivered_again():
+    # the queue's clock is the test's: on the wall clock a 0.2 s lease could lapse between the first and
+    # the second GET on a busy shared machine, and the batch would rightly be handed out twice
     st = _state(lease_s=0.2)
+    clock = Clock()
+    st.queue.clock = clock
     body = make_batch().to_bytes()
 
     async def fn(c):
@@ -123,7 +127,7 @@ def test_http_get_leases_ack_confirms_and_an_unacked_batch_is_delivered_again():
         r1 = await c.get("/get", headers=AUTH)
         assert r1.status_code == 200 and r1.headers["x-batch-id"] == "w-1" and r1.headers["x-lease"]
         assert (await c.get("/get", headers=AUTH)).status_code == 204        # leased: not handed out twice
-        await asyncio.sleep(0.3)                                              # the consumer never acks
+        clock.t += 0.3                                                        # the consumer never acks
         r2 = await c.get("/get", params={"wait": 1}, headers=AUTH)
         assert r2.status_code == 200 and r2.headers["x-batch-id"] == "w-1" and r2.content == body
         r = await c.post("/ack", params={"lease": r1.headers["x-lease"]}, headers=AUTH)
