@@ -27,3 +27,14 @@ def comparable_metrics(run: Path, drop_eval: bool = False) -> list[dict]:
     short also evaluates at its own last step)."""
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not (drop_eval and k.startswith("eval/"))}
             for r in read_metrics(Path(run) / "metrics.jsonl")]
+
+
+def this_process_threads() -> dict[str, str]:
+    """Environment for a ``nanogrpo`` subprocess whose results are compared exactly with this process's:
+    the same number of CPU threads (the tests run on one, tests/conftest.py), where it would otherwise
+    take one per core of whatever machine runs the tests. Exactness is promised within one process
+    configuration; a reduction split over another number of threads may round differently."""
+    import torch
+
+    n = str(torch.get_num_threads())
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}

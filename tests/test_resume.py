@@ -19,7 +19,7 @@ from nanogrpo.cli import main
 from nanogrpo.models import cpu_linear
 from nanogrpo.models.cpu_linear import onednn_available
 from nanogrpo.training.checkpoint import latest_checkpoint
-from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
+from tests.run_fixtures import comparable_metrics, this_process_threads, write_tiny_run_assets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def _timing(straight: list[dict], same: bool) -> dict[str, str]:
 
 
 def _spawn(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **this_process_threads(), **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-c", _CLI, *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -159,7 +159,8 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
                 assert _saving(out), "the kill was meant to land inside save_checkpoint"
         same = latest_checkpoint(out / "checkpoints") is None
         resumed = subprocess.run([sys.executable, "-c", _CLI, *_resume_args(out, 6)], cwd=REPO, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(REPO), **_timing(straight, same)},
+                                 env={**os.environ, "PYTHONPATH": str(REPO), **this_process_threads(),
+                                      **_timing(straight, same)},
                                  capture_output=True)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert same or "as the checkpoint recorded" in resumed.stderr, resumed.stderr[-2000:]

@@ -16,7 +16,7 @@ import pytest
 
 from nanogrpo.cli import main
 from nanogrpo.training.checkpoint import latest_checkpoint, load_state
-from tests.run_fixtures import comparable_metrics, write_tiny_run_assets
+from tests.run_fixtures import comparable_metrics, this_process_threads, write_tiny_run_assets
 from tests.test_resume import LOSS_RUNS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_kill9_between_two_optimizer_steps_then_resume_is_exact(assets):
     over = ["grpo.loss=dapo", "rollout.correction=token_truncate", "grpo.dynamic_sampling=true"]
     straight, killed = assets / "k-straight", assets / "k-killed"
     assert main(_args(assets, straight, 4, over)) == 0
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **this_process_threads()}  # as the straight run here
     proc = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", *_args(assets, killed, 4, over)], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     pointer = killed / "checkpoints" / "latest"
