@@ -9,7 +9,10 @@ NOT_CALLABLE = 42
 
 
 def length(completion: str, sample: dict) -> float:
-    """Number of characters: a deterministic, cheap reward."""
+    """Number of characters: a deterministic, cheap reward. ``TEST_REWARD_SLEEP`` (seconds per call) slows
+    it down, for a test that must catch a run in the middle of its steps however busy the machine is."""
+    if os.environ.get("TEST_REWARD_SLEEP"):
+        time.sleep(float(os.environ["TEST_REWARD_SLEEP"]))
     return float(len(completion))
 
 
