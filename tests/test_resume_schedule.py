@@ -69,8 +69,12 @@ def test_kill9_between_two_optimizer_steps_then_resume_is_exact(assets):
     straight, killed = assets / "k-straight", assets / "k-killed"
     assert main(_args(assets, straight, 4, over)) == 0
     env = {**os.environ, "PYTHONPATH": str(REPO), **this_process_threads()}  # as the straight run here
+    # the killed run scores each completion 0.05 s slower (same rewards): a step_3_update_* checkpoint
+    # then stays the latest for 1.8 s instead of 0.85 s (measured at a load of 9), so that a busy
+    # machine letting this loop look late does not miss it
     proc = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", *_args(assets, killed, 4, over)], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            env={**env, "TEST_REWARD_SLEEP": "0.05"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     pointer = killed / "checkpoints" / "latest"
     t0 = time.time()
     while not (pointer.is_file() and pointer.read_text().startswith("step_3_update_")):
