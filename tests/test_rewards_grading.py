@@ -19,12 +19,12 @@ from nanogrpo.bench.rewards import (
     DEFAULT_DATA,
     JUDGES,
     agreement,
-    call_times,
     disagreements,
     load_set,
     pathological,
     seed_correctness,
     seed_format,
+    timed_calls,
 )
 from nanogrpo.config import RewardsConfig
 from nanogrpo.rewards import RewardRunner, correctness, format_reward, resolve
@@ -124,10 +124,10 @@ def test_project_rules_grade_the_set_better_than_the_seeds() -> None:
 
 def test_correctness_is_fast_on_the_set() -> None:
     correctness("<answer>1</answer>", {"answer": "1"})
-    times = call_times(ROWS, 3)
+    times = timed_calls(ROWS, 3)[1]  # CPU time: on a shared machine the wall clock counts others' work too
     # The acceptance figure (median <= 0.1 ms, p99 <= 5 ms) is measured by `nanogrpo bench rewards`; a shared
     # test machine gets a 5x margin on the median (a regex that backtracks or a math_verify call costs ms).
-    assert statistics.median(times) < 0.5e-3, f"median {1000 * statistics.median(times):.3f} ms per call"
+    assert statistics.median(times) < 0.5e-3, f"median {1000 * statistics.median(times):.3f} ms of CPU a call"
 
 
 @pytest.mark.parametrize("name, text", list(pathological()), ids=[n for n, _ in pathological()])
