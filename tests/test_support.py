@@ -84,6 +84,39 @@ def test_chunked_support_logprobs_entropies_and_gradients_match_the_naive_ones(k
         assert (out[:, 1] >= 0).all()
 
 
+@pytest.mark.parametrize("chunk", [8, 5, 3])
+@pytest.mark.parametrize("k,p", [(5, 1.0), (0, 0.8)])
+def test_the_backward_keeps_the_forwards_support_whatever_the_gemms_rounding(monkeypatch, chunk, k, p):
+    """A GEMM's last bits can depend on its row count (MKL, 8 rows against 4, on an AMX Xeon; with MKL held
+    to AVX2, as the AMD EPYCs' path may be, the test above failed by 0.48 in a gradient). The support's
+    smallest kept logit is the saved threshold itself, so a backward that recomputed the logits in other
+    row blocks than the forward could leave that token out. A stand-in GEMM whose rows move with its row
+    count (a uniform shift: the log-probs do not change) makes any such mismatch fail on every CPU."""
+    real = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        return real(x, w, b) + x.shape[0] * 2.0 ** -44                  # (rows, V): rounding by row count
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(0, 50, (37,))
+    g = torch.randn(37, dtype=torch.float64)
+    out = linear_logprobs(h, w, b, tgt, chunk=chunk, temperature=T, entropy="grad", support=(k, p))
+    z = linear(h, w, b) / T
+    keep = keep_mask(z.detach(), support_threshold(z.detach(), (k, p)), tgt)
+    lp = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    want_lp = lp.gather(-1, tgt[:, None])[:, 0]
+    want_h = -(lp.exp() * torch.where(keep, lp, 0.0)).sum(-1)
+    torch.testing.assert_close(out[:, 0], want_lp, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad((out[:, 0] * g).sum() + 0.3 * out[:, 1].sum(), [h, w, b])
+    want = torch.autograd.grad((want_lp * g).sum() + 0.3 * want_h.sum(), [h, w, b])
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-10)
+
+
 def _generate(model, engine: str, k: int, p: float, support: bool):
     params = SamplingParams(max_new_tokens=12, temperature=T, top_k=k, top_p=p, n=3, seed=0,
                             logprob_temperature=T, support_logprobs=support)

@@ -76,6 +76,22 @@ ENTROPY_MODES = {"none": 0, "value": 1, "grad": 2}
 with its gradient (the entropy bonus)."""
 
 
+def _backward_rows(chunk: int, entropy: int) -> int:
+    """Rows per chunk of :class:`LinearLogprob`'s backward: half chunks with the entropy's gradient."""
+    return max(1, chunk // 2) if entropy == 2 else chunk
+
+
+def _block_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, block: int,
+                  dt: torch.dtype) -> torch.Tensor:
+    """``F.linear(x.to(dt), w, b)`` as one product per ``block`` rows of x (c, H) -> (c, V). The row
+    count of a GEMM can change the last bits of its rows (MKL, float32 and float64, 8 rows against 4,
+    on an AMX Xeon and with MKL held to AVX2): a pass that recomputes the logits in blocks of ``block``
+    rows starting where these do gets these bits."""
+    if x.shape[0] <= block:
+        return F.linear(x.to(dt), w, b)
+    return torch.cat([F.linear(x[j:j + block].to(dt), w, b) for j in range(0, x.shape[0], block)])
+
+
 class LinearLogprob(torch.autograd.Function):
     """logp[t] = log_softmax((h[t] @ W.T + b) / temperature)[targets[t]], chunk by chunk, in float32,
     and optionally the entropy H[t] = -sum_v p log p of the same distribution in the same pass.
@@ -103,16 +119,20 @@ class LinearLogprob(torch.autograd.Function):
             lse = torch.empty_like(out)                                       # (T,)
             ent = torch.empty_like(out) if entropy else None                  # (T,)
             thr = torch.empty_like(out) if support is not None else None      # (T,) the support's threshold
-            for i in range(0, h.shape[0], chunk):
-                logits = F.linear(h[i:i + chunk].to(dt), w, b).to(acc)        # (c, V)
+            # with a support the backward compares its own logits with thr, so both passes multiply the
+            # same row blocks (the backward's): a GEMM's last bits can depend on its row count
+            block = _backward_rows(chunk, entropy) if support is not None else chunk
+            step = max(1, chunk // block) * block                             # whole blocks per chunk
+            for i in range(0, h.shape[0], step):
+                logits = _block_linear(h[i:i + step], w, b, block, dt).to(acc)  # (c, V)
                 if temperature != 1.0:
                     logits = logits / temperature                             # (c, V)
-                picked = logits.gather(-1, targets[i:i + chunk, None]).squeeze(-1)  # (c,)
+                picked = logits.gather(-1, targets[i:i + step, None]).squeeze(-1)  # (c,)
                 if support is not None:  # the sort of top-p in quarter chunks: peak ~2 (c, V) buffers
                     q = max(1, logits.shape[0] // 4)
                     for j in range(0, logits.shape[0], q):
                         thr[i + j:i + j + q] = support_threshold(logits[j:j + q], support)  # (q,)
-                    keep = keep_mask(logits, thr[i:i + chunk], targets[i:i + chunk])  # (c, V)
+                    keep = keep_mask(logits, thr[i:i + step], targets[i:i + step])  # (c, V)
                     logits.masked_fill_(~keep, MASKED)                        # (c, V) the support only
                     del keep
                 if entropy:
@@ -121,12 +141,12 @@ class LinearLogprob(torch.autograd.Function):
                     logits.sub_(m)                                            # (c, V) z - m
                     e = logits.exp()                                          # (c, V)
                     s = e.sum(-1)                                             # (c,)
-                    lse[i:i + chunk] = s.log() + m.squeeze(-1)                # (c,) as torch.logsumexp
-                    ent[i:i + chunk] = s.log() - e.mul_(logits).sum(-1) / s   # (c,) H
+                    lse[i:i + step] = s.log() + m.squeeze(-1)                 # (c,) as torch.logsumexp
+                    ent[i:i + step] = s.log() - e.mul_(logits).sum(-1) / s    # (c,) H
                     del e
                 else:
-                    lse[i:i + chunk] = torch.logsumexp(logits, -1)            # (c,)
-                out[i:i + chunk] = picked - lse[i:i + chunk]
+                    lse[i:i + step] = torch.logsumexp(logits, -1)             # (c,)
+                out[i:i + step] = picked - lse[i:i + step]
                 del logits
         ctx.save_for_backward(h, weight, bias, targets, lse, ent if entropy == 2 else None, thr)
         ctx.chunk, ctx.dt, ctx.temperature, ctx.entropy = chunk, dt, temperature, entropy
@@ -152,7 +172,7 @@ class LinearLogprob(torch.autograd.Function):
         gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         # with the entropy's gradient each chunk needs softmax and logits at once: half chunks keep the
         # peak at two (chunk / 2, V) buffers, what the plain backward's one (chunk, V) plus logsumexp hold
-        chunk = chunk if g_h is None else max(1, chunk // 2)
+        chunk = _backward_rows(chunk, ctx.entropy)
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
                 hc = h[i:i + chunk].to(dt)                                    # (c, H)
