@@ -190,17 +190,21 @@ def test_completions_token_prompts_streaming_and_stop(tiny):
 
 def test_concurrent_episodes_are_batched_and_kept_apart(tiny):
     ep, spy = start(tiny, budget=16)
-    ep.batcher.linger_s = 0.2
+    # "together": the four clients are built first (building one takes tens of ms of CPU, under one GIL)
+    # and leave at one barrier; then a busy shared machine does not spread the requests past the linger
+    ep.batcher.linger_s = 0.5
     try:
         keys = [ep.open_episode() for _ in range(4)]
+        clients = [openai.OpenAI(base_url=ep.url, api_key=k, max_retries=0) for k in keys]
+        go = threading.Barrier(4)
 
-        def one(k, q):
-            c = openai.OpenAI(base_url=ep.url, api_key=k, max_retries=0)
+        def one(c, q):
+            go.wait(timeout=30)
             return c.completions.create(model="m", prompt=q, max_tokens=4 + len(q)).choices[0].text
 
         def agents():
             res = [None] * 4
-            ts = [threading.Thread(target=lambda i=i: res.__setitem__(i, one(keys[i], "q" * (i + 1))))
+            ts = [threading.Thread(target=lambda i=i: res.__setitem__(i, one(clients[i], "q" * (i + 1))))
                   for i in range(4)]
             [t.start() for t in ts]
             [t.join() for t in ts]
