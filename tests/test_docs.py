@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.docs_blocks import (
+    MARK,
     ROOT,
     SUBSTITUTIONS,
     Runner,
@@ -124,6 +125,13 @@ def test_the_marks_are_counted():
     run = [b for _, b in ALL if kind(b) in ("shell", "python")]
     assert len(run) >= 15 and marked
     assert all(len(b.mark) > len("*Not run here: .*") + 10 for b in marked)
+
+
+def test_every_mark_is_one_line():
+    """A mark wrapped over two lines is not a mark: its block would run. Say so where it is written."""
+    bad = [f"{path}:{i}" for path in documents() for i, line in enumerate(path.read_text().splitlines(), 1)
+           if line.lstrip().startswith("*Not run here") and not MARK.match(line)]
+    assert not bad, f"a '*Not run here: <why>.*' mark must be one line: {bad}"
 
 
 def test_the_design_tree_has_every_top_level_part():
