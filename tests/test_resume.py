@@ -174,6 +174,25 @@ def test_kill9_anywhere_then_resume_is_exact(assets, straight):
         assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")], name
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["baseline", "step_0"])
+def test_stopped_around_the_first_checkpoint_resumes_with_the_baseline_row(assets, straight, point,
+                                                                           monkeypatch):
+    """Stopped after the step-0 held-out row and before ``step_0`` is saved (the run starts over), or
+    right after ``step_0`` (resumed from it): either way the resumed run logs the baseline once and
+    everything the uninterrupted run logs. (Saving ``step_0`` before the baseline lost the row.)"""
+    out = assets / f"stop-{point}"
+    monkeypatch.setenv("TEST_ONEDNN_FASTER", _timing(straight, same=True)["TEST_ONEDNN_FASTER"])
+    monkeypatch.setenv("NANOGRPO_TEST_STOP_AFTER", point)
+    with pytest.raises(SystemExit, match=f"stopped after {point}"):
+        main(_args(assets, out, 6))
+    monkeypatch.delenv("NANOGRPO_TEST_STOP_AFTER")
+    assert [r["step"] for r in _comparable(out)] == [0]
+    assert (latest_checkpoint(out / "checkpoints") is None) == (point == "baseline")
+    assert main(_resume_args(out, 6)) == 0
+    assert _comparable(out) == straight
+
 LOSS_RUNS = {  # every loss, each with the options that carry state or bind only off-policy
     "grpo": ["grpo.loss=grpo", "grpo.entropy_coef=0.01", "grpo.entropy_target=9.0"],  # adaptive control
     "dapo": ["grpo.loss=dapo", "grpo.mask_truncated=true", "grpo.top_entropy_quantile=0.5"],

@@ -223,13 +223,17 @@ def train(run: PreparedRun) -> Path:
         _test_stop(f"step_{step}_update_{sched.done}")
 
     if run.resume_from is None:
-        save(0)
+        # the held-out baseline first, then step_0: a kill between the two resumes from step_0 with the
+        # baseline row kept; a kill before step_0 exists starts the run (and the baseline) over
         if run.eval_rows:  # the held-out curve starts at the baseline (not again on resume)
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
                 logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0,
                                                              backend.rollout_model())})
+        _test_stop("baseline")
+        save(0)
+        _test_stop("step_0")
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     try:
@@ -272,8 +276,9 @@ def train(run: PreparedRun) -> Path:
 
 
 def _test_stop(name: str) -> None:
-    """Test hook: ``NANOGRPO_TEST_STOP_AFTER=step_N_update_U`` ends the run (SystemExit) right after that
-    mid-batch checkpoint is written, as a kill there would, minus the kill."""
+    """Test hook: ``NANOGRPO_TEST_STOP_AFTER=NAME`` ends the run (SystemExit) right after that point, as a
+    kill there would, minus the kill: ``step_N_update_U`` (that mid-batch checkpoint written),
+    ``baseline`` (the step-0 held-out row logged, ``step_0`` not yet saved), ``step_0`` (saved)."""
     if os.environ.get("NANOGRPO_TEST_STOP_AFTER") == name:
         raise SystemExit(f"stopped after {name} (NANOGRPO_TEST_STOP_AFTER)")
 
