@@ -79,7 +79,7 @@ def test_datasets_come_as_lists_hf_datasets_dataframes_and_splits(tmp_path):
     import datasets
     import pandas
 
-    from nanogrpo.api import _data
+    from nanogrpo.api.inputs import _data
 
     cfg = nanogrpo.Config.load("demo", {"train.out": str(tmp_path / "run")})
     for given in (ROWS, iter(ROWS), datasets.Dataset.from_list(ROWS), pandas.DataFrame(ROWS)):

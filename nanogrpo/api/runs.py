@@ -1,0 +1,127 @@
+"""Runs and checkpoints as the public functions see them: :class:`Run`, a config from what the functions
+accept, the checkpoint a run or path means."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
+from nanogrpo.config import Config, Overrides, config_from
+from nanogrpo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run directory and what it holds; :func:`train` returns one, ``Run("runs/demo")`` opens any."""
+
+    root: Path
+    rewards: tuple = field(default=(), repr=False, compare=False)
+    """The rewards :func:`train` was given (names and callables), which :func:`evaluate` reuses; a
+    run opened from its directory has its config's names only."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Config:
+        """The run's resolved config (``RUN/config.yaml``)."""
+        return run_config(self.root)
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """One dict per logged step (``RUN/metrics.jsonl``): loss, reward_mean, accuracy, kl, ...
+        (step 0 holds the held-out baseline only, when the run evaluates)."""
+        from nanogrpo.training.metrics import read_metrics
+
+        path = self.root / "metrics.jsonl"
+        return read_metrics(path) if path.is_file() else []
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints (``RUN/checkpoints/step_N``), oldest first."""
+        from nanogrpo.training.checkpoint import STATE_FILE
+
+        found = [p for p in (self.root / "checkpoints").glob("step_*")
+                 if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+        return sorted(found, key=lambda p: int(p.name[5:]))
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The newest complete checkpoint (an HF model directory), or None."""
+        from nanogrpo.training.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.root / "checkpoints")
+
+    def summary(self) -> str:
+        """One line: steps, time, reward and accuracy first -> last, held-out accuracy, tokens/s."""
+        from nanogrpo.training.logging_sinks import run_summary
+
+        return run_summary(self.root)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+
+def as_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,
+              overrides: Overrides = ()) -> Config:
+    """A :class:`Config` from what the functions accept: a Config, a file or preset name (None: the
+    demo preset), or a dict of sections (``{"train": {"steps": 2}}``, over the seed's defaults, as a
+    file is); then ``overrides``."""
+    if isinstance(config, Config):
+        return config.with_overrides(overrides) if overrides else config
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return config_from(config, overrides)
+    if isinstance(config, Mapping):
+        return Config.from_dict(config, overrides)
+    raise ConfigError(f"config must be a Config, a file, a preset name or a dict, not "
+                      f"{type(config).__name__}")
+
+
+def run_config(run_dir: str | os.PathLike, overrides: Overrides = ()) -> Config:
+    """The config a run directory was made with (``RUN/config.yaml``), with ``overrides``."""
+    from nanogrpo.config import load_config
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no {CONFIG_FILE})")
+    return load_config(path, overrides)
+
+
+def _is_preset(dataset: Any) -> bool:
+    from nanogrpo.data.sources import PRESETS
+
+    return isinstance(dataset, str) and dataset in PRESETS
+
+
+def _checkpoint_path(model: str | os.PathLike | Run) -> Path | str:
+    """A run (directory) means its newest checkpoint; anything else is as given."""
+    root = model.root if isinstance(model, Run) else Path(model)
+    if (root / "checkpoints").is_dir() and (root / CONFIG_FILE).is_file():
+        ckpt = Run(root).checkpoint
+        if ckpt is None:
+            raise ConfigError(f"run {root} has no complete checkpoint yet")
+        return ckpt
+    return root if isinstance(model, Run) or root.exists() else str(model)
+
+
+def _run_of(path: Path | str) -> Path | None:
+    """``RUN`` when ``path`` is ``RUN/checkpoints/step_N`` (or its ``merged/``) of a run directory."""
+    p = Path(path)
+    if p.name == "merged":
+        p = p.parent
+    run = p.parent.parent
+    return run if p.is_dir() and p.parent.name == "checkpoints" and (run / CONFIG_FILE).is_file() else None
+
+
+def _override_list(overrides: Overrides) -> list[str]:
+    if isinstance(overrides, Mapping):
+        return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a dict, not the "
+                          f"string {overrides!r}")
+    return list(overrides)
