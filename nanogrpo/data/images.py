@@ -259,3 +259,37 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
             row[field] = imgs
         total += len(imgs)
     return total
+
+
+def encode_with_images(tokenizer, samples: list[dict[str, Any]], cfg, template: str, spec: ImageSpec
+                       ) -> tuple[list[list[int]], list[int], list[VisionInputs]]:
+    """:func:`nanogrpo.data.prompts.encode_prompts` for rows with images: each row's prompt rendered
+    through the chat template with its images' tokens where its placeholders stand (before its question
+    when it has none), and its pixel inputs. Returns (ids, skipped, inputs) for the kept rows; a prompt
+    over ``data.max_prompt_tokens`` (image tokens count) is skipped."""
+    from nanogrpo.data.prompts import render_samples
+
+    if not samples:
+        return [], [], []
+    ph = cfg.image_placeholder
+    prepared, inputs = [], []
+    for s in samples:
+        imgs = [open_image(v) for v in row_images(s, cfg.image_field)]
+        if imgs and count_placeholders(s, ph) == 0:
+            if s.get("messages"):
+                raise DataError(f"row {s.get('id', '?')!r}: chat turns with images need a placeholder "
+                                f"{ph!r} per image")
+            s = dict(s, question=ph * len(imgs) + s["question"])
+        prepared.append(s)
+        inputs.append(render(imgs, spec))
+    texts = render_samples(tokenizer, prepared, cfg, template)
+    texts = [place_images(t, ph, v.grid, spec) if v.num_images else t for t, v in zip(texts, inputs)]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids, skipped, kept = [], [], []
+    for i, seq in enumerate(encoded):
+        if len(seq) > cfg.max_prompt_tokens:
+            skipped.append(i)
+        else:
+            ids.append(list(seq))
+            kept.append(inputs[i])
+    return ids, skipped, kept

@@ -33,10 +33,14 @@ def is_peft(model) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model."""
+    """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model. A
+    vision-language model gets them on its language model only (:func:`nanogrpo.models.vision.lora_targets`)."""
+    from nanogrpo.models.vision import lora_targets
+
     peft = _peft()
     lcfg = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                           target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                           target_modules=lora_targets(model, list(cfg.lora_target_modules)), bias="none",
+                           task_type="CAUSAL_LM")
     if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return peft.get_peft_model(model, lcfg)
