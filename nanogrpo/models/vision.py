@@ -67,6 +67,14 @@ def image_token_id(model) -> int:
     return int(tid)
 
 
+def media_token_ids(model) -> list[int]:
+    """The ids that stand for image / video features in the input: a sampler never emits them (a
+    completion holding one would not match its images' features in the trainer's forward)."""
+    cfg = _inner(model).config
+    ids = [getattr(cfg, k, None) for k in ("image_token_id", "image_token_index", "video_token_id")]
+    return sorted({int(i) for i in ids if i is not None})
+
+
 def _preprocessor(path: str | None) -> dict:
     if not path:
         return {}

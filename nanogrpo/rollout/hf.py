@@ -156,6 +156,10 @@ class HFEngine:
             pv, grid, _ = concat([(v.pixel_values, v.grid) for v in images for _ in range(params.n)],
                                  images[0].pixel_values.shape[1])
             mm = {k: v for k, v in forward_kwargs(self.model, ids, pv, grid).items() if k != "position_ids"}
+        if self.vision is not None or images is not None:
+            from nanogrpo.models.vision import media_token_ids
+
+            mm["suppress_tokens"] = media_token_ids(self.model)  # never sampled: they stand for pixels
         n_new = params.max_new_tokens
         kw = dict(max_new_tokens=n_new, do_sample=not params.greedy, eos_token_id=self.eos_ids,
                   pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True,
