@@ -113,7 +113,8 @@ class RolloutBatch:
         out = {k: getattr(self, k) for k in (*_SPEC, *IMAGE_FIELDS) if getattr(self, k) is not None}
         return out
 
-    def images_of(self, rows: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def images_of(self, rows: torch.Tensor | list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(pixel_values, grid, counts) of sequences ``rows``; None for a batch without images."""
         if not self.has_images:
             return None

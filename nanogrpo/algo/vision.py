@@ -47,7 +47,8 @@ def select_rows(pixel_values: torch.Tensor, grid: torch.Tensor, counts: torch.Te
 
 def concat(parts: list[tuple[torch.Tensor, torch.Tensor]], dim: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
-    """One batch's (pixel_values, grid, counts) from each sequence's (pixel_values (P_i, D), grid (I_i, 3))."""
+    """One batch's (pixel_values, grid, counts) from each sequence's (pixel_values (P_i, D),
+    grid (I_i, 3))."""
     pv = torch.cat([p for p, _ in parts]) if parts else torch.zeros(0, dim)
     g = torch.cat([g for _, g in parts]) if parts else torch.zeros(0, 3, dtype=torch.int64)
     counts = torch.tensor([int(g.shape[0]) for _, g in parts], dtype=torch.int64)

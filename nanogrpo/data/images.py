@@ -191,7 +191,8 @@ def render(images: list, spec: ImageSpec) -> VisionInputs:
         x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, 3)
         x = (x.permute(2, 0, 1).float() / 255.0 - mean) / std                  # (C, H, W)
         gh, gw = h // p, w // p
-        x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
+        x = x.reshape(3, gh // m, m, p, gw // m, m, p)
+        x = x.permute(1, 4, 2, 5, 0, 3, 6)                                    # (gh/m, gw/m, m, m, C, p, p)
         x = x.unsqueeze(5).expand(*x.shape[:5], tp, p, p)                      # temporal copies
         rows.append(x.reshape(gh * gw, 3 * tp * p * p))
         grids.append([1, gh, gw])
@@ -247,7 +248,8 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
                     raise ValueError(f"image of {img.width}x{img.height} pixels is far over "
                                      f"data.max_image_pixels={max_pixels} (more than {OVER_CAP}x)")
                 if max(img.width, img.height) / min(img.width, img.height) > MAX_ASPECT:
-                    raise ValueError(f"image of {img.width}x{img.height} has an aspect ratio over {MAX_ASPECT}")
+                    raise ValueError(f"image of {img.width}x{img.height} has an aspect ratio over "
+                                     f"{MAX_ASPECT}")
             n_ph = count_placeholders(row, placeholder)
             if n_ph > len(imgs):
                 raise ValueError(f"{n_ph} placeholder(s) {placeholder!r} but {len(imgs)} image(s)")

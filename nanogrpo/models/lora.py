@@ -34,7 +34,8 @@ def is_peft(model) -> bool:
 
 def apply_lora(model: torch.nn.Module, cfg: ModelConfig, gradient_checkpointing: bool = False):
     """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model. A
-    vision-language model gets them on its language model only (:func:`nanogrpo.models.vision.lora_targets`)."""
+    vision-language model gets them on its language model only
+    (:func:`nanogrpo.models.vision.lora_targets`)."""
     from nanogrpo.models.vision import lora_targets
 
     peft = _peft()

@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from nanogrpo.data.images import CLIP_MEAN, CLIP_STD
 from nanogrpo.errors import ModelError
 from nanogrpo.models.tiny import CHAT_TEMPLATE
 
@@ -45,21 +46,25 @@ def vlm_config(family: str, tok: PreTrainedTokenizerFast, hidden: int = 32, laye
                vision_hidden: int = 32, vision_layers: int = 1, patch: int = 4, image_size: int = 16):
     """The config of a tiny ``family`` model (every id read off ``tok``)."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in (LLAVA_SPECIAL if family == "llava" else QWEN_SPECIAL)}
-    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
     if family in ("qwen2_vl", "qwen2_5_vl"):
         half = hidden // 4 // 2                                      # head_dim / 2 rotary pairs
         t = max(1, half // 4)
-        text["rope_scaling"] = {"type": "mrope", "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]}
+        sections = [t, (half - t) // 2, half - t - (half - t) // 2]
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": sections}
         ids_kw = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                      vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+                      vision_start_token_id=ids["<|vision_start|>"],
+                      vision_end_token_id=ids["<|vision_end|>"])
         if family == "qwen2_vl":
             from transformers import Qwen2VLConfig
 
             vision = dict(depth=vision_layers, embed_dim=vision_hidden, hidden_size=hidden, num_heads=2,
-                          mlp_ratio=2, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+                          mlp_ratio=2, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                          in_channels=3)
             return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids_kw)
         from transformers import Qwen2_5_VLConfig
 
@@ -106,13 +111,14 @@ def preprocessor_config(model, min_pixels: int = 8 * 8, max_pixels: int = 64 * 6
         return {"image_processor_type": "LlavaImageProcessor", "size": {"height": vc.image_size,
                                                                      "width": vc.image_size},
                 "crop_size": {"height": vc.image_size, "width": vc.image_size}, "do_center_crop": False,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "resample": 3, "do_resize": True, "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255}
+                "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+                "resample": 3, "do_resize": True, "do_normalize": True, "do_rescale": True,
+                "rescale_factor": 1 / 255}
     return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vc.patch_size,
             "merge_size": vc.spatial_merge_size, "temporal_patch_size": vc.temporal_patch_size,
             "min_pixels": min_pixels, "max_pixels": max_pixels,
             "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+            "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)}
 
 
 def save_vlm(model, tok, path: str | Path, **pixels) -> Path:

@@ -136,7 +136,8 @@ def forward_kwargs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | 
     if layout(model) == "llava":
         return {"pixel_values": llava_images(pixel_values, grid).to(input_ids.device, dt)}
     tt = (input_ids == image_token_id(model)).int()
-    return {"pixel_values": pixel_values.to(input_ids.device, dt), "image_grid_thw": grid.to(input_ids.device),
+    return {"pixel_values": pixel_values.to(input_ids.device, dt),
+            "image_grid_thw": grid.to(input_ids.device),
             "mm_token_type_ids": tt, "position_ids": None}
 
 

@@ -363,7 +363,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
         from nanogrpo.algo.vision import concat
 
         per = [v for x in live for v in x.gen.images]                              # one per completion
-        pv, grid, counts = concat([(per[i].pixel_values, per[i].grid) for i in rows_b], per[0].pixel_values.shape[1])
+        pv, grid, counts = concat([(per[i].pixel_values, per[i].grid) for i in rows_b],
+                                  per[0].pixel_values.shape[1])
         vis = {"pixel_values": pv, "image_grid_thw": grid, "image_counts": counts}
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm, **vis,
                          rewards=r[rows_t], advantages=adv[rows_t], group_ids=group_ids,

@@ -41,7 +41,8 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
     if vision and name in ("fast", "vllm"):
         why = ("the fast engine has no vision tower nor M-RoPE positions" if name == "fast" else
                "nanogrpo does not pass images to vLLM yet")
-        raise ValueError(f"rollout.engine={name} cannot run the vision-language model {model.config.model_type}: "
+        raise ValueError(f"rollout.engine={name} cannot run the vision-language model "
+                         f"{model.config.model_type}: "
                          f"{why}; use rollout.engine=hf")
     if name == "hf":
         from nanogrpo.rollout.hf import HFEngine
@@ -73,5 +74,6 @@ def engine_for(cfg, model, tokenizer=None, *, cpu_linear: str | None = None, **k
     from nanogrpo.models.vision import image_spec, is_vision
 
     if is_vision(model):
-        engine.vision = image_spec(model, tokenizer, None, cfg.data.min_image_pixels, cfg.data.max_image_pixels)
+        engine.vision = image_spec(model, tokenizer, None, cfg.data.min_image_pixels,
+                                   cfg.data.max_image_pixels)
     return engine

@@ -177,7 +177,7 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConf
         ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
         lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
                             temperature=temperature, entropy="value" if entropy else "none",
-                            support=support, mm=_images(model, batch, rows))                                               # (n, c)
+                            support=support, mm=_images(model, batch, rows))           # (n, c)
         out[rows, :lp.shape[1]] = lp.to(dt)
         if entropy:
             ent[rows, :h.shape[1]] = h.to(dt)
