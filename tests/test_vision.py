@@ -51,7 +51,8 @@ def _rows():
     return [{"question": "<image>What is it?", "answer": "1",
              "images": [picture(16, 16, 1)]},
             {"question": "Look: <image> now", "answer": "2", "images": [picture(24, 40, 2)]},
-            {"question": "<image> or <image>?", "answer": "3", "images": [picture(20, 12, 3), picture(8, 8, 4)]}]
+            {"question": "<image> or <image>?", "answer": "3",
+             "images": [picture(20, 12, 3), picture(8, 8, 4)]}]
 
 
 _COUNTER = itertools.count()
