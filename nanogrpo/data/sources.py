@@ -48,6 +48,7 @@ from nanogrpo.demos.arithmetic import task as arithmetic
 from nanogrpo.demos.dialogue import task as dialogue
 from nanogrpo.demos.game import task as game
 from nanogrpo.demos.tools import task as multidigit
+from nanogrpo.demos.vision import task as vision
 from nanogrpo.errors import DataError
 
 
@@ -251,6 +252,8 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
         return _arithmetic_rows(cfg, split, multidigit)
     if source in ("game", "dialogue"):
         return _arithmetic_rows(cfg, split, game if source == "game" else dialogue)
+    if source == "vision":
+        return _arithmetic_rows(cfg, split, vision)
     if source in PRESETS:
         return _preset_rows(cfg, source, split)
     if source.startswith("hf:"):
@@ -262,7 +265,7 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() not in READERS:
         raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}, arithmetic, "
-                        f"multidigit, game, dialogue), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
+                        f"multidigit, game, dialogue, vision), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
     return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
 
 
