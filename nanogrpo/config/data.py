@@ -30,7 +30,8 @@ Qwen2.5-Math's (the same instruction as the system prompt)."""
 class DataConfig(_Strict):
     source: str = "gsm8k"
     """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
-    ``multidigit``, ``game``, ``dialogue``, ``vision``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
+    ``multidigit``, ``game``, ``dialogue``, ``vision``), a file (.jsonl/.json/.parquet/.csv), or
+    ``hf:NAME``."""
     split: str = "train"
     """The split trained on (of a preset, an ``hf:`` dataset, or ``{split}`` in a file path)."""
     eval_split: str = "test"

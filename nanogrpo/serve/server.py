@@ -47,7 +47,8 @@ def make_ref_fn(model: torch.nn.Module, device: torch.device, micro_batch: int, 
         b = batch.to(device)
         sup = batch.meta.get("logprob_support")  # (top_k, top_p): over the support, as the worker's
         if b.has_images:  # a vision-language model: each micro-batch with its rows' images
-            return _with_images(model, b, micro_batch, chunk, float(batch.meta.get("logprob_temperature", 1.0)),
+            return _with_images(model, b, micro_batch, chunk,
+                                float(batch.meta.get("logprob_temperature", 1.0)),
                                 (int(sup[0]), float(sup[1])) if sup else None)
         return batch_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, b.completion_mask,
                                     micro_batch, chunk,
