@@ -162,8 +162,8 @@ def test_vision_loss_and_gradients_equal_trls(tmp_path, family, off_policy):
     ours.load_state_dict(weights)
     b = RolloutBatch(**dict(batch.tensors(), old_logprobs=behaviour), prompt_len=p, group_size=G)
     be = _GradTap(ours, lr=1e-3)
-    res = policy_update(ours, be.optimizer, b, cfg.grpo, cfg.train, on_policy=not off_policy, max_new_tokens=C,
-                        backend=be, rollout=cfg.rollout)
+    res = policy_update(ours, be.optimizer, b, cfg.grpo, cfg.train, on_policy=not off_policy,
+                        max_new_tokens=C, backend=be, rollout=cfg.rollout)
     assert not res.skipped_nonfinite
     # the loss is a small difference of O(1) terms (each group's advantages sum to zero): within 1e-10 of
     # the terms' size, its advantages'
