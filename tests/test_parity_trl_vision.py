@@ -9,8 +9,8 @@ slicing of the images, built by TRL's ``_get_per_token_logps_and_entropies``, is
 a real nanogrpo rollout (the hf engine, images of two sizes); nanogrpo's
 :func:`~nanogrpo.training.step.policy_update` runs on a model with the same weights, in micro-batches
 of two rows where TRL takes all eight. Off-policy: the weights move after generation, the ratio leaves
-1. Asserted: every parameter's gradient within 1e-10 relative (the text parity's bar), the loss within 1e-10
-of its terms' size.
+1. Asserted: every parameter's gradient within ``REL`` = 1e-8 relative, the loss within 1e-10 of its
+terms' size.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ from nanogrpo.training.step import batch_logprobs, policy_update  # noqa: E402
 from tests.vision_fixtures import picture  # noqa: E402
 
 G, C, BETA = 4, 6, 0.04
+REL = 1e-8
+"""Per parameter, relative to its largest gradient (the text parity asks 1e-6 and asserts 1e-10): nanogrpo
+runs the vision tower once per group and sums the features' gradients over the group's rows, TRL once
+per row: float64 sums in another order, up to ~1.2e-9 apart on the tower's smallest gradients (the
+language model's agree to ~1e-15)."""
 
 
 def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -171,6 +176,6 @@ def test_vision_loss_and_gradients_equal_trls(tmp_path, family, off_policy):
     assert set(theirs) == set(be.grads)
     for k, g in theirs.items():
         err = float((be.grads[k] - g).abs().max())
-        assert err <= 1e-10 * float(g.abs().max()) + 1e-14, f"{k}: {err:.3e}"  # (a key bias's is 0)
+        assert err <= REL * float(g.abs().max()) + 1e-14, f"{k}: {err:.3e}"  # (a key bias's is 0)
     if off_policy:
         assert res.metrics["ratio_min"] < 1.0 < res.metrics["ratio_max"]

@@ -239,3 +239,28 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     lm = [k for k in before if k not in tower and "embed_tokens" in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
     assert any(not torch.equal(before[k], after[k]) for k in lm)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_the_vision_tower_runs_once_per_group(family):
+    """The G samples of a group share their images: the trainer's forward runs the tower on one row's
+    images per group (the log-probs and gradients are those of the plain forward: the tests above)."""
+    from nanogrpo.models.vision import vision_tower
+
+    model, tok, engine = _setup(family)
+    cfg = _cfg()
+    rewards = RewardRunner([_spread], workers=0)
+    batch, _ = rollout(engine, tok, _rows(), rewards, cfg.data, _sampled(cfg), cfg.grpo, template="auto",
+                       seed=4)
+    seen = []
+    hook = vision_tower(model).register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        lp_shared, _ = batch_logprobs(model, batch, cfg.train.model_copy(update={"micro_batch_size": 64}),
+                                      True)
+        per_group = sum(seen)
+        seen.clear()
+        lp_rows, _ = batch_logprobs(model, batch, cfg.train.model_copy(update={"micro_batch_size": 1}), True)
+    finally:
+        hook.remove()
+    assert per_group * cfg.grpo.group_size == sum(seen)   # rows alone: every row runs its own images
+    assert torch.allclose(lp_shared, lp_rows, atol=1e-6, rtol=0)

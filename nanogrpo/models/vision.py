@@ -126,19 +126,69 @@ def llava_images(pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor
 
 
 def forward_kwargs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-                   grid: torch.Tensor | None) -> dict:
+                   grid: torch.Tensor | None, groups: torch.Tensor | None = None,
+                   counts: torch.Tensor | None = None) -> dict:
     """The keyword arguments that carry ``input_ids``' images into ``model``'s forward (and
     ``generate``): their pixels in row order (every image of row 0, then row 1, ...). A
-    ``position_ids`` key set to None means: let the model compute its own positions (M-RoPE)."""
+    ``position_ids`` key set to None means: let the model compute its own positions (M-RoPE).
+
+    ``groups`` (N,) and ``counts`` (N,) (each row's group id and image count): rows of one group share
+    their images, so the vision tower runs on one row's images per group and the others reuse its
+    features (:func:`shared_features`; same values and gradients, the tower's work divided by the group
+    size). Only for a model called as itself (not inside DDP / FSDP2, whose hooks need every parameter
+    used inside their own forward)."""
     if pixel_values is None or grid is None or grid.shape[0] == 0:
         return {"position_ids": None} if layout(model) == "qwen" else {}
     dt = next(iter(_inner(model).parameters())).dtype
+    kw: dict = {}
+    shared = None
+    if groups is not None and counts is not None and _plain(model):
+        shared = shared_features(model, pixel_values.to(input_ids.device, dt), grid, counts, groups)
+    if shared is not None:
+        kw["mm_encoder_outputs"] = {"image": shared}
+    elif layout(model) == "llava":
+        kw["pixel_values"] = llava_images(pixel_values, grid).to(input_ids.device, dt)
+    else:
+        kw["pixel_values"] = pixel_values.to(input_ids.device, dt)
     if layout(model) == "llava":
-        return {"pixel_values": llava_images(pixel_values, grid).to(input_ids.device, dt)}
+        return kw
     tt = (input_ids == image_token_id(model)).int()
-    return {"pixel_values": pixel_values.to(input_ids.device, dt),
-            "image_grid_thw": grid.to(input_ids.device),
-            "mm_token_type_ids": tt, "position_ids": None}
+    return {**kw, "image_grid_thw": grid.to(input_ids.device), "mm_token_type_ids": tt, "position_ids": None}
+
+
+def _plain(model) -> bool:
+    """``model`` is the HF model itself (or a PEFT wrapper of it): no DDP / FSDP2 / DeepSpeed around it."""
+    from nanogrpo.algo.logprobs import unwrap
+
+    inner = unwrap(model)
+    return inner is model and not any(c.__name__.startswith("FSDP") for c in type(model).__mro__)
+
+
+def shared_features(model, pixel_values: torch.Tensor, grid: torch.Tensor, counts: torch.Tensor,
+                    groups: torch.Tensor):
+    """The image features of every row's images, the tower run once per group (its first row's
+    images); None when no group has two rows. Returns the model's own output type, its
+    ``pooler_output`` one (tokens, hidden) tensor per image in row order, for ``mm_encoder_outputs``."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from nanogrpo.algo.vision import distinct_rows, select_rows
+
+    first, inv = distinct_rows(groups)
+    if first.numel() == groups.numel():
+        return None
+    pv, g, c = select_rows(pixel_values, grid, counts, first)
+    base = getattr(_inner(model), "model", _inner(model))
+    if layout(model) == "llava":
+        cfg = _inner(model).config
+        out = base.get_image_features(pixel_values=llava_images(pv, g), return_dict=True,
+                                      vision_feature_layer=cfg.vision_feature_layer,
+                                      vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+    else:
+        out = base.get_image_features(pv, g, return_dict=True)
+    feats = list(out.pooler_output)                                           # one per image of the U rows
+    starts = [0] + c.cumsum(0).tolist()
+    per_row = [feats[starts[u]:starts[u + 1]] for u in inv.tolist()]          # each row's images' features
+    return BaseModelOutputWithPooling(pooler_output=tuple(f for row in per_row for f in row))
 
 
 def vision_tower(model) -> torch.nn.Module | None:

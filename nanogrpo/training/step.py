@@ -149,14 +149,15 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = N
 
 
 def _images(model, batch: RolloutBatch, rows: torch.Tensor):
-    """``token_stats``' ``mm`` for rows of a batch with images (their pixels, never another row's);
-    None without images."""
+    """``token_stats``' ``mm`` for rows of a batch with images (their pixels, never another row's; the
+    vision tower run once per group); None without images."""
     if not batch.has_images:
         return None
     from nanogrpo.models.vision import forward_kwargs
 
-    pv, grid, _ = batch.images_of(rows)
-    return lambda ids: forward_kwargs(model, ids, pv, grid)
+    pv, grid, counts = batch.images_of(rows)
+    groups = batch.group_ids[rows]                  # a group's rows share their images: the tower runs once
+    return lambda ids: forward_kwargs(model, ids, pv, grid, groups, counts)
 
 
 @torch.no_grad()
