@@ -229,7 +229,8 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     code = cli(["train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "run"),
                 "--steps", "2", "rollout.prompts_per_step=2", "grpo.group_size=4", "rollout.max_new_tokens=8",
                 "grpo.beta=0.04", 'rewards.functions=["tests.reward_fixtures:length","format"]',
-                "rewards.workers=0", "train.save_every=0", "eval.every=0", "train.lr=1e-2"])
+                "rewards.workers=0", "train.save_every=0", "eval.every=0", "train.lr=1e-2",
+                "log.samples_every=1"])
     assert code == 0
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and rows[0]["kl"] == 0.0
@@ -239,6 +240,11 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     lm = [k for k in before if k not in tower and "embed_tokens" in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
     assert any(not torch.equal(before[k], after[k]) for k in lm)
+    # the logged samples carry their images; the report shows them beside the completions
+    from nanogrpo.report import load_run, samples_html
+
+    page = samples_html([load_run(tmp_path / "run")], tmp_path / "report").read_text()
+    assert page.count('<img src="data:image/png;base64,') >= 2
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])

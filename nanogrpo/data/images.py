@@ -263,6 +263,17 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
     return total
 
 
+def data_uri(img, max_side: int = 256) -> str:
+    """A PNG ``data:`` URI of an image (shrunk to ``max_side`` at most), for sample logs and reports."""
+    import base64
+
+    img = img.copy()
+    img.thumbnail((max_side, max_side))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def encode_with_images(tokenizer, samples: list[dict[str, Any]], cfg, template: str, spec: ImageSpec
                        ) -> tuple[list[list[int]], list[int], list[VisionInputs]]:
     """:func:`nanogrpo.data.prompts.encode_prompts` for rows with images: each row's prompt rendered

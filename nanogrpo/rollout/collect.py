@@ -313,7 +313,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.reward_failures_by_function = fails
     stats.reward_model_metrics = dict(live[-1].scored.metrics)
     stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
-                       **{k: v[i] for k, v in per_function.items()}}
+                       **{k: v[i] for k, v in per_function.items()}, **_example_images(samples[i], data)}
                       for i in range(min(keep_examples, len(texts)))]
 
     groups = len(kept_rows)
@@ -372,6 +372,17 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                          truncated=torch.tensor(cut_b),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
+
+
+def _example_images(sample: dict, data: DataConfig) -> dict:
+    """``{"images": [PNG data URIs]}`` for a logged example whose prompt has images (``nanogrpo report``
+    shows them beside the completion), else nothing."""
+    imgs = sample.get(data.image_field)
+    if not imgs or not isinstance(imgs, list) or not all(hasattr(x, "save") for x in imgs):
+        return {}
+    from nanogrpo.data.images import data_uri
+
+    return {"images": [data_uri(x) for x in imgs]}
 
 
 def _merge_tool_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
