@@ -7,6 +7,7 @@ prompt, and the batch's images survive the wire."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -239,6 +240,7 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     tower = [k for k in before if "visual" in k or "vision_tower" in k]
     lm = [k for k in before if k not in tower and "embed_tokens" in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "preprocessor_config.json").is_file()
     assert any(not torch.equal(before[k], after[k]) for k in lm)
     # the logged samples carry their images; the report shows them beside the completions
     from nanogrpo.report import load_run, samples_html
@@ -270,3 +272,29 @@ def test_the_vision_tower_runs_once_per_group(family):
         hook.remove()
     assert per_group * cfg.grpo.group_size == sum(seen)   # rows alone: every row runs its own images
     assert torch.allclose(lp_shared, lp_rows, atol=1e-6, rtol=0)
+
+
+def test_lora_and_gradient_checkpointing_with_images(tmp_path):
+    """LoRA adapts the language model only; gradient checkpointing and micro-batches of one row run the
+    images through; the adapter checkpoint resumes."""
+    from nanogrpo.cli import main as cli
+    from nanogrpo.training.metrics import read_metrics
+    from tests.vision_fixtures import checkpoint, image_dataset
+
+    model_dir = checkpoint("qwen2_vl", tmp_path)
+    data = image_dataset(tmp_path)
+    head = ["train", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "run")]
+    keys = ["rollout.prompts_per_step=2", "grpo.group_size=4", "rollout.max_new_tokens=8", "grpo.beta=0.04",
+            'rewards.functions=["tests.reward_fixtures:length","format"]', "rewards.workers=0",
+            "eval.every=0", "model.lora_r=4", "train.gradient_checkpointing=true", "train.micro_batch_size=1",
+            "train.lr=1e-2", "train.save_every=1"]
+    assert cli([*head, "--steps", "1", *keys]) == 0
+    adapter = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "adapter_config.json").read_text())
+    assert "visual" in adapter["target_modules"]  # the regex that leaves the tower out
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_1" / "adapter_model.safetensors")
+    assert saved and not [k for k in saved if "visual" in k] and any("language_model" in k for k in saved)
+    assert cli([*head, "--steps", "2", "--resume", str(tmp_path / "run"), *keys]) == 0
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["kl"] == 0.0

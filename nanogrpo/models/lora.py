@@ -55,8 +55,12 @@ def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = Tru
     peft = _peft()
     if cfg is not None:
         saved = peft.PeftConfig.from_pretrained(str(path))
-        want = (cfg.lora_r, sorted(cfg.lora_target_modules))
-        got = (getattr(saved, "r", None), sorted(getattr(saved, "target_modules", None) or []))
+        from nanogrpo.models.vision import lora_targets
+
+        def norm(t):  # a list of names, or (vision-language models) one regex
+            return t if isinstance(t, str) else sorted(t or [])
+        want = (cfg.lora_r, norm(lora_targets(model, list(cfg.lora_target_modules))))
+        got = (getattr(saved, "r", None), norm(getattr(saved, "target_modules", None)))
         if got != want:
             raise ConfigError(f"the adapter at {path} has rank/targets {got}, the config asks for {want}")
     if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
