@@ -117,7 +117,7 @@ def _trainer(path, tok, num_iterations: int) -> GRPOTrainer:
 
 
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_vision_loss_and_gradients_equal_trls(tmp_path, family, off_policy):
     model, tok = make_vlm(family, seed=1, dtype=torch.float64)
     save_vlm(model, tok, tmp_path / "model")

@@ -1,4 +1,4 @@
-"""Vision-language GRPO on tiny random-init models of the real families (Qwen2-VL, Qwen2.5-VL,
+"""Vision-language GRPO on tiny random-init models of the real families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 LLaVA): the pixels nanogrpo renders equal HF's processor's, the hf engine's greedy tokens and
 log-probs equal unbatched ``model.generate`` and a full forward with images of two sizes in one
 batch, the trainer's log-probs (train mode, micro-batched) equal them too, two images in one
@@ -249,7 +249,7 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     assert page.count('<img src="data:image/png;base64,') >= 2
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_the_vision_tower_runs_once_per_group(family):
     """The G samples of a group share their images: the trainer's forward runs the tower on one row's
     images per group (the log-probs and gradients are those of the plain forward: the tests above)."""

@@ -1,5 +1,5 @@
 """Tiny random-init vision-language models of the real families, built offline from configs:
-Qwen2-VL, Qwen2.5-VL and LLaVA (a CLIP tower, a projector, a Qwen2 language model), with a
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA (a CLIP tower, a projector, a Qwen2 language model), with a
 character-level tokenizer that knows each family's image tokens and a chat template.
 
 Nothing is downloaded. :func:`make_vlm` returns (model, tokenizer); ``save_pretrained`` on both
@@ -22,7 +22,7 @@ from nanogrpo.data.images import CLIP_MEAN, CLIP_STD
 from nanogrpo.errors import ModelError
 from nanogrpo.models.tiny import CHAT_TEMPLATE
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]
 LLAVA_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
@@ -51,6 +51,23 @@ def vlm_config(family: str, tok: PreTrainedTokenizerFast, hidden: int = 32, laye
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        head = hidden // 4
+        half = head // 2
+        t = max(1, half // 4)
+        sections = [t, (half - t) // 2, half - t - (half - t) // 2]
+        text.pop("rope_theta")
+        text.update(head_dim=head, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                                    "mrope_section": sections, "mrope_interleaved": True})
+        vision = dict(depth=vision_layers, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                      num_heads=2, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                      out_hidden_size=hidden, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                             vision_start_token_id=ids["<|vision_start|>"],
+                             vision_end_token_id=ids["<|vision_end|>"])
     if family in ("qwen2_vl", "qwen2_5_vl"):
         half = hidden // 4 // 2                                      # head_dim / 2 rotary pairs
         t = max(1, half // 4)

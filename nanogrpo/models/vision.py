@@ -3,7 +3,7 @@
 Any ``AutoModelForImageTextToText`` checkpoint loads (:func:`nanogrpo.models.load.load_model` falls
 back to it when the config has a ``vision_config``); nanogrpo knows how to feed two layouts:
 
-- ``qwen`` (``qwen2_vl``, ``qwen2_5_vl``): pixel patches (P, D) with ``image_grid_thw`` (I, 3), and
+- ``qwen`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``): pixel patches (P, D) with ``image_grid_thw`` (I, 3), and
   ``mm_token_type_ids`` (1 on image tokens) from which the model computes its M-RoPE positions
   (no ``position_ids`` passed: the model's own 3-D positions, left padding included);
 - ``llava`` (``llava``): the patches folded back into (I, 3, H, W) images of the tower's fixed
@@ -29,7 +29,7 @@ import torch
 from nanogrpo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from nanogrpo.errors import ModelError
 
-LAYOUTS = {"qwen2_vl": "qwen", "qwen2_5_vl": "qwen", "llava": "llava"}
+LAYOUTS = {"qwen2_vl": "qwen", "qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "llava": "llava"}
 """Model types whose image inputs nanogrpo renders, and their layout."""
 
 
@@ -168,9 +168,8 @@ def shared_features(model, pixel_values: torch.Tensor, grid: torch.Tensor, count
                     groups: torch.Tensor):
     """The image features of every row's images, the tower run once per group (its first row's
     images); None when no group has two rows. Returns the model's own output type, its
-    ``pooler_output`` one (tokens, hidden) tensor per image in row order, for ``mm_encoder_outputs``."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
+    ``pooler_output`` one (tokens, hidden) tensor per image in row order (Qwen3-VL's ``deepstack_features``
+    likewise, per layer), for ``mm_encoder_outputs``."""
     from nanogrpo.algo.vision import distinct_rows, select_rows
 
     first, inv = distinct_rows(groups)
@@ -185,10 +184,15 @@ def shared_features(model, pixel_values: torch.Tensor, grid: torch.Tensor, count
                                       vision_feature_select_strategy=cfg.vision_feature_select_strategy)
     else:
         out = base.get_image_features(pv, g, return_dict=True)
-    feats = list(out.pooler_output)                                           # one per image of the U rows
     starts = [0] + c.cumsum(0).tolist()
-    per_row = [feats[starts[u]:starts[u + 1]] for u in inv.tolist()]          # each row's images' features
-    return BaseModelOutputWithPooling(pooler_output=tuple(f for row in per_row for f in row))
+
+    def every_row(per_image) -> tuple:  # one feature per image of the U rows -> of all N rows
+        per_image = list(per_image)
+        return tuple(f for u in inv.tolist() for f in per_image[starts[u]:starts[u + 1]])
+    out.pooler_output = every_row(out.pooler_output)
+    if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
+        out.deepstack_features = [every_row(layer) for layer in out.deepstack_features]
+    return out
 
 
 def vision_tower(model) -> torch.nn.Module | None:
