@@ -54,3 +54,35 @@ def test_reference_server_uses_the_images_and_refuses_malformed_ones():
                          prompt_len=batch.prompt_len, group_size=batch.group_size)
     blind = batch_logprobs(model, plain, cfg.train, True)[0]
     assert (blind - want).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_split_mode_trains_the_vision_demo(tmp_path):
+    """``nanogrpo serve`` (the reference model), a ``nanogrpo rollout`` worker and ``nanogrpo train
+    --server`` on the vision demo: batches with images cross both HTTP hops; the trainer takes 4 steps."""
+    import httpx
+
+    from nanogrpo.training.metrics import read_metrics
+    from tests.test_serve_e2e import AUTH as E2E_AUTH
+    from tests.test_serve_e2e import _server, _spawn, _stop
+    from tests.test_serve_helpers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "run"
+    ov = ["--config", "demo-vision", "rollout.prompts_per_step=4", "train.save_every=0", "train.steps=4",
+          f"train.out={out}", "eval.every=0", "rewards.workers=0", "server.max_staleness=4",
+          "server.retry_for_s=120", "server.timeout_s=20"]
+    server = _server(port, tmp_path, ov, tmp_path / "server.log")
+    worker = _spawn(["rollout", "--server", url, "--worker-id", "w1", "--batches", "6", *ov],
+                    tmp_path / "w1.log")
+    trainer = _spawn(["train", "--server", url, *ov], tmp_path / "trainer.log")
+    try:
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        stats = httpx.get(url + "/stats", headers=E2E_AUTH, timeout=10).json()
+    finally:
+        _stop(worker, trainer, server)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["loss"] is not None and r["kl"] is not None for r in rows)
+    assert stats["ref_tokens_per_s"] > 0
