@@ -3,8 +3,8 @@
 Any ``AutoModelForImageTextToText`` checkpoint loads (:func:`nanogrpo.models.load.load_model` falls
 back to it when the config has a ``vision_config``); nanogrpo knows how to feed two layouts:
 
-- ``qwen`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``): pixel patches (P, D) with ``image_grid_thw`` (I, 3), and
-  ``mm_token_type_ids`` (1 on image tokens) from which the model computes its M-RoPE positions
+- ``qwen`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``): pixel patches (P, D) with ``image_grid_thw``
+  (I, 3), and ``mm_token_type_ids`` (1 on image tokens) from which the model computes its M-RoPE positions
   (no ``position_ids`` passed: the model's own 3-D positions, left padding included);
 - ``llava`` (``llava``): the patches folded back into (I, 3, H, W) images of the tower's fixed
   size; 1-D positions from the attention mask as for text models.
