@@ -296,6 +296,9 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     episodes = Episodes.from_config(cfg, env)
     max_len = longest_context(cfg, tokenizer, max_new) if episodes is None else episodes.longest(max_new)
     engine = engine or engine_for(cfg, model, tokenizer, max_len=max_len)
+    from nanogrpo.data.images import check_model_takes_images
+
+    check_model_takes_images(rows, cfg.data.image_field, getattr(engine, "vision", None), cfg.model.path)
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     if rewards is None:

@@ -298,3 +298,19 @@ def test_lora_and_gradient_checkpointing_with_images(tmp_path):
     assert cli([*head, "--steps", "2", "--resume", str(tmp_path / "run"), *keys]) == 0
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["kl"] == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_without_images_beside_rows_with_them(family):
+    """A batch mixing text-only prompts (of two lengths: left padding) with a prompt with an image: the
+    trainer's log-probs equal the engine's, micro-batch by micro-batch or all at once."""
+    model, tok, engine = _setup(family)
+    cfg = _cfg()
+    rows = [{"question": "What is it?", "answer": "1"}, {"question": "Look: now, longer", "answer": "2"},
+            {"question": "<image>x", "answer": "3", "images": [picture(16, 16, 1)]}]
+    rewards = RewardRunner([_spread], workers=0)
+    batch, _ = rollout(engine, tok, rows, rewards, cfg.data, _sampled(cfg), cfg.grpo, template="auto", seed=3)
+    assert batch.image_counts.tolist() == [0, 0, 0, 0, 1, 1]
+    for mbs in (1, 64):
+        lp, _ = batch_logprobs(model, batch, cfg.train.model_copy(update={"micro_batch_size": mbs}), True)
+        assert (lp - batch.old_logprobs).abs().max() <= TOL

@@ -70,3 +70,19 @@ def test_placeholders_take_each_image_in_order():
                     + "<|image_pad|>" * 4 + "<|vision_end|>c")
     with pytest.raises(ValueError, match="3 image placeholder"):
         place_images("<image><image><image>", "<image>", v.grid, spec)
+
+
+def test_images_for_a_text_model_stop_the_run_at_start(tmp_path, capsys):
+    from nanogrpo.cli import main
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model("tiny", tok).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    data = image_dataset(tmp_path, n=4)
+    code = main(["train", "--model", str(tmp_path / "m"), "--data", str(data), "--out", str(tmp_path / "run"),
+                 "--steps", "1", "rewards.workers=0", "eval.every=0"])
+    err = capsys.readouterr().err
+    assert code != 0 and "4 row(s) have images" in err and "is a text model" in err
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.is_file() or not metrics.read_text()  # no step ran

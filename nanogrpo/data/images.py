@@ -263,6 +263,16 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
     return total
 
 
+def check_model_takes_images(rows: list[dict[str, Any]], field: str, spec: ImageSpec | None,
+                             model: str) -> None:
+    """:class:`DataError` (one line) when rows have images but the model takes none (a text model)."""
+    if spec is None:
+        with_images = sum(1 for r in rows if row_images(r, field))
+        if with_images:
+            raise DataError(f"{with_images} row(s) have images (data.image_field={field!r}) but the model "
+                            f"{model!r} is a text model: use a vision-language model, or drop the images")
+
+
 def data_uri(img, max_side: int = 256) -> str:
     """A PNG ``data:`` URI of an image (shrunk to ``max_side`` at most), for sample logs and reports."""
     import base64
