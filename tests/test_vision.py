@@ -314,3 +314,21 @@ def test_rows_without_images_beside_rows_with_them(family):
     for mbs in (1, 64):
         lp, _ = batch_logprobs(model, batch, cfg.train.model_copy(update={"micro_batch_size": mbs}), True)
         assert (lp - batch.old_logprobs).abs().max() <= TOL
+
+
+def test_a_batch_whose_images_disagree_with_its_tokens_is_named():
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+    from nanogrpo.models.vision import image_token_error
+
+    model, tok, engine = _setup("qwen2_vl")
+    cfg = _cfg()
+    batch, _ = rollout(engine, tok, _rows(), RewardRunner([_spread], workers=0), cfg.data, _sampled(cfg),
+                       cfg.grpo, template="auto", seed=6)
+    assert image_token_error(model, batch) is None
+    two = batch.select(torch.tensor([4, 0]))  # the two-image row first: its images go with it
+    assert image_token_error(model, two) is None and two.image_counts.tolist() == [2, 1]
+    swapped = RolloutBatch(**dict(two.tensors(), image_counts=two.image_counts.flip(0)),
+                           prompt_len=two.prompt_len, group_size=1)  # counts that add up, rows mixed
+    assert "image tokens, its images make" in image_token_error(model, swapped)
+    text = make_model("tiny", make_tokenizer())
+    assert "text model" in image_token_error(text, batch)

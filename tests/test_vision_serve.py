@@ -38,9 +38,18 @@ def test_reference_server_uses_the_images_and_refuses_malformed_ones():
     bad = RolloutBatch(**dict(batch.tensors(), image_counts=batch.image_counts + 1),
                        prompt_len=batch.prompt_len, group_size=batch.group_size)
 
+    # well-formed tensors that disagree with the model: a completion holding the image token
+    tid = model.config.image_token_id
+    ids = batch.input_ids.clone()
+    ids[0, batch.prompt_len] = tid
+    wrong = RolloutBatch(**dict(batch.tensors(), input_ids=ids), prompt_len=batch.prompt_len,
+                         group_size=batch.group_size)
+
     async def fn(c):
         r = await c.post("/upload", content=bad.to_bytes(), headers=AUTH)
         assert 400 <= r.status_code < 500 and "add up" in r.text
+        r = await c.post("/upload", content=wrong.to_bytes(), headers=AUTH)
+        assert r.status_code == 400 and "holds the image token" in r.text
         assert (await c.get("/get", headers=AUTH)).status_code == 204  # nothing queued
         assert (await c.post("/upload", content=batch.to_bytes(), headers=AUTH)).status_code == 200
         return RolloutBatch.from_bytes((await c.get("/get", headers=AUTH)).content)

@@ -195,6 +195,39 @@ def shared_features(model, pixel_values: torch.Tensor, grid: torch.Tensor, count
     return out
 
 
+def image_token_error(model, batch) -> str | None:
+    """The first way a rollout batch's images disagree with its token ids under ``model``, as one line, or
+    None: a sequence's prompt must hold exactly the image tokens its images' grids make, its completion
+    none; a batch with images for a text model, or image tokens and no images, is refused too. (A batch
+    from another process is checked so before any forward: a mismatch would fail inside the model.)"""
+    vision = is_vision(model)
+    if batch.has_images and not vision:
+        return "the batch carries images but the model is a text model"
+    if not vision:
+        return None
+    tid = image_token_id(model)
+    merge = _inner(model).config.vision_config.spatial_merge_size if layout(model) == "qwen" else 1
+    p = batch.prompt_len
+    in_prompt = (batch.input_ids[:, :p] == tid).sum(1)                       # (N,)
+    in_completion = (batch.input_ids[:, p:] == tid) & batch.completion_mask  # (N, C)
+    if bool(in_completion.any()):
+        return f"a completion holds the image token {tid} (only prompts may)"
+    want = torch.zeros_like(in_prompt)
+    if batch.has_images:
+        from nanogrpo.algo.vision import row_offsets
+
+        per_image = batch.image_grid_thw.prod(-1) // merge ** 2              # (I,)
+        img, _ = row_offsets(batch.image_grid_thw, batch.image_counts)
+        for r in range(batch.num_seqs):
+            want[r] = per_image[int(img[r]):int(img[r + 1])].sum()
+    bad = torch.nonzero(in_prompt != want)
+    if bad.numel():
+        r = int(bad[0, 0])
+        return (f"sequence {r}'s prompt holds {int(in_prompt[r])} image tokens, its images make "
+                f"{int(want[r])}")
+    return None
+
+
 def vision_tower(model) -> torch.nn.Module | None:
     inner = _inner(model)
     base = getattr(inner, "model", inner)
