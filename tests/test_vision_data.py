@@ -86,3 +86,15 @@ def test_images_for_a_text_model_stop_the_run_at_start(tmp_path, capsys):
     assert code != 0 and "4 row(s) have images" in err and "is a text model" in err
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.is_file() or not metrics.read_text()  # no step ran
+
+
+def test_images_with_tools_stop_the_run_at_start(tmp_path, capsys):
+    from nanogrpo.cli import main
+    from tests.vision_fixtures import checkpoint
+
+    data = image_dataset(tmp_path, n=4)
+    code = main(["train", "--model", str(checkpoint("qwen2_vl", tmp_path)), "--data", str(data), "--out",
+                 str(tmp_path / "run"), "--steps", "1", "rewards.workers=0", "eval.every=0",
+                 "tools.enabled=true"])
+    err = capsys.readouterr().err
+    assert code != 0 and "multi-turn rollouts (tools, environments) take no images" in err

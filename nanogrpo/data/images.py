@@ -264,10 +264,14 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
 
 
 def check_model_takes_images(rows: list[dict[str, Any]], field: str, spec: ImageSpec | None,
-                             model: str) -> None:
-    """:class:`DataError` (one line) when rows have images but the model takes none (a text model)."""
+                             model: str, multi_turn: bool = False) -> None:
+    """:class:`DataError` (one line) when rows have images but the model takes none (a text model), or
+    the run is multi-turn (``[tools]``, an environment: their turns carry no images)."""
+    with_images = sum(1 for r in rows if row_images(r, field))
+    if with_images and multi_turn:
+        raise DataError(f"{with_images} row(s) have images (data.image_field={field!r}): multi-turn rollouts "
+                        "(tools, environments) take no images; drop the images or the tools / environment")
     if spec is None:
-        with_images = sum(1 for r in rows if row_images(r, field))
         if with_images:
             raise DataError(f"{with_images} row(s) have images (data.image_field={field!r}) but the model "
                             f"{model!r} is a text model: use a vision-language model, or drop the images")
