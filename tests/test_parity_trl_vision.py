@@ -70,6 +70,14 @@ def _float64_norms():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    """TRL's accelerate reads a launcher's variables: a ``LOCAL_RANK`` another test left behind
+    (``tests/test_train.py``'s launcher-argument test sets it) would make it start torch.distributed."""
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 class _Exact(torch.nn.Module):
     """The model as TRL calls it (``labels``, ``fused_lm_head``), its log-probs from the logits in float64."""
 
