@@ -76,9 +76,20 @@ def media_token_ids(model) -> list[int]:
 
 
 def _preprocessor(path: str | None) -> dict:
+    """The model's ``preprocessor_config.json`` (a directory's, or a hub id's from the HF cache / hub),
+    or {} when it has none."""
     if not path:
         return {}
     f = Path(path) / "preprocessor_config.json"
+    if not f.is_file() and not Path(path).is_dir():
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(path, "preprocessor_config.json", _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+        except (OSError, ValueError):
+            found = None
+        f = Path(found) if found else f
     try:
         return json.loads(f.read_text()) if f.is_file() else {}
     except (OSError, ValueError) as e:
