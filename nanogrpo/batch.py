@@ -18,6 +18,9 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
                                          output out (context the model reads, never trained on)
     truncated        bool    (N,)        the token limit cut the completion off (finish reason "length");
                                          optional (absent: unknown; grpo.mask_truncated then masks nothing)
+    pixel_values     float32 (P, D)      the prompts' images as patch rows (vision-language models);
+    image_grid_thw   int64   (I, 3)      optional, the three together: (t, h, w) patches per image, and
+    image_counts     int64   (N,)        images per sequence, sequence 0's first (``nanogrpo.algo.vision``)
 
 Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
 breakdown, question ids, ...), JSON-serialisable. Keys the split-mode trainer and server read:
@@ -40,6 +43,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from nanogrpo.algo.vision import check_images, select_rows
+
 FORMAT = "nanogrpo.batch/1"
 
 _SPEC: dict[str, tuple[torch.dtype, str]] = {
@@ -56,6 +61,10 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "truncated": (torch.bool, "N"),
 }
 _OPTIONAL = {"ref_logprobs", "loss_mask", "truncated"}
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_counts")
+"""Optional as a set: a batch carries all three (its prompts have images) or none."""
+MAX_IMAGES_PER_SEQ = 64
+"""The most images one sequence may carry on the wire."""
 
 
 class BatchError(ValueError):
@@ -77,6 +86,9 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_counts: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape helpers
@@ -93,9 +105,20 @@ class RolloutBatch:
         """(N, C) bool: the tokens the loss, the KL and the length normalisation count."""
         return self.completion_mask if self.loss_mask is None else self.loss_mask
 
+    @property
+    def has_images(self) -> bool:
+        return self.image_counts is not None
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {k: getattr(self, k) for k in _SPEC if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in (*_SPEC, *IMAGE_FIELDS) if getattr(self, k) is not None}
         return out
+
+    def images_of(self, rows: torch.Tensor | list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(pixel_values, grid, counts) of sequences ``rows``; None for a batch without images."""
+        if not self.has_images:
+            return None
+        return select_rows(self.pixel_values, self.image_grid_thw, self.image_counts, rows)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         kw = {k: v.to(device) for k, v in self.tensors().items()}
@@ -103,8 +126,10 @@ class RolloutBatch:
                             policy_version=self.policy_version, meta=self.meta)
 
     def select(self, rows: torch.Tensor) -> RolloutBatch:
-        """A new batch of the given row indices (same P and C)."""
-        kw = {k: v[rows] for k, v in self.tensors().items()}
+        """A new batch of the given row indices (same P and C); their images go with them."""
+        kw = {k: v[rows] for k, v in self.tensors().items() if k not in IMAGE_FIELDS}
+        if self.has_images:
+            kw.update(zip(IMAGE_FIELDS, self.images_of(rows)))
         return RolloutBatch(**kw, prompt_len=self.prompt_len, group_size=self.group_size,
                             policy_version=self.policy_version, meta=self.meta)
 
@@ -132,7 +157,7 @@ class RolloutBatch:
             tensors = st_load(data)
         except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
             raise BatchError(f"body is not valid safetensors: {str(e).splitlines()[0][:200]}") from None
-        unknown = set(tensors) - set(_SPEC)
+        unknown = set(tensors) - set(_SPEC) - set(IMAGE_FIELDS)
         if unknown:
             raise BatchError(f"unknown tensor(s) {sorted(unknown)}")
         missing = set(_SPEC) - _OPTIONAL - set(tensors)
@@ -229,6 +254,17 @@ def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: in
     for name in ("old_logprobs", "ref_logprobs"):
         if name in t and bool((t[name] > 1e-3).any()):
             raise BatchError(f"{name} must be <= 0 (log-probabilities)")
+    present = [k for k in IMAGE_FIELDS if k in t]
+    if present:
+        if len(present) != len(IMAGE_FIELDS):
+            raise BatchError(f"image tensors come as a set: {', '.join(IMAGE_FIELDS)}; got only {present}")
+        if any(not isinstance(t[k], torch.Tensor) for k in IMAGE_FIELDS):
+            raise BatchError("image fields must be tensors")
+        err = check_images(t["pixel_values"], t["image_grid_thw"], t["image_counts"], n,
+                           max_patches=(1 << 31) // max(t["pixel_values"].shape[-1], 1),
+                           max_images=MAX_IMAGES_PER_SEQ)
+        if err:
+            raise BatchError(err)
     g = t["group_ids"].view(-1, group_size)
     if not bool((g == g[:, :1]).all()):
         raise BatchError("group_ids must be constant within each run of group_size rows")

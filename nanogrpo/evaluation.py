@@ -83,9 +83,10 @@ def majority_index(answers: list[str | None]) -> int | None:
 def completion_entropy(model, prompts: list[list[int]], completions: list[list[int]],
                        masks: list[list[bool]] | None, pad_id: int, temperature: float = 1.0,
                        micro_batch: int = 16, chunk: int = 1024,
-                       support: tuple[int, float] | None = None) -> tuple[float, int]:
+                       support: tuple[int, float] | None = None, images=None) -> tuple[float, int]:
     """(sum of the policy's per-token entropies over the completions' tokens, their count); ``masks``: the
-    tokens that count (multi-turn: the sampled ones), None: all. No (N, L, V) tensor is formed."""
+    tokens that count (multi-turn: the sampled ones), None: all. No (N, L, V) tensor is formed.
+    ``images``: each completion's prompt images (:class:`~nanogrpo.data.images.VisionInputs`), or None."""
     from nanogrpo.algo.logprobs import token_stats
 
     dev = next(model.parameters()).device
@@ -99,8 +100,18 @@ def completion_entropy(model, prompts: list[list[int]], completions: list[list[i
         if masks is not None:
             for j, m in enumerate(masks[i:i + micro_batch]):
                 cm[j, :len(m)] &= torch.tensor(m, dtype=torch.bool)
+        mm = None
+        if images is not None:
+            from nanogrpo.algo.vision import concat
+            from nanogrpo.models.vision import forward_kwargs
+
+            part = images[i:i + micro_batch]
+            pv, grid, _ = concat([(v.pixel_values, v.grid) for v in part], part[0].pixel_values.shape[1])
+
+            def mm(x, pv=pv, grid=grid):
+                return forward_kwargs(model, x, pv, grid)
         _, ent = token_stats(model, ids.to(dev), am.to(dev), p, cm.to(dev), chunk=chunk,
-                             temperature=temperature, entropy="value", support=support)  # (n, C)
+                             temperature=temperature, entropy="value", support=support, mm=mm)  # (n, C)
         total += float(ent[cm.to(dev)].double().sum())
         count += int(cm.sum())
     return total, count
@@ -124,7 +135,13 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
     temp = 0.0 if k == 1 else (temperature or cfg.rollout.temperature)
     for b, i in enumerate(range(0, len(rows), batch_size)):
         chunk = rows[i:i + batch_size]
-        ids, skip = encode_prompts(tokenizer, chunk, cfg.data, cfg.model.chat_template)
+        spec, images = getattr(engine, "vision", None), None
+        if spec is not None:  # a vision-language model: the rows' images go with their prompts
+            from nanogrpo.data.images import encode_with_images
+
+            ids, skip, images = encode_with_images(tokenizer, chunk, cfg.data, cfg.model.chat_template, spec)
+        else:
+            ids, skip = encode_prompts(tokenizer, chunk, cfg.data, cfg.model.chat_template)
         skipped += len(skip)
         kept = [r for j, r in enumerate(chunk) if j not in set(skip)]
         if not kept:
@@ -133,12 +150,13 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                                 top_p=cfg.rollout.top_p if k > 1 else 1.0,
                                 top_k=cfg.rollout.top_k if k > 1 else 0,
                                 seed=None if k == 1 else seed * 1_000_003 + b)
-        gen = generate(engine, tokenizer, ids, kept, params, tools)
+        gen = generate(engine, tokenizer, ids, kept, params, tools, images)
         if policy is not None:
             s_, n_ = completion_entropy(policy, [x for x in ids for _ in range(k)], gen.completion_ids,
                                         gen.loss_masks if tools is not None else None, tokenizer.pad_token_id,
                                         cfg.rollout.logprob_temperature(), cfg.train.micro_batch_size,
-                                        cfg.train.logprob_chunk, cfg.rollout.logprob_support())
+                                        cfg.train.logprob_chunk, cfg.rollout.logprob_support(),
+                                        None if images is None else [v for v in images for _ in range(k)])
             ent_sum, ent_n = ent_sum + s_, ent_n + n_
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
         sampled = [sum(m) for m in gen.loss_masks] if tools is not None else \
@@ -278,6 +296,9 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     episodes = Episodes.from_config(cfg, env)
     max_len = longest_context(cfg, tokenizer, max_new) if episodes is None else episodes.longest(max_new)
     engine = engine or engine_for(cfg, model, tokenizer, max_len=max_len)
+    from nanogrpo.data.images import check_model_takes_images
+
+    check_model_takes_images(rows, cfg.data.image_field, getattr(engine, "vision", None), cfg.model.path)
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     if rewards is None:

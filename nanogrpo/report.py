@@ -11,7 +11,9 @@ one run, ``./report`` for several):
   noisy curves are drawn faintly with a moving average on top;
 - ``overview.png``: all eight in one figure;
 - ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
-  accuracy, KL, length, step time, throughput) with the plots linked.
+  accuracy, KL, length, step time, throughput) with the plots linked;
+- ``samples.html``: the sample completions the runs logged (``samples.jsonl``, ``log.samples_every``),
+  each beside its prompt's images for vision-language runs, with its rewards.
 
 matplotlib is needed (``pip install 'nanogrpo[report]'``); it runs headless (Agg backend).
 """
@@ -212,11 +214,49 @@ def summary_markdown(runs: list[RunData], images: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def samples_html(runs: list[RunData], out: Path) -> Path | None:
+    """``samples.html``: the sample completions the runs logged (``RUN/samples.jsonl``), each beside its
+    prompt's images when it has some (vision-language runs) and its rewards; None when no run logged any."""
+    import html
+    import json
+
+    parts = []
+    for r in runs:
+        f = r.path / "samples.jsonl"
+        if not f.is_file():
+            continue
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        parts.append(f"<h2>{html.escape(r.label)}</h2><table>"
+                     "<tr><th>step</th><th>image</th><th>question</th><th>completion</th><th>rewards</th></tr>")
+        for ex in rows:
+            imgs = "".join(f'<img src="{html.escape(u, quote=True)}" alt="prompt image">'
+                           for u in ex.get("images", [])
+                           if isinstance(u, str) and u.startswith("data:image/"))
+            scores = ", ".join(f"{html.escape(str(k))}={v:.3g}" if isinstance(v, float) else
+                               f"{html.escape(str(k))}={html.escape(str(v))}" for k, v in ex.items()
+                               if k not in ("step", "question", "completion", "images"))
+            parts.append(f"<tr><td>{ex.get('step', '')}</td><td>{imgs}</td>"
+                         f"<td><pre>{html.escape(str(ex.get('question', '')))}</pre></td>"
+                         f"<td><pre>{html.escape(str(ex.get('completion', '')))}</pre></td>"
+                         f"<td>{scores}</td></tr>")
+        parts.append("</table>")
+    if not parts:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / "samples.html"
+    page.write_text("<!doctype html><meta charset=utf-8><title>nanogrpo samples</title><style>"
+                    "body{font-family:sans-serif}td{vertical-align:top;border-top:1px solid #ccc;padding:4px}"
+                    "img{height:64px;image-rendering:pixelated;margin-right:4px}pre{white-space:pre-wrap;margin:0}"
+                    "</style><h1>nanogrpo samples</h1>" + "".join(parts))
+    return page
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nanogrpo report",
         description="PNG plots (reward, accuracy, held-out accuracy, format rate, KL, entropy, completion "
-                    "length, step time; runs overlaid) and a markdown summary of runs.")
+                    "length, step time; runs overlaid), a markdown summary of runs, and samples.html (the "
+                    "logged completions, beside their prompts' images).")
     ap.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     ap.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
                                              "./report for several)")
@@ -231,5 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     images = plot(runs, out)
     md = out / "report.md"
     md.write_text(summary_markdown(runs, images))
-    print(f"report: {md} and {len(images)} plots in {out}")
+    page = samples_html(runs, out)
+    shown = f"; sample completions: {page}" if page else ""
+    print(f"report: {md} and {len(images)} plots in {out}{shown}")
     return 0

@@ -10,8 +10,9 @@ The layers, lowest first (README, "The source tree"):
 
     errors
     demos                                    the demos' registry and their tasks (rows made in code)
-    algo, batch, http_limits                 the algorithm's pure functions, the wire record, HTTP
-                                             bodies read with a cap (by clients of every layer above)
+    algo, http_limits                        the algorithm's pure functions, HTTP bodies read with a cap
+                                             (by clients of every layer above)
+    batch                                    the wire record (its images' tensors: algo.vision)
     config                                   (which names the algorithm's variants)
     console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
     envs                                     multi-turn environments: the interface, loading, calling
@@ -47,7 +48,8 @@ PKG = Path(nanogrpo.__file__).parent
 LAYERS = [
     {"errors"},
     {"demos"},
-    {"algo", "batch", "http_limits"},
+    {"algo", "http_limits"},
+    {"batch"},
     {"config"},
     {"console", "hub", "rewards", "tools"},
     {"envs"},
@@ -189,7 +191,7 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 11, cli layer 13)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 12, cli layer 14)"]
     graph = import_graph()
     assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
     assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.data.sources"]  # not the package __init__

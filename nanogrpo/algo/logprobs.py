@@ -50,7 +50,9 @@ import torch.nn.functional as F
 from nanogrpo.algo.support import MASKED, Support, active, keep_mask, support_threshold
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
-                    "olmo2", "smollm3", "gpt2"}
+                    "olmo2", "smollm3", "gpt2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+VISION_WRAPPERS = {"llava"}
+"""Vision-language types whose head is their language model's: plain when that model's type is."""
 """Model types whose logits are exactly ``lm_head(last hidden state)``: the lean path applies.
 (Gemma2/3 soft-cap their logits: not here.) Checked by ``tests/test_conformance.py``."""
 
@@ -273,7 +275,10 @@ def unwrap(model):
 def lean_head(model) -> LeanHead | None:
     """The model's LM head switched to :class:`LeanHead`, or None when the lean path does not apply."""
     inner = unwrap(model)
-    mtype = getattr(getattr(inner, "config", None), "model_type", None)
+    cfg = getattr(inner, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype in VISION_WRAPPERS:
+        mtype = getattr(getattr(cfg, "text_config", None), "model_type", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if mtype not in PLAIN_HEAD_TYPES or head is None:
         return None
@@ -289,17 +294,17 @@ def lean_head(model) -> LeanHead | None:
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
                    share_prefix: bool = True, temperature: float = 1.0,
-                   support: Support | None = None) -> torch.Tensor:
+                   support: Support | None = None, mm=None) -> torch.Tensor:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model``; 0 where masked.
     (:func:`token_stats` without the entropy.)"""
     return token_stats(model, input_ids, attention_mask, prompt_len, completion_mask, chunk, share_prefix,
-                       temperature, support=support)[0]
+                       temperature, support=support, mm=mm)[0]
 
 
 def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
                 share_prefix: bool = True, temperature: float = 1.0, entropy: str = "none",
-                support: Support | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                support: Support | None = None, mm=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model`` and, unless ``entropy``
     is "none", the policy's entropy (N, C) at the same positions ("value": no gradient; "grad": with
     it); 0 where masked (float64 for a float64 model).
@@ -310,12 +315,18 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ``share_prefix``: run each distinct prompt once (see the module docstring).
     ``temperature``: log-probs (and entropies) of ``logits / temperature`` (gradients included);
     ``support`` (top_k, top_p): restricted to each position's support (:mod:`nanogrpo.algo.support`).
+    ``mm``: the rows' images, a function of the input ids the forward runs on that returns the keyword
+    arguments carrying them (:func:`nanogrpo.models.vision.forward_kwargs`; a ``position_ids`` entry
+    replaces the mask's positions, None: the model's own, M-RoPE); the rows then run in one plain
+    forward (no prefix sharing: the prompt's KV cache would need the images' positions too).
     """
     support = support if active(support) else None
     pos = position_ids_from_mask(attention_mask)                              # (N, L)
     targets = input_ids[:, prompt_len:]                                       # (N, C)
     head = lean_head(model)
     if head is None:
+        if mm is not None:
+            raise ValueError("images need a model whose logits are its linear head's (PLAIN_HEAD_TYPES)")
         return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature, entropy,
                               support)
     sel = completion_mask.bool()                                              # (N, C)
@@ -325,13 +336,13 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # the last token predicts nothing: every forward below stops one short of it
     ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
     flat = None
-    if share_prefix and prompt_len > 1 and not _checkpointing(model):
+    if share_prefix and prompt_len > 1 and not _checkpointing(model) and mm is None:
         flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature,
                               entropy, support)
     if flat is None:
+        kw = {"position_ids": pos, **(mm(ids) if mm is not None else {})}
         with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy, support):
-            flat = model(input_ids=ids, attention_mask=am, position_ids=pos,
-                         use_cache=False).logits                              # (T,) or (T, 2)
+            flat = model(input_ids=ids, attention_mask=am, use_cache=False, **kw).logits  # (T,) or (T, 2)
     res = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device)        # (N, C)
     if entropy == "none":
         return res.masked_scatter(sel, flat), None

@@ -30,7 +30,8 @@ Qwen2.5-Math's (the same instruction as the system prompt)."""
 class DataConfig(_Strict):
     source: str = "gsm8k"
     """A preset (``gsm8k``, ``math``, ``math500``, ``aime24``, ``aime``, ``deepscaler``, ``arithmetic``,
-    ``multidigit``, ``game``, ``dialogue``), a file (.jsonl/.json/.parquet/.csv), or ``hf:NAME``."""
+    ``multidigit``, ``game``, ``dialogue``, ``vision``), a file (.jsonl/.json/.parquet/.csv), or
+    ``hf:NAME``."""
     split: str = "train"
     """The split trained on (of a preset, an ``hf:`` dataset, or ``{split}`` in a file path)."""
     eval_split: str = "test"
@@ -68,6 +69,19 @@ class DataConfig(_Strict):
     """Prompts longer than this (in tokens, chat template included) are skipped, as in the seed."""
     shuffle: bool = True
     """Draw prompts in a seeded random order (``train.seed``); False: in file order. Resumable either way."""
+    image_field: str = "images"
+    """The column holding a row's images (vision-language models): one image or a list, each a file
+    path (relative to the dataset file), bytes, a PIL image or an HF ``datasets`` Image dict; URLs are
+    refused. Rows without the column have no images. Read and checked at start
+    (``nanogrpo.data.images``)."""
+    image_placeholder: str = "<image>"
+    """Where a row's text puts its images, one placeholder per image in order; a row with images and
+    no placeholder gets them before its question."""
+    max_image_pixels: int | None = Field(None, gt=0)
+    """Images are resized (aspect kept, sides multiples of the model's patch x merge size) to at most
+    this many pixels; None: the model's processor's bound. An image over 64x this is refused at start."""
+    min_image_pixels: int | None = Field(None, gt=0)
+    """Images are resized up to at least this many pixels; None: the model's processor's bound."""
     arithmetic_train_size: int = Field(20000, gt=0)
     """Rows of the synthetic tasks' (``arithmetic``, ``multidigit``, ``game``, ``dialogue``) train split."""
     arithmetic_eval_size: int = Field(500, gt=0)

@@ -41,5 +41,8 @@ class ModelConfig(_Strict):
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Names of the linear modules that get LoRA adapters (peft's ``target_modules``)."""
+    train_vision: bool = False
+    """Vision-language models: train the vision tower too; false: it is frozen (the projector into the
+    language model trains, and LoRA adapts the language model only)."""
     lora_save_merged: bool = False
     """Checkpoints also hold the merged model (``merged/``) besides the adapter."""

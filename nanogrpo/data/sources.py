@@ -48,6 +48,7 @@ from nanogrpo.demos.arithmetic import task as arithmetic
 from nanogrpo.demos.dialogue import task as dialogue
 from nanogrpo.demos.game import task as game
 from nanogrpo.demos.tools import task as multidigit
+from nanogrpo.demos.vision import task as vision
 from nanogrpo.errors import DataError
 
 
@@ -221,8 +222,28 @@ def _preset_rows(cfg: DataConfig, source: str, split: str) -> list[dict[str, Any
 
 def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[dict[str, Any]]:
     """Load and validate all samples of ``split`` from ``source`` (default: ``cfg.source``; see the module
-    docstring)."""
+    docstring); rows with images (``data.image_field``) have them read and checked here, at start
+    (:func:`nanogrpo.data.images.check_rows`)."""
     source = source or cfg.source
+    rows = _load_rows(cfg, split, source)
+    path = Path(source.replace("{split}", split))
+    base = path.parent if path.suffix.lower() in READERS else None
+    return with_images(rows, cfg, f"data source {source} (split {split})", base)
+
+
+def with_images(rows: list[dict[str, Any]], cfg: DataConfig, origin: str,
+                base: Path | None = None) -> list[dict[str, Any]]:
+    """``rows`` with their images opened and checked, when any row has some (one line naming the row
+    otherwise)."""
+    if any(r.get(cfg.image_field) is not None for r in rows):
+        from nanogrpo.data.images import check_rows
+
+        check_rows(rows, cfg.image_field, cfg.image_placeholder, cfg.max_image_pixels or 28 * 28 * 1280,
+                   origin, base)
+    return rows
+
+
+def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]:
     fields = {"question_field": cfg.question_field, "answer_field": cfg.answer_field,
               "answer_delimiter": cfg.answer_delimiter, "answer_from": cfg.answer_from}
     if source == "arithmetic":
@@ -231,6 +252,8 @@ def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[di
         return _arithmetic_rows(cfg, split, multidigit)
     if source in ("game", "dialogue"):
         return _arithmetic_rows(cfg, split, game if source == "game" else dialogue)
+    if source == "vision":
+        return _arithmetic_rows(cfg, split, vision)
     if source in PRESETS:
         return _preset_rows(cfg, source, split)
     if source.startswith("hf:"):
@@ -242,7 +265,7 @@ def load_rows(cfg: DataConfig, split: str, source: str | None = None) -> list[di
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() not in READERS:
         raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}, arithmetic, "
-                        f"multidigit, game, dialogue), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
+                        f"multidigit, game, dialogue, vision), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
     return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
 
 
@@ -254,6 +277,6 @@ def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, 
 
 def samples_from(rows: list[dict[str, Any]], cfg: DataConfig, origin: str) -> list[dict[str, Any]]:
     """Samples from rows already in memory (the public API's ``dataset``), checked as a file's are."""
-    return normalize_rows(rows, origin=origin, question_field=cfg.question_field,
-                          answer_field=cfg.answer_field, answer_delimiter=cfg.answer_delimiter,
-                          answer_from=cfg.answer_from)
+    return with_images(normalize_rows(rows, origin=origin, question_field=cfg.question_field,
+                                      answer_field=cfg.answer_field, answer_delimiter=cfg.answer_delimiter,
+                                      answer_from=cfg.answer_from), cfg, origin)

@@ -90,12 +90,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tok
 
 
+def _auto_class(path: str, trust_remote_code: bool):
+    """``AutoModelForImageTextToText`` for a vision-language checkpoint (its config has a
+    ``vision_config``), else ``AutoModelForCausalLM``."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return AutoModelForCausalLM  # its own load says what is wrong
+    if getattr(cfg, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool):
     kw = dict(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    auto = _auto_class(path, trust_remote_code)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+        return auto.from_pretrained(path, dtype=dtype, **kw)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
-        return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, **kw)
+        return auto.from_pretrained(path, torch_dtype=dtype, **kw)
 
 
 def _first_line(e: Exception) -> str:
@@ -184,6 +201,11 @@ def load_policy(cfg: ModelConfig, path: str | None = None, cpu_linear: str | Non
     model = load_model(path, dtype, device, cfg.attn_implementation, cfg.trust_remote_code,
                        cpu_linear or cfg.cpu_linear)
     model.generation_config.pad_token_id = tok.pad_token_id
+    from nanogrpo.models.vision import freeze_vision
+
+    frozen = freeze_vision(model, cfg.train_vision)
+    if frozen:
+        log.info("%s: vision tower frozen (%d parameters; model.train_vision=true trains it)", path, frozen)
     return model, tok, device
 
 

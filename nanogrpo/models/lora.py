@@ -33,10 +33,15 @@ def is_peft(model) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model."""
+    """Wrap ``model`` with fresh LoRA adapters (base weights frozen); returns the PEFT model. A
+    vision-language model gets them on its language model only
+    (:func:`nanogrpo.models.vision.lora_targets`)."""
+    from nanogrpo.models.vision import lora_targets
+
     peft = _peft()
     lcfg = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                           target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                           target_modules=lora_targets(model, list(cfg.lora_target_modules)), bias="none",
+                           task_type="CAUSAL_LM")
     if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return peft.get_peft_model(model, lcfg)
@@ -50,8 +55,12 @@ def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = Tru
     peft = _peft()
     if cfg is not None:
         saved = peft.PeftConfig.from_pretrained(str(path))
-        want = (cfg.lora_r, sorted(cfg.lora_target_modules))
-        got = (getattr(saved, "r", None), sorted(getattr(saved, "target_modules", None) or []))
+        from nanogrpo.models.vision import lora_targets
+
+        def norm(t):  # a list of names, or (vision-language models) one regex
+            return t if isinstance(t, str) else sorted(t or [])
+        want = (cfg.lora_r, norm(lora_targets(model, list(cfg.lora_target_modules))))
+        got = (getattr(saved, "r", None), norm(getattr(saved, "target_modules", None)))
         if got != want:
             raise ConfigError(f"the adapter at {path} has rank/targets {got}, the config asks for {want}")
     if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):

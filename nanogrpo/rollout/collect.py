@@ -115,8 +115,13 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: 
 
 
 def generate(engine: Engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], params: SamplingParams,
-             tools=None) -> Generation:
-    """``params.n`` completions per prompt: one ``generate`` call, or multi-turn trajectories (``tools``)."""
+             tools=None, images=None) -> Generation:
+    """``params.n`` completions per prompt: one ``generate`` call, or multi-turn trajectories (``tools``).
+    ``images``: per prompt, its :class:`~nanogrpo.data.images.VisionInputs` (vision-language models)."""
+    if images is not None:
+        if tools is not None:
+            raise ValueError("tools with images are not supported: drop [tools] or the images")
+        return engine.generate(prompt_ids, params, images=images)
     if tools is None:
         return engine.generate(prompt_ids, params)
     from nanogrpo.rollout.turns import generate_with_tools
@@ -156,7 +161,14 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
     """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
     if env is not None:
         return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env)
-    prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
+    spec = getattr(engine, "vision", None)
+    images = None
+    if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
+        from nanogrpo.data.images import encode_with_images
+
+        prompt_ids, skipped, images = encode_with_images(tokenizer, rows, data, template, spec)
+    else:
+        prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
     skipped_set = set(skipped)
     kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
     if not kept_rows:
@@ -165,7 +177,9 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
                             top_k=cfg.top_k, n=grpo.group_size, seed=seed,
                             logprob_temperature=cfg.logprob_temperature(),
                             support_logprobs=cfg.logprob_support() is not None)
-    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools)
+    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools, images)
+    if images is not None:
+        gen.images = [v for v in images for _ in range(grpo.group_size)]  # one per completion
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
     sampled = [sum(m) for m in gen.loss_masks] if tools is not None else [len(c) for c in gen.completion_ids]
     samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons, sampled, cfg.max_new_tokens)
@@ -299,7 +313,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.reward_failures_by_function = fails
     stats.reward_model_metrics = dict(live[-1].scored.metrics)
     stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
-                       **{k: v[i] for k, v in per_function.items()}}
+                       **{k: v[i] for k, v in per_function.items()}, **_example_images(samples[i], data)}
                       for i in range(min(keep_examples, len(texts)))]
 
     groups = len(kept_rows)
@@ -344,12 +358,31 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
         lm = torch.zeros_like(cm)                                                  # (n, C)
         for j, m in enumerate(masks_b):
             lm[j, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
+    vis = {}
+    if live[0].gen is not None and getattr(live[0].gen, "images", None) is not None:
+        from nanogrpo.algo.vision import concat
+
+        per = [v for x in live for v in x.gen.images]                              # one per completion
+        pv, grid, counts = concat([(per[i].pixel_values, per[i].grid) for i in rows_b],
+                                  per[0].pixel_values.shape[1])
+        vis = {"pixel_values": pv, "image_grid_thw": grid, "image_counts": counts}
+    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm, **vis,
                          rewards=r[rows_t], advantages=adv[rows_t], group_ids=group_ids,
                          old_logprobs=lp, prompt_len=p, group_size=size, policy_version=policy_version,
                          truncated=torch.tensor(cut_b),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
+
+
+def _example_images(sample: dict, data: DataConfig) -> dict:
+    """``{"images": [PNG data URIs]}`` for a logged example whose prompt has images (``nanogrpo report``
+    shows them beside the completion), else nothing."""
+    imgs = sample.get(data.image_field)
+    if not imgs or not isinstance(imgs, list) or not all(hasattr(x, "save") for x in imgs):
+        return {}
+    from nanogrpo.data.images import data_uri
+
+    return {"images": [data_uri(x) for x in imgs]}
 
 
 def _merge_tool_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -74,6 +74,9 @@ class Generation:
     one of ``SamplingParams.stop``)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Engine-specific timings (e.g. ``prefill_s``, ``decode_s``)."""
+    images: list | None = None
+    """Vision-language rollouts: each sequence's prompt images (:class:`~nanogrpo.data.images.VisionInputs`),
+    set by the rollout that passed them (the batch carries them to the update)."""
 
 
 @runtime_checkable

@@ -29,9 +29,21 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
     ``vllm`` builds vLLM over a copy of the model's weights (see
     :mod:`nanogrpo.rollout.vllm_engine`); :func:`engine_for` passes it the ``[vllm]`` config.
     """
-    if name == "auto":
+    from nanogrpo.models.vision import is_vision
+
+    vision = is_vision(model)
+    if name == "auto" and vision:
+        name = "hf"
+        log.info("rollout engine: hf (a vision-language model: the fast engine has no vision tower)")
+    elif name == "auto":
         name, why = choose_engine(model, max_len)
         log.info("rollout engine: %s (%s)", name, why)
+    if vision and name in ("fast", "vllm"):
+        why = ("the fast engine has no vision tower nor M-RoPE positions" if name == "fast" else
+               "nanogrpo does not pass images to vLLM yet")
+        raise ValueError(f"rollout.engine={name} cannot run the vision-language model "
+                         f"{model.config.model_type}: "
+                         f"{why}; use rollout.engine=hf")
     if name == "hf":
         from nanogrpo.rollout.hf import HFEngine
 
@@ -58,4 +70,10 @@ def engine_for(cfg, model, tokenizer=None, *, cpu_linear: str | None = None, **k
         from nanogrpo.rollout.vllm_engine import vllm_options
 
         kwargs = {**vllm_options(cfg, kwargs.get("max_len")), **kwargs}
-    return make_engine(cfg.rollout.engine, model, tokenizer, **kwargs)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, **kwargs)
+    from nanogrpo.models.vision import image_spec, is_vision
+
+    if is_vision(model):
+        engine.vision = image_spec(model, tokenizer, None, cfg.data.min_image_pixels,
+                                   cfg.data.max_image_pixels)
+    return engine

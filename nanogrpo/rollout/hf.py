@@ -136,10 +136,30 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    vision = None
+    """The model's :class:`~nanogrpo.data.images.ImageSpec` when it takes images (set by the engine
+    factory); None: a text model."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> Generation:
+        """``images``: per prompt, its :class:`~nanogrpo.data.images.VisionInputs` (vision-language
+        models; every one of the prompt's ``n`` samples sees them)."""
         check_request(prompts, params)
         ids, mask = left_pad(prompts, self.pad_id, self.device)
         ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [R, P]
+        mm = {}
+        if images is not None:
+            from nanogrpo.algo.vision import concat
+            from nanogrpo.models.vision import forward_kwargs
+
+            if len(images) != len(prompts):
+                raise ValueError(f"{len(images)} image inputs for {len(prompts)} prompts")
+            pv, grid, _ = concat([(v.pixel_values, v.grid) for v in images for _ in range(params.n)],
+                                 images[0].pixel_values.shape[1])
+            mm = {k: v for k, v in forward_kwargs(self.model, ids, pv, grid).items() if k != "position_ids"}
+        if self.vision is not None or images is not None:
+            from nanogrpo.models.vision import media_token_ids
+
+            mm["suppress_tokens"] = media_token_ids(self.model)  # never sampled: they stand for pixels
         n_new = params.max_new_tokens
         kw = dict(max_new_tokens=n_new, do_sample=not params.greedy, eos_token_id=self.eos_ids,
                   pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True,
@@ -161,7 +181,7 @@ class HFEngine:
                 if cuda:
                     torch.cuda.synchronize(ids.device)
                 t0 = time.perf_counter()
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **kw, **mm)
                 if cuda:
                     torch.cuda.synchronize(ids.device)
                 gen_s = time.perf_counter() - t0

@@ -70,8 +70,10 @@ def _gather(obj: Any, world: int) -> list[Any]:
 class _Feed:
     """This rank's source of batches: its inbox (replay after a resume), then the server."""
 
-    def __init__(self, cfg: Config, client, inbox: Inbox, vocab: int):
+    def __init__(self, cfg: Config, client, inbox: Inbox, vocab: int, check=None):
         self.cfg, self.client, self.inbox, self.vocab = cfg, client, inbox, vocab
+        self.check = check
+        """``check(batch)``: a defect the model would fail on (one line) or None (its images' tokens)."""
         self.counts: collections.Counter[str] = collections.Counter()
 
     def replayed(self, step: int) -> tuple[RolloutBatch | None, dict | None, list[dict]]:
@@ -95,6 +97,9 @@ class _Feed:
                 return None, None
             try:
                 batch = RolloutBatch.from_bytes(got.body, vocab_size=self.vocab)
+                err = self.check(batch) if self.check is not None else None
+                if err:
+                    raise BatchError(err)
             except BatchError as e:
                 batch, action, lag = None, "invalid", None
                 log.warning("dropping batch %s: %s", got.batch_id, e)
@@ -195,7 +200,10 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     backend = make_backend(cfg, model, rollout_copy=bool(cfg.eval.every))
     version = 0
     control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
-    feed = _Feed(cfg, client, Inbox(root / "inbox", rank, fresh=resume_from is None), vocab)
+    from nanogrpo.models.vision import image_token_error
+
+    feed = _Feed(cfg, client, Inbox(root / "inbox", rank, fresh=resume_from is None), vocab,
+                 check=lambda b: image_token_error(model, b))  # images that disagree with the tokens: dropped
     pending = None  # a step a mid-batch checkpoint interrupted (its batch is still in the inbox)
     if resume_from is not None:
         state = backend.restore(resume_from)

@@ -40,17 +40,43 @@ __all__ = ["Settings", "ServerState", "create_app", "make_ref_fn", "main", "uvic
 
 def make_ref_fn(model: torch.nn.Module, device: torch.device, micro_batch: int, chunk: int) -> RefFn:
     from nanogrpo.algo.logprobs import batch_token_logprobs
+    from nanogrpo.models.vision import is_vision
 
     def ref(batch: RolloutBatch) -> torch.Tensor:
         # at the temperature the worker's run takes log-probs at (rollout.tempered_logprobs), which
         # the upload checked; the trainer refuses a batch whose temperature is not its own
         b = batch.to(device)
         sup = batch.meta.get("logprob_support")  # (top_k, top_p): over the support, as the worker's
+        if b.has_images or is_vision(model):  # a vision-language model: micro-batches with their rows' images
+            return _with_images(model, b, micro_batch, chunk,
+                                float(batch.meta.get("logprob_temperature", 1.0)),
+                                (int(sup[0]), float(sup[1])) if sup else None)
         return batch_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, b.completion_mask,
                                     micro_batch, chunk,
                                     temperature=float(batch.meta.get("logprob_temperature", 1.0)),
                                     support=(int(sup[0]), float(sup[1])) if sup else None)
     return ref
+
+
+@torch.no_grad()
+def _with_images(model, b: RolloutBatch, micro_batch: int, chunk: int, temperature: float, support
+                 ) -> torch.Tensor:
+    """Reference log-probs (N, C) of a batch whose prompts carry images, ``micro_batch`` rows at a time."""
+    from nanogrpo.algo.logprobs import token_logprobs
+    from nanogrpo.batch import BatchError
+    from nanogrpo.models.vision import forward_kwargs, image_token_error
+
+    err = image_token_error(model, b)
+    if err:
+        raise BatchError(err)  # the client's: a 4xx
+    out = []
+    for i in range(0, b.num_seqs, micro_batch):
+        rows = torch.arange(i, min(i + micro_batch, b.num_seqs))
+        pv, grid, _ = b.images_of(rows) if b.has_images else (None, None, None)
+        out.append(token_logprobs(model, b.input_ids[rows], b.attention_mask[rows], b.prompt_len,
+                                  b.completion_mask[rows], chunk, temperature=temperature, support=support,
+                                  mm=lambda x, pv=pv, grid=grid: forward_kwargs(model, x, pv, grid)))
+    return torch.cat(out)                                                     # (N, C)
 
 
 def default_state_file(host: str, port: int) -> Path:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nanogrpo.batch import RolloutBatch
+from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.serve.queue import BatchQueue
 from nanogrpo.serve.weights import WeightLayout, WeightRelay
 
@@ -138,6 +138,8 @@ class ServerState:
             ref = await asyncio.get_running_loop().run_in_executor(self._ref_pool, self.ref_fn, batch)
             self.ref_seconds += time.perf_counter() - t0
             self.ref_tokens += int(batch.attention_mask.sum())
+        except BatchError as e:  # the batch disagrees with the model (its images, say): the client's fault
+            raise Reject(400, "bad_batch", str(e)) from None
         except Exception as e:  # noqa: BLE001 - the server's own failure, not the client's
             log.exception("reference log-probs failed")
             raise Reject(503, "ref_failed", f"reference log-probs failed ({type(e).__name__}); retry later") \

@@ -65,6 +65,21 @@ def set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""A vision-language model's image processor settings: copied from the directory it was loaded from
+into each checkpoint, so the checkpoint resizes images as the model's processor does."""
+
+
+def _copy_processor_files(model, dest: Path) -> None:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    src = getattr(getattr(inner, "config", None), "_name_or_path", None)
+    if not src or not Path(src).is_dir() or Path(src).resolve() == dest.resolve():
+        return
+    for name in PROCESSOR_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, dest / name)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None,
                     state: dict[str, Any] | None = None, *, state_dict: dict[str, torch.Tensor] | None = None,
                     optimizer_state: dict[str, Any] | None = None, extra=None,
@@ -86,6 +101,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
     else:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    _copy_processor_files(model, tmp)
     if save_merged:
         from nanogrpo.models.lora import save_merged as _save_merged
 

@@ -106,7 +106,7 @@ class RunLogger:
 
 def _sample_markdown(ex: dict[str, Any]) -> str:
     scores = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in ex.items() if k not in ("question", "completion"))
+                       for k, v in ex.items() if k not in ("question", "completion", "images"))
     return f"**Q:** {ex.get('question', '')}\n\n```\n{ex.get('completion', '')}\n```\n\n{scores}"
 
 

@@ -148,6 +148,18 @@ def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = N
             cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
 
 
+def _images(model, batch: RolloutBatch, rows: torch.Tensor):
+    """``token_stats``' ``mm`` for rows of a batch with images (their pixels, never another row's; the
+    vision tower run once per group); None without images."""
+    if not batch.has_images:
+        return None
+    from nanogrpo.models.vision import forward_kwargs
+
+    pv, grid, counts = batch.images_of(rows)
+    groups = batch.group_ids[rows]                  # a group's rows share their images: the tower runs once
+    return lambda ids: forward_kwargs(model, ids, pv, grid, groups, counts)
+
+
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
                    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
@@ -166,7 +178,7 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConf
         ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
         lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
                             temperature=temperature, entropy="value" if entropy else "none",
-                            support=support)                                               # (n, c)
+                            support=support, mm=_images(model, batch, rows))           # (n, c)
         out[rows, :lp.shape[1]] = lp.to(dt)
         if entropy:
             ent[rows, :h.shape[1]] = h.to(dt)
@@ -198,7 +210,8 @@ def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train:
                 if k < len(mbs):
                     ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
                     lp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                          share_prefix=share_prefix, **stats)   # (n, c) each
+                                          share_prefix=share_prefix, mm=_images(fwd, batch, mbs[k]),
+                                          **stats)                               # (n, c) each
                     yield mbs[k], lp, ent, lm
                 else:
                     _zero_loss(fwd, be.device, train.logprob_chunk)
@@ -288,7 +301,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                 ids, am, p, lm, beh, ref, adv = _trim(batch, rows, mask_all)
                 logp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
                                         temperature=logprob_temperature, entropy=ent_mode,
-                                        support=logprob_support)                           # (n, c) each
+                                        support=logprob_support, mm=_images(fwd, batch, rows))  # (n, c) each
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
                 loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,

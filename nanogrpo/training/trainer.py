@@ -183,6 +183,11 @@ def train(run: PreparedRun) -> Path:
     max_len = longest_context(cfg, tok, longest_new) if run.env is None else run.env.longest(longest_new)
     engine = engine_for(cfg, backend.rollout_model(), tok,  # vllm: built from the (resumed) weights
                         max_len=max_len, cpu_linear=linears.get("engine"))
+    from nanogrpo.data.images import check_model_takes_images
+
+    for part in (run.rows, run.eval_rows or []):  # before any step: one line, not a crash mid-run
+        check_model_takes_images(part, cfg.data.image_field, getattr(engine, "vision", None), cfg.model.path,
+                                 multi_turn=run.tools is not None or run.env is not None)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
     version = 0
