@@ -127,7 +127,8 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(monkeypatch):
     """``deepspeed --module nanogrpo.cli train ...`` runs ``nanogrpo.cli --local_rank=0 train ...``."""
     from nanogrpo.cli import strip_launcher_args
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "")  # recorded, so the value the call sets is undone afterwards
+    monkeypatch.delenv("LOCAL_RANK")
     assert strip_launcher_args(["--local_rank=1", "train", "--steps", "3"]) == ["train", "--steps", "3"]
     import os
 
