@@ -119,7 +119,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              f"{len(self.dtype_names)}, {len(self.shapes)}")
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
+                                                    GlooWeightTransferUpdateInfo]):
     """The vLLM worker's side: receives each bucket by gloo broadcast from the trainer and loads it."""
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -154,7 +155,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialised: POST /init_weight_transfer_engine first")
+            raise RuntimeError("gloo weight transfer not initialised: POST /init_weight_transfer_engine "
+                               "first")
         dtypes = [_dtype(d) for d in update_info.dtype_names]
         sizes = [_nbytes(s, d) for s, d in zip(update_info.shapes, dtypes, strict=True)]
         for bucket in plan_buckets(sizes, self.bucket_bytes):
@@ -248,7 +250,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 while not work.is_completed():  # a server that failed answers its /update_weights: say why
                     if fut.done():
                         fut.result()
-                        raise RuntimeError("the server finished /update_weights before receiving every bucket")
+                        raise RuntimeError("the server finished /update_weights before receiving every "
+                                           "bucket")
                     time.sleep(0.001)
                 work.wait()
                 sent += buf.numel()

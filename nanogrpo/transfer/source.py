@@ -46,11 +46,11 @@ class StateSource(WeightSource):
             pass
 
     def _pass(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # no ``torch.no_grad()`` here: a generator left suspended inside it (a sender stops at the last
+        # tensor it needs) would leave gradients off in the caller's thread; detached tensors need none
         for k, v in self._state().items():
-            with torch.no_grad():
-                full = materialize_full_tensor(v.detach())
-                yield k, full.to(dtype=self._dtype(v), device="cpu") if full.device.type == "cpu" \
-                    else full.to(dtype=self._dtype(v))
+            full = materialize_full_tensor(v.detach())
+            yield k, full.detach().to(dtype=self._dtype(v))
 
     def total_bytes(self) -> int:
         return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())

@@ -53,11 +53,14 @@ class ServerEngine:
 
     name = "vllm_server"
     owns_weights = True
-    """The servers hold their own copy: the trainer syncs them (:mod:`~nanogrpo.rollout.vllm_server.sync`)."""
+    remote = True
+    """The servers hold their own copy, which the trainer's loop syncs after each step
+    (:mod:`~nanogrpo.rollout.vllm_server.sync`), not ``load_from``."""
     behaviour_logprobs = True
 
-    def __init__(self, pool: ServerPool, eos_ids: list[int], *, tokenizer=None, tempered_logprobs: bool = False,
-                 stop_strings: bool = False, concurrency: int = 64, ignore_eos: bool = False):
+    def __init__(self, pool: ServerPool, eos_ids: list[int], *, tokenizer=None,
+                 tempered_logprobs: bool = False, stop_strings: bool = False, concurrency: int = 64,
+                 ignore_eos: bool = False):
         self.pool = pool
         self.eos_ids = list(eos_ids)
         self.tempered, self.ignore_eos = tempered_logprobs, ignore_eos
@@ -66,8 +69,6 @@ class ServerEngine:
         self.min_version = 0
         self.max_version = 0
         self._local = threading.local()
-        self.sync = None
-        """The weight-sync driver (:class:`~nanogrpo.rollout.vllm_server.sync.WeightSync`), set by it."""
 
     # ------------------------------------------------------------------ versions
 
@@ -95,9 +96,11 @@ class ServerEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def _body(self, prompt: list[int], params: SamplingParams, seed: int | None, stops: StopStrings | None) -> dict:
-        sp: dict[str, Any] = dict(n=1, max_tokens=params.max_new_tokens, logprobs=0, skip_special_tokens=False,
-                                  detokenize=bool(stops), ignore_eos=self.ignore_eos,
+    def _body(self, prompt: list[int], params: SamplingParams, seed: int | None,
+              stops: StopStrings | None) -> dict:
+        sp: dict[str, Any] = dict(n=1, max_tokens=params.max_new_tokens, logprobs=0,
+                                  skip_special_tokens=False, detokenize=bool(stops),
+                                  ignore_eos=self.ignore_eos,
                                   stop_token_ids=[] if self.ignore_eos else self.eos_ids)
         if params.greedy:
             sp["temperature"] = 0.0
@@ -114,7 +117,8 @@ class ServerEngine:
             c = out["choices"][0]
             ids = [int(t) for t in c.get("token_ids") or []]
             content = (c.get("logprobs") or {}).get("content") or []
-            if len(content) != len(ids) or any(int(e["token_id"]) != t for e, t in zip(content, ids, strict=True)):
+            if len(content) != len(ids) or \
+                    any(int(e["token_id"]) != t for e, t in zip(content, ids, strict=True)):
                 raise ServerFault(f"{client.url}: log-probs do not match the sampled tokens")
             lps = [float(e["logprob"]) for e in content]
             ver = self._versions(c, client.url)
@@ -128,7 +132,8 @@ class ServerEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
         check_request(prompts, params)
         check_convention(params, self.tempered)
-        stops = StopStrings(self.tokenizer, params.stop) if self.tokenizer is not None and params.stop else None
+        stops = StopStrings(self.tokenizer, params.stop) \
+            if self.tokenizer is not None and params.stop else None
         seeds = request_seeds(params, len(prompts) * params.n) if not params.greedy else \
             [None] * (len(prompts) * params.n)
         bodies = [self._body(prompts[i // params.n], params, seeds[i], stops)
@@ -149,12 +154,6 @@ class ServerEngine:
                                                      "tok_per_s": n_tok / max(gen_s, 1e-9)})
 
     # ------------------------------------------------------------------ weights
-
-    def load_from(self, model) -> None:
-        """Push ``model``'s weights to every server (the sync driver; ``engine.sync`` must be set)."""
-        if self.sync is None:
-            raise RuntimeError("ServerEngine.load_from needs its weight-sync driver (nanogrpo.rollout.vllm_server.sync)")
-        self.sync.sync(self.sync.version + 1)
 
     def update_weights(self, state_dict) -> None:
         raise NotImplementedError("a vLLM server gets its weights through the weight-transfer protocol: "

@@ -58,8 +58,8 @@ class WeightSync:
     ``transfer``: ``gloo`` | ``nccl`` | ``ipc``; ``master_address``: this machine's address as the
     servers reach it (the transfer's rendezvous); ``bucket_bytes``: the gloo engine's bucket;
     ``server_world``: worker processes per server (tensor x pipeline x data parallel; 1 on the CPU);
-    ``rank`` / ``broadcast``: this trainer rank and a function that gives every rank rank 0's int
-    (multi-rank trainers)."""
+    ``rank`` / ``broadcast``: this trainer rank and a function that gives every rank rank 0's object
+    (multi-rank trainers; every rank calls it in the same order)."""
 
     def __init__(self, pool: ServerPool, source, *, transfer: str = "gloo", master_address: str = "127.0.0.1",
                  bucket_bytes: int = 64 << 20, server_world: int = 1, timeout_s: float = 300.0, rank: int = 0,
@@ -92,9 +92,9 @@ class WeightSync:
         if self.transfer == "gloo":
             from nanogrpo.transfer.gloo import GlooTrainerInitInfo
 
-            info = GlooTrainerInitInfo(master_address=self.master_address, master_port=free_port(self.master_address),
-                                       world_size=world, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
-                                       rank=0)
+            info = GlooTrainerInitInfo(master_address=self.master_address,
+                                       master_port=free_port(self.master_address), world_size=world,
+                                       bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, rank=0)
         elif self.transfer == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -104,7 +104,8 @@ class WeightSync:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
             info = IPCTrainerInitInfo(rank=0)
-        slot.transfer = WeightTransferTrainerFactory.trainer_init(info, client=slot.client, source=self.source)
+        slot.transfer = WeightTransferTrainerFactory.trainer_init(info, client=slot.client,
+                                                                  source=self.source)
         return slot.transfer
 
     def _send_one(self, slot: Slot, version: int) -> None:
@@ -122,9 +123,17 @@ class WeightSync:
         calls it. Returns its metrics (``sync/time_s``, ``sync/mb``, ``sync/mb_per_s``, ``sync/servers``)."""
         t0 = time.perf_counter()
         if self.rank != 0:
-            for _ in range(self.broadcast(0)):
+            for _ in range(self.broadcast(None)):
                 for _ in self.source:  # this rank's part of each gather
                     pass
+            up = self.broadcast(None)  # which servers hold the new weights (rank 0's word)
+            for s in self.pool.slots:
+                if s.url in up:
+                    self.pool.mark_synced(s, str(version))
+                else:
+                    self.pool.mark_out(s, "rank 0's weight sync did not reach it")
+            if not up:
+                raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights")
             self.version = version
             self.history.append(version)
             return {}
@@ -166,9 +175,12 @@ class WeightSync:
                 except ServerFault as e:
                     pool.mark_out(slot, f"resume failed: {e}")
             pool.release()
+            if self.multi_rank:
+                self.broadcast([s.url for s in pool.usable()])
         if not pool.usable():
             raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights "
-                            f"({', '.join(s.url + ' ' + s.state for s in pool.slots)}); not training on old ones")
+                            f"({', '.join(s.url + ' ' + s.state for s in pool.slots)}); not training on "
+                            "old ones")
         self.version = version
         self.history.append(version)
         mb = self.source.total_bytes() / 2**20 if hasattr(self.source, "total_bytes") else float("nan")
