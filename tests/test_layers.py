@@ -13,7 +13,8 @@ The layers, lowest first (README, "The source tree"):
     algo, batch, http_limits                 the algorithm's pure functions, the wire record, HTTP
                                              bodies read with a cap (by clients of every layer above)
     config                                   (which names the algorithm's variants)
-    console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
+    console, hub, rewards, tools, transfer   the screen, asking the HF hub, rewards, the tool sandbox,
+                                             weights to vLLM servers (vLLM's weight-transfer engines)
     envs                                     multi-turn environments: the interface, loading, calling
     data                                     datasets and prompts (may read answers with rewards)
     models                                   loading, the embedded models and their warm starts
@@ -49,7 +50,7 @@ LAYERS = [
     {"demos"},
     {"algo", "batch", "http_limits"},
     {"config"},
-    {"console", "hub", "rewards", "tools"},
+    {"console", "hub", "rewards", "tools", "transfer"},
     {"envs"},
     {"data"},
     {"models"},
