@@ -21,9 +21,9 @@ The layers, lowest first (README, "The source tree"):
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
-    serve, report, bench, demos.programs     split mode, plots, benchmarks (each over training); the
-                                             demos' builders and environments (anything in a demo's
-                                             folder but its task)
+    serve, report, bench, demos.programs,    split mode, plots, benchmarks (each over training); the
+    launch                                   demos' builders and environments (anything in a demo's
+                                             folder but its task); the vLLM servers' command line
     api                                      the public functions (nanogrpo.train, ...)
     cli                                      the command line, a thin layer over api
     __init__                                 the package: lazy names from api
@@ -57,7 +57,7 @@ LAYERS = [
     {"rollout"},
     {"evaluation"},
     {"training"},
-    {"serve", "report", "bench", "demos.programs"},
+    {"serve", "report", "bench", "demos.programs", "launch"},
     {"api"},
     {"cli"},
     {"__init__"},
