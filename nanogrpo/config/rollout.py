@@ -156,5 +156,9 @@ class VllmServerConfig(_Strict):
     kv_cache_gib: float = Field(0.0, ge=0)
     """``nanogrpo vllm-serve``: the KV cache size (``--kv-cache-memory-bytes``); 0: on the CPU room for one
     rollout's sequences, on a GPU vLLM's sizing."""
+    probe: bool = False
+    """After every sync, sample a fixed probe prompt on each server and compare its log-probs with the
+    trainer's forward (``sync/probe_diff``: the largest difference, over servers and tokens; float32
+    weights agree within ~1e-5). Costs one short request per server and one forward per sync."""
     serve_args: list[str] = Field(default_factory=list)
     """``nanogrpo vllm-serve``: further ``vllm serve`` arguments, passed as given."""

@@ -55,7 +55,7 @@ def step_seed(seed: int, step: int) -> int:
 class ServerTier:
     """The run's vLLM servers: its engine's pool and the weight sync from this trainer (every rank)."""
 
-    def __init__(self, cfg, engine, backend, dtype: torch.dtype):
+    def __init__(self, cfg, engine, backend, dtype: torch.dtype, tokenizer=None):
         from nanogrpo.rollout.vllm_server import state_source
         from nanogrpo.rollout.vllm_server.sync import WeightSync
 
@@ -68,6 +68,8 @@ class ServerTier:
                                       server_world=v.server_world, timeout_s=v.transfer_timeout_s,
                                       rank=backend.rank, broadcast=broadcast)
         self.k = cfg.rollout.max_staleness
+        self.probe_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"] \
+            if tokenizer is not None and cfg.vllm_server.probe else None
 
     def sync(self, version: int) -> dict[str, float]:
         """Every rank: the servers get the current weights as ``version``; the engine's version window
@@ -76,7 +78,40 @@ class ServerTier:
         self.engine.max_version = version
         self.engine.min_version = self.sync_driver.floor(self.k)
         out.update(self.engine.pool.stats())
+        if self.probe_ids is not None:
+            out["sync/probe_diff"] = self.probe()
         return out
+
+    @torch.no_grad()
+    def probe(self, new_tokens: int = 8) -> float:
+        """Every rank (the forward may be a collective): sample the probe prompt on each serving server
+        (T=1, fixed seed: both log-prob modes then report ``log_softmax(logits)``) and return the largest
+        difference between its log-probs and this trainer's forward of the same tokens (rank 0's)."""
+        from nanogrpo.rollout.engine import SamplingParams
+
+        worst = 0.0
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=1234)
+        module = self.backend.module
+        was_training = module.training
+        module.eval()
+        try:
+            slots = self.engine.pool.usable() if self.backend.rank == 0 else []
+            n = len(slots) if self.backend.world_size == 1 else _broadcaster()(len(slots))
+            for i in range(n):
+                got = None
+                if self.backend.rank == 0:
+                    got = self.engine.sample_on_server(slots[i], self.probe_ids, params)
+                if self.backend.world_size > 1:
+                    got = _broadcaster()(got)
+                ids, lps = got
+                dev = next(module.parameters()).device
+                full = torch.tensor([self.probe_ids + ids], device=dev)
+                logits = module(full).logits[0, len(self.probe_ids) - 1:-1].float()
+                mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device=dev)[:, None])[:, 0]
+                worst = max(worst, float((mine.cpu() - torch.tensor(lps)).abs().max()))
+        finally:
+            module.train(was_training)
+        return worst
 
     def close(self) -> None:
         self.sync_driver.close()

@@ -112,22 +112,22 @@ class ServerEngine:
         return {"token_ids": list(prompt), "sampling_params": sp}
 
     def _one(self, body: dict, max_tokens: int) -> tuple[list[int], list[float], str, tuple[int, int]]:
-        def go(client) -> tuple[list[int], list[float], str, tuple[int, int]]:
-            out = client.generate(body, max_tokens)
-            c = out["choices"][0]
-            ids = [int(t) for t in c.get("token_ids") or []]
-            content = (c.get("logprobs") or {}).get("content") or []
-            if len(content) != len(ids) or \
-                    any(int(e["token_id"]) != t for e, t in zip(content, ids, strict=True)):
-                raise ServerFault(f"{client.url}: log-probs do not match the sampled tokens")
-            lps = [float(e["logprob"]) for e in content]
-            ver = self._versions(c, client.url)
-            why = c.get("finish_reason")
-            reason = "stop_string" if isinstance(c.get("stop_reason"), str) else \
-                "stop" if why == "stop" and not self.ignore_eos else "length"
-            return ids, lps, reason, ver
+        return self.pool.call(lambda client: self._parse(client, client.generate(body, max_tokens)))
 
-        return self.pool.call(go)
+    def _parse(self, client, out: dict) -> tuple[list[int], list[float], str, tuple[int, int]]:
+        """One sample's token ids, log-probs, finish reason and (first, last) weight version."""
+        c = out["choices"][0]
+        ids = [int(t) for t in c.get("token_ids") or []]
+        content = (c.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids) or \
+                any(int(e["token_id"]) != t for e, t in zip(content, ids, strict=True)):
+            raise ServerFault(f"{client.url}: log-probs do not match the sampled tokens")
+        lps = [float(e["logprob"]) for e in content]
+        ver = self._versions(c, client.url)
+        why = c.get("finish_reason")
+        reason = "stop_string" if isinstance(c.get("stop_reason"), str) else \
+            "stop" if why == "stop" and not self.ignore_eos else "length"
+        return ids, lps, reason, ver
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
         check_request(prompts, params)
@@ -158,6 +158,13 @@ class ServerEngine:
     def update_weights(self, state_dict) -> None:
         raise NotImplementedError("a vLLM server gets its weights through the weight-transfer protocol: "
                                   "nanogrpo.rollout.vllm_server.sync.WeightSync")
+
+    def sample_on_server(self, slot, prompt: list[int],
+                         params: SamplingParams) -> tuple[list[int], list[float]]:
+        """One sample of ``prompt`` on that server (``slot`` of the pool), not spread: the sync's probe."""
+        body = self._body(prompt, params, request_seeds(params, 1)[0], None)
+        ids, lps, _, _ = self._parse(slot.client, slot.client.generate(body, params.max_new_tokens))
+        return ids, lps
 
     def close(self) -> None:
         self._exe.shutdown(wait=False)

@@ -110,7 +110,15 @@ class WeightSync:
 
     def _send_one(self, slot: Slot, version: int) -> None:
         engine = self._engine(slot)
-        engine.send_weights()
+        try:
+            engine.send_weights()
+        except ServerFault as e:
+            if "already active" not in str(e):
+                raise
+            # a trainer killed mid-sync left the server's update open: close it, then send all again
+            log.warning("%s had a weight update left open (a trainer stopped mid-sync); closing it", slot.url)
+            slot.client.finish_weight_update()
+            engine.send_weights()
         slot.client.update_weight_version(str(version))
         got = slot.client.weight_version()
         if got != str(version):
