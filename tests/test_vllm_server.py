@@ -178,6 +178,8 @@ def test_every_sync_gives_both_servers_the_trainers_weights(servers, tmp_path):
 
 
 def test_stop_strings_are_stopped_by_the_server(servers):
+    from nanogrpo.data import make_split
+    from nanogrpo.data.prompts import encode_prompts
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.stops import StopStrings
@@ -189,10 +191,9 @@ def test_stop_strings_are_stopped_by_the_server(servers):
     tok = load_tokenizer(str(servers.tmp / "tokenizer"))  # the servers' own (nanogrpo.launch saved it)
     eng = ServerEngine(engine.pool, [tok.eos_token_id], tokenizer=tok, stop_strings=True)
     eng.min_version = eng.max_version = 0
-    text = tok.apply_chat_template([{"role": "user", "content": "13+4"}], tokenize=False,
-                                   add_generation_prompt=True)
-    prompt = tok(text, add_special_tokens=False)["input_ids"]
-    g = eng.generate([prompt], SamplingParams(max_new_tokens=40, n=4, seed=3, stop=("=",)))
+    rows = make_split("test", 2, seed=4)
+    prompts, _ = encode_prompts(tok, rows, servers.cfg.data)  # as the demo's (<think>a+b=c</think>...)
+    g = eng.generate(prompts, SamplingParams(max_new_tokens=56, n=4, seed=3, stop=("=",)))
     stops = StopStrings(tok, ("=",))
     assert "stop_string" in g.finish_reasons
     for ids, why in zip(g.completion_ids, g.finish_reasons, strict=True):
@@ -252,6 +253,7 @@ def test_a_sync_interrupted_by_a_killed_server(servers, caplog):
     engine.pool.slots[1].client = clients[1]
     sync.sync(12)
     assert [s.state for s in engine.pool.slots] == [UP, UP] and clients[1].weight_version() == "12"
+    engine.min_version = engine.max_version = 12
     diffs = _probe_diff(engine, model, [1, 5, 6, 7])
     assert len(diffs) == 2 and max(diffs.values()) < 1e-4
 

@@ -171,8 +171,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
             del buf, weights
 
     def shutdown(self) -> None:
+        _abort(self.group)
         self.group = None
         self.store = None
+
+
+def _abort(group) -> None:
+    """End a gloo group now (pending work included) instead of at its timeout."""
+    if group is not None:
+        try:
+            group.abort()
+        except RuntimeError:
+            pass
 
 
 # ------------------------------------------------------------------ the trainer side
@@ -256,6 +266,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 work.wait()
                 sent += buf.numel()
             fut.result()
+        except BaseException:
+            self.shutdown()  # abort the group: a pending broadcast would hold its teardown to the timeout
+            raise
         finally:
             exe.shutdown(wait=False)  # a broken broadcast leaves the server's call hanging: do not join it
         self.bytes_sent = sent
@@ -281,5 +294,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             yield buf
 
     def shutdown(self) -> None:
+        _abort(self.group)
         self.group = None
         self.store = None
