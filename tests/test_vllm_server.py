@@ -149,7 +149,7 @@ def _tier(servers: Servers, model, clients=None):
     from nanogrpo.rollout.vllm_server.sync import WeightSync
 
     pool = ServerPool(clients or [ServerClient(u) for u in servers.urls], wait_s=20.0)
-    return ServerEngine(pool, [2]), WeightSync(pool, state_source(model, torch.float32))
+    return ServerEngine(pool, [2]), WeightSync(pool, state_source(model, torch.float32), timeout_s=60)
 
 
 def _probe_diff(engine, model, prompt: list[int]) -> dict[str, float]:

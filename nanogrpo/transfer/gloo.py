@@ -25,6 +25,7 @@ one bucket beyond the model itself.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -177,12 +178,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
 
 
 def _abort(group) -> None:
-    """End a gloo group now (pending work included) instead of at its timeout."""
-    if group is not None:
+    """Tear a gloo group down without waiting: a broadcast left pending (its peer died) holds the group's
+    ``abort`` and destructor until the group's timeout, so that wait happens in a daemon thread."""
+    if group is None:
+        return
+
+    def end(g=group) -> None:
         try:
-            group.abort()
+            g.abort()
         except RuntimeError:
             pass
+
+    threading.Thread(target=end, name="nanogrpo-gloo-abort", daemon=True).start()
 
 
 # ------------------------------------------------------------------ the trainer side

@@ -162,7 +162,7 @@ class ServerPool:
                 if s.client.healthy():
                     with self._cv:
                         s.state = BACK
-                        s.transfer = None  # a restarted server has a new transfer engine: init again
+                        _drop_transfer(s)  # a restarted server has a new transfer engine: init again
                     log.warning("vLLM server %s answers again; it serves once it has the current weights",
                                 s.url)
         return [s for s in self.slots if s.state == BACK]
@@ -180,10 +180,20 @@ class ServerPool:
                 slot.failures += 1
                 slot.last_probe = self._clock()
                 self.taken_out += 1
-                slot.transfer = None
+                _drop_transfer(slot)
                 log.warning("vLLM server %s taken out of the pool: %s", slot.url, err)
             self._cv.notify_all()
 
     def stats(self) -> dict[str, float]:
         return {"servers/up": float(len(self.usable())), "servers/retries": float(self.retries),
                 "servers/taken_out": float(self.taken_out)}
+
+
+def _drop_transfer(slot: Slot) -> None:
+    """Forget a server's trainer-side transfer engine (its process group ends without waiting)."""
+    engine, slot.transfer = slot.transfer, None
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception as e:  # noqa: BLE001 (the group is being dropped either way)
+            log.debug("shutting down the transfer engine of %s: %s", slot.url, e)
