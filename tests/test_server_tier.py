@@ -221,6 +221,8 @@ def test_pipeline_hands_the_producers_error_to_the_trainer():
     (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1", "http://a:1"]'], "twice"),
     (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "rollout.max_staleness=1",
       "train.save_every_updates=1"], "save_every_updates"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "train.backend=deepspeed",
+      "train.zero_stage=3"], "ZeRO-3"),
     (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "vllm_server.transfer=rdma"],
      "transfer"),
 ])

@@ -105,6 +105,10 @@ def check_server_tier(cfg: Config) -> None:
                 raise ValueError(f"rollout.servers: {url!r} is not an http(s):// URL")
         if len(set(r.servers)) != len(r.servers):
             raise ValueError("rollout.servers lists a server twice")
+        if cfg.train.backend == "deepspeed" and cfg.train.zero_stage == 3:
+            raise ValueError("rollout.engine=vllm_server syncs the weights from the trainer's parameters, "
+                             "which ZeRO-3 partitions: use train.backend=fsdp2 (gathered tensor by tensor) "
+                             "or ZeRO-1/2")
     elif r.servers:
         raise ValueError(f"rollout.servers is set but rollout.engine={r.engine}: set "
                          "rollout.engine=vllm_server")
