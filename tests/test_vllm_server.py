@@ -3,7 +3,7 @@ model, started by ``nanogrpo.launch`` (the command line ``nanogrpo vllm-serve`` 
 weight-transfer engine, shared by the module's tests.
 
 - after every sync both servers' log-probs of a probe prompt equal the trainer's (``sync/probe_diff``);
-- stop strings are stopped by the server and cut by nanogrpo's rule;
+- stop strings are stopped by the server and cut by nanogrpo's rule; multi-turn (tool) sessions run on it;
 - a server killed (SIGKILL) mid-run and restarted: the run finishes, retries counted, no step lost or
   trained twice, the server taken back once synced;
 - a sync interrupted (a server killed between ``/start_weight_update`` and ``/finish_weight_update``):
@@ -199,6 +199,35 @@ def test_stop_strings_are_stopped_by_the_server(servers):
     for ids, why in zip(g.completion_ids, g.finish_reasons, strict=True):
         if why == "stop_string":
             assert stops.find(ids) == len(ids)  # cut right after the token that completes "="
+
+
+def test_multi_turn_sessions_run_on_the_servers(servers):
+    """The tool turns' session (rollout/turns.py opens it) over the server engine: turn 2 of each trajectory
+    is what the servers sample from its whole context (prompt, turn 1, the fed tool output)."""
+    from nanogrpo.data import make_split
+    from nanogrpo.data.prompts import encode_prompts
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.rollout.session import open_session
+    from nanogrpo.rollout.vllm_server.engine import ServerEngine
+
+    engine, sync = _tier(servers, _model())
+    sync.sync(0)
+    tok = load_tokenizer(str(servers.tmp / "tokenizer"))
+    eng = ServerEngine(engine.pool, [tok.eos_token_id], tokenizer=tok, stop_strings=True)
+    eng.min_version = eng.max_version = 0
+    prompts, _ = encode_prompts(tok, make_split("test", 2, seed=5), servers.cfg.data)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, stop=("=",))
+    session = open_session(eng, tok, prompts, params, max_len=256)
+    first = session.step([0, 1], [[], []], [40, 40])
+    assert first.finish_reasons == ["stop_string", "stop_string"]
+    feed = tok("42", add_special_tokens=False)["input_ids"]
+    second = session.step([0, 1], [feed, feed], [30, 30])
+    for i in range(2):
+        want = eng.generate([prompts[i] + first.completion_ids[i] + feed],
+                            SamplingParams(max_new_tokens=30, temperature=0.0, stop=("=",)))
+        assert second.completion_ids[i] == want.completion_ids[0] and second.completion_ids[i]
+    session.close()
 
 
 def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
