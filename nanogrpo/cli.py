@@ -1,4 +1,4 @@
-"""Command line: ``nanogrpo train | eval | serve | rollout | bench | report``.
+"""Command line: ``nanogrpo train | eval | serve | rollout | bench | report | vllm-serve``.
 
 ``train`` and ``eval`` are a thin layer over the public functions (:mod:`nanogrpo.api`): flags
 become config overrides, the rest is :func:`nanogrpo.train` / :func:`nanogrpo.evaluate`. Each
@@ -27,6 +27,7 @@ EXTERNAL = {
     "rollout": "nanogrpo.serve.worker:main",
     "bench": "nanogrpo.bench:main",
     "report": "nanogrpo.report:main",
+    "vllm-serve": "nanogrpo.launch:main",
 }
 
 

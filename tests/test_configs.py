@@ -16,7 +16,7 @@ from nanogrpo.training.metrics import read_metrics
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.glob("*.toml"))
 GSM8K = [p for p in ALL if p.name.startswith("gsm8k-")]
-SINGLE = [p for p in GSM8K if not p.stem.endswith("-split")]
+SINGLE = [p for p in GSM8K if not p.stem.endswith(("-split", "-servers"))]  # one process, no servers
 
 
 def test_the_expected_configs_ship():
@@ -47,7 +47,7 @@ def test_every_demo_ships_its_preset_as_a_config_copy():
 @pytest.mark.parametrize("path", GSM8K, ids=lambda p: p.name)
 def test_gsm8k_configs_carry_the_seed_recipe(path):
     cfg = load_config(path)
-    size = path.stem.split("qwen2.5-")[1].removesuffix("-split")
+    size = path.stem.split("qwen2.5-")[1].removesuffix("-split").removesuffix("-servers")
     assert cfg.model.path == f"Qwen/Qwen2.5-{size.upper()}"
     assert cfg.data.source == "gsm8k" and cfg.data.answer_delimiter == "####"
     assert cfg.data.system_prompt == SEED_SYSTEM_PROMPT and cfg.data.max_prompt_tokens == 400
@@ -63,6 +63,15 @@ def test_split_configs_document_their_commands(path):
     for cmd in ("nanogrpo serve", "nanogrpo rollout", "nanogrpo train", "--server"):
         assert cmd in header, f"{path.name}: header lacks {cmd!r}"
     assert "[server]" in path.read_text()  # split settings are real, validated keys
+
+
+@pytest.mark.parametrize("path", [p for p in GSM8K if p.stem.endswith("-servers")], ids=lambda p: p.name)
+def test_server_tier_configs_document_their_commands(path):
+    header = path.read_text().split("[model]")[0]
+    for cmd in ("nanogrpo vllm-serve", "torchrun", "Not run"):
+        assert cmd in header, f"{path.name}: header lacks {cmd!r}"
+    cfg = load_config(path)
+    assert cfg.rollout.engine == "vllm_server" and cfg.rollout.servers and cfg.vllm_server.transfer == "nccl"
 
 
 @pytest.fixture(scope="module")

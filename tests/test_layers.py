@@ -14,16 +14,17 @@ The layers, lowest first (README, "The source tree"):
                                              (by clients of every layer above)
     batch                                    the wire record (its images' tensors: algo.vision)
     config                                   (which names the algorithm's variants)
-    console, hub, rewards, tools             the screen, asking the HF hub, rewards, the tool sandbox
+    console, hub, rewards, tools, transfer   the screen, asking the HF hub, rewards, the tool sandbox,
+                                             weights to vLLM servers (vLLM's weight-transfer engines)
     envs                                     multi-turn environments: the interface, loading, calling
     data                                     datasets and prompts (may read answers with rewards)
     models                                   loading, the embedded models and their warm starts
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
-    serve, report, bench, demos.programs     split mode, plots, benchmarks (each over training); the
-                                             demos' builders and environments (anything in a demo's
-                                             folder but its task)
+    serve, report, bench, demos.programs,    split mode, plots, benchmarks (each over training); the
+    launch                                   demos' builders and environments (anything in a demo's
+                                             folder but its task); the vLLM servers' command line
     api                                      the public functions (nanogrpo.train, ...)
     cli                                      the command line, a thin layer over api
     __init__                                 the package: lazy names from api
@@ -51,14 +52,14 @@ LAYERS = [
     {"algo", "http_limits"},
     {"batch"},
     {"config"},
-    {"console", "hub", "rewards", "tools"},
+    {"console", "hub", "rewards", "tools", "transfer"},
     {"envs"},
     {"data"},
     {"models"},
     {"rollout"},
     {"evaluation"},
     {"training"},
-    {"serve", "report", "bench", "demos.programs"},
+    {"serve", "report", "bench", "demos.programs", "launch"},
     {"api"},
     {"cli"},
     {"__init__"},

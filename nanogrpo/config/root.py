@@ -21,7 +21,7 @@ from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import GrpoConfig
 from nanogrpo.config.model import ModelConfig
 from nanogrpo.config.rewards import RewardsConfig
-from nanogrpo.config.rollout import RolloutConfig, VllmConfig
+from nanogrpo.config.rollout import RolloutConfig, VllmConfig, VllmServerConfig
 from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
 from nanogrpo.config.tools import ToolsConfig
 from nanogrpo.errors import ConfigError
@@ -37,6 +37,7 @@ class Config(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+    vllm_server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
@@ -58,6 +59,7 @@ class Config(_Strict):
                              f"{r.max_new_tokens}: the punishment would start before the first token")
         if self.env.source:
             with_env(self.rewards)
+        check_server_tier(self)
         if self.env.source and self.tools.enabled:
             raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
                              "environment runs model-written code through its sandbox handle)")
@@ -88,6 +90,34 @@ class Config(_Strict):
         return Config.from_dict(self.to_dict(), overrides)
 
 
+
+
+def check_server_tier(cfg: Config) -> None:
+    """The keys of the server tier (``rollout.engine=vllm_server``) agree with the rest (ValueError)."""
+    r = cfg.rollout
+    if r.engine == "vllm_server":
+        if not r.servers:
+            raise ValueError("rollout.engine=vllm_server needs rollout.servers, e.g. "
+                             "rollout.servers='[\"http://127.0.0.1:8100\"]' (start them with "
+                             "nanogrpo vllm-serve)")
+        for url in r.servers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.servers: {url!r} is not an http(s):// URL")
+        if len(set(r.servers)) != len(r.servers):
+            raise ValueError("rollout.servers lists a server twice")
+        if cfg.train.backend == "deepspeed" and cfg.train.zero_stage == 3:
+            raise ValueError("rollout.engine=vllm_server syncs the weights from the trainer's parameters, "
+                             "which ZeRO-3 partitions: use train.backend=fsdp2 (gathered tensor by tensor) "
+                             "or ZeRO-1/2")
+    elif r.servers:
+        raise ValueError(f"rollout.servers is set but rollout.engine={r.engine}: set "
+                         "rollout.engine=vllm_server")
+    if r.max_staleness and r.engine != "vllm_server":
+        raise ValueError("rollout.max_staleness > 0 overlaps generation on vLLM servers with the update: it "
+                         "needs rollout.engine=vllm_server")
+    if r.max_staleness and cfg.train.save_every_updates:
+        raise ValueError("rollout.max_staleness > 0 with train.save_every_updates: mid-batch checkpoints "
+                         "are for the on-policy loop; set one of them to 0")
 
 
 def with_env(rewards: RewardsConfig) -> None:

@@ -1,4 +1,5 @@
-"""Pick a rollout engine by name: ``make_engine("auto" | "fast" | "hf" | "vllm", model, tokenizer)``."""
+"""Pick a rollout engine by name: ``make_engine("auto" | "fast" | "hf" | "vllm", model, tokenizer)``;
+``engine_for(cfg, ...)`` also builds ``vllm_server`` (running vLLM servers, from the config)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 from nanogrpo.rollout.engine import Engine
 
-ENGINES = ("auto", "fast", "hf", "vllm")
+ENGINES = ("auto", "fast", "hf", "vllm", "vllm_server")
 log = logging.getLogger("nanogrpo.rollout")
 
 
@@ -57,6 +58,9 @@ def make_engine(name: str, model, tokenizer=None, *, max_len: int | None = None,
         from nanogrpo.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model, tokenizer=tokenizer, **kwargs)
+    if name == "vllm_server":
+        raise ValueError("rollout engine vllm_server is built from a config (its servers): use "
+                         "engine_for(cfg, ...)")
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -66,6 +70,10 @@ def engine_for(cfg, model, tokenizer=None, *, cpu_linear: str | None = None, **k
     decision, :func:`~nanogrpo.models.cpu_linear.settle`)."""
     if cfg.rollout.engine in ("fast", "auto"):
         kwargs = {"cpu_linear": cpu_linear or cfg.model.cpu_linear, **kwargs}
+    if cfg.rollout.engine == "vllm_server":
+        from nanogrpo.rollout.vllm_server import server_engine
+
+        return server_engine(cfg, model, tokenizer)
     if cfg.rollout.engine == "vllm":
         from nanogrpo.rollout.vllm_engine import vllm_options
 

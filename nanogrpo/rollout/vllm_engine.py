@@ -195,6 +195,63 @@ def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
                 llm_kwargs=dict(v.llm_kwargs))
 
 
+def check_convention(params: SamplingParams, tempered: bool) -> None:
+    """Refuse a request whose log-prob convention vLLM would not report exactly: ``tempered`` is how vLLM was
+    built (``processed_logprobs``, else ``raw_logprobs``; a server: ``--logprobs-mode``). Shared by every
+    vLLM engine (in-process and servers)."""
+    want = params.logprob_temperature
+    truncated = not params.greedy and (params.top_k or params.top_p < 1)
+    if params.support_logprobs and truncated and not tempered:
+        raise ConfigError("support_logprobs asks for the log-probs over the top-k/top-p support: build "
+                          "this vLLM engine with tempered_logprobs=True (rollout.tempered_logprobs)")
+    if params.greedy or not tempered:
+        got, how = 1.0, "untempered log_softmax(logits)"
+    elif (params.top_k or params.top_p < 1) and not params.support_logprobs:
+        raise ConfigError("vLLM's tempered log-probs (rollout.tempered_logprobs=true) are taken after "
+                          "its top-k/top-p mask, renormalised over the kept tokens, not "
+                          "log_softmax(logits / T): ask for them with SamplingParams.support_logprobs "
+                          "(as a run with tempered log-probs and top-k/top-p does), or untempered")
+    else:
+        got, how = params.temperature, f"log_softmax(logits / {params.temperature})"
+    if want != got:
+        raise ConfigError(f"this vLLM engine reports {how} but the request asks for logprob_temperature="
+                          f"{want}; build it with tempered_logprobs={not tempered} "
+                          "(rollout.tempered_logprobs) to match")
+
+
+def request_seeds(params: SamplingParams, count: int) -> list[int]:
+    """One seed per prompt (in-process vLLM gives its n samples seed + i), or per sample (a server's
+    requests, one per sample): drawn from ``params.seed``."""
+    if params.seed is None:
+        return [secrets.randbits(62) for _ in range(count)]
+    g = random.Random(params.seed)
+    return [g.getrandbits(62) for _ in range(count)]
+
+
+def sample_on(generate, prompts: list[list[int]], params: SamplingParams, stops: StopStrings,
+              comp: list[list[int]], lps: list[list[float]], reasons: list[str]) -> None:
+    """Rows that vLLM stopped at a stop string where :mod:`nanogrpo.rollout.stops` sees none
+    (the two decoded the text differently): sampled on with ``generate``, without stop strings, in
+    place. Shared by every vLLM engine."""
+    odd = [i for i, (c, why) in enumerate(zip(comp, reasons, strict=True))
+           if why == "stop_string" and stops.find(c) is None]
+    if not odd:
+        return
+    log.warning("vLLM stopped %d row(s) at a stop string that nanogrpo's token rule does not see; "
+                "sampling them on", len(odd))
+    for i in odd:
+        left = params.max_new_tokens - len(comp[i])
+        if left < 1:
+            reasons[i] = "length"
+            continue
+        seed = None if params.seed is None else params.seed + i
+        more = generate([prompts[i // params.n] + comp[i]],
+                        replace(params, n=1, max_new_tokens=left, stop=(), seed=seed))
+        comp[i] += more.completion_ids[0]
+        lps[i] += more.logprobs[0]
+        reasons[i] = more.finish_reasons[0]
+
+
 class VLLMEngine:
     """Generation with ``vllm.LLM`` over a copy of ``model``'s weights (see the module docstring).
 
@@ -339,32 +396,10 @@ class VLLMEngine:
     # ------------------------------------------------------------ generation
 
     def _check_convention(self, params: SamplingParams) -> None:
-        """Refuse a request whose log-prob convention vLLM (as built) would not report exactly."""
-        want = params.logprob_temperature
-        truncated = not params.greedy and (params.top_k or params.top_p < 1)
-        if params.support_logprobs and truncated and not self.tempered:
-            raise ConfigError("support_logprobs asks for the log-probs over the top-k/top-p support: build "
-                              "this vLLM engine with tempered_logprobs=True (rollout.tempered_logprobs)")
-        if params.greedy or not self.tempered:
-            got, how = 1.0, "untempered log_softmax(logits)"
-        elif (params.top_k or params.top_p < 1) and not params.support_logprobs:
-            raise ConfigError("vLLM's tempered log-probs (rollout.tempered_logprobs=true) are taken after "
-                              "its top-k/top-p mask, renormalised over the kept tokens, not "
-                              "log_softmax(logits / T): ask for them with SamplingParams.support_logprobs "
-                              "(as a run with tempered log-probs and top-k/top-p does), or untempered")
-        else:
-            got, how = params.temperature, f"log_softmax(logits / {params.temperature})"
-        if want != got:
-            raise ConfigError(f"this vLLM engine reports {how} but the request asks for logprob_temperature="
-                              f"{want}; build it with tempered_logprobs={not self.tempered} "
-                              "(rollout.tempered_logprobs) to match")
+        check_convention(params, self.tempered)
 
     def _seeds(self, params: SamplingParams, count: int) -> list[int]:
-        """One seed per prompt (vLLM gives its n samples seed + i): drawn from ``params.seed``."""
-        if params.seed is None:
-            return [secrets.randbits(62) for _ in range(count)]
-        g = random.Random(params.seed)
-        return [g.getrandbits(62) for _ in range(count)]
+        return request_seeds(params, count)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Generation:
         check_request(prompts, params)
@@ -412,25 +447,7 @@ class VLLMEngine:
 
     def _sample_on(self, prompts: list[list[int]], params: SamplingParams, stops: StopStrings,
                    comp: list[list[int]], lps: list[list[float]], reasons: list[str]) -> None:
-        """Rows that vLLM stopped at a stop string where :mod:`nanogrpo.rollout.stops` sees none
-        (the two decoded the text differently): sampled on, without stop strings, in place."""
-        odd = [i for i, (c, why) in enumerate(zip(comp, reasons, strict=True))
-               if why == "stop_string" and stops.find(c) is None]
-        if not odd:
-            return
-        log.warning("vLLM stopped %d row(s) at a stop string that nanogrpo's token rule does not see; "
-                    "sampling them on", len(odd))
-        for i in odd:
-            left = params.max_new_tokens - len(comp[i])
-            if left < 1:
-                reasons[i] = "length"
-                continue
-            seed = None if params.seed is None else params.seed + i
-            more = self.generate([prompts[i // params.n] + comp[i]],
-                                 replace(params, n=1, max_new_tokens=left, stop=(), seed=seed))
-            comp[i] += more.completion_ids[0]
-            lps[i] += more.logprobs[0]
-            reasons[i] = more.finish_reasons[0]
+        sample_on(self.generate, prompts, params, stops, comp, lps, reasons)
 
     def _wake(self) -> None:
         if self._asleep:

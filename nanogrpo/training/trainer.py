@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint, load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary
 from nanogrpo.training.metrics import merge_rank_metrics
+from nanogrpo.training.pipeline import Pipeline, ServerTier, consume, produce, staleness, step_seed
 from nanogrpo.training.schedule import (
     Pending,
     Schedule,
@@ -101,7 +103,7 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         if model_path is None:
             model_path = check_model_source(cfg.model)
-        if cfg.rollout.engine == "vllm":
+        if cfg.rollout.engine in ("vllm", "vllm_server"):
             from nanogrpo.rollout.vllm_engine import import_vllm
 
             import_vllm()  # installed? (a one-line error before any weights are read)
@@ -120,10 +122,6 @@ def lr_at(step: int, cfg: Config) -> float:
     """Linear warmup to ``train.lr`` over ``warmup_steps``, then constant (the seed: constant)."""
     w = cfg.train.warmup_steps
     return cfg.train.lr * min(1.0, step / w) if w > 0 else cfg.train.lr
-
-
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
 def train(run: PreparedRun) -> Path:
@@ -177,7 +175,11 @@ def train(run: PreparedRun) -> Path:
         from nanogrpo.models.lora import reference_for
 
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
-    backend = make_backend(cfg, model)  # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed)
+    servers = cfg.rollout.engine == "vllm_server"
+    weights_dtype = next(model.parameters()).dtype  # what the servers hold (FSDP2 trains float32 masters)
+    # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed); the server tier generates on the
+    # servers, so sharded backends keep no unsharded copy (the sync gathers one tensor at a time)
+    backend = make_backend(cfg, model, rollout_copy=not servers)
     optimizer = backend.optimizer
     longest_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)  # the engine serves both
     max_len = longest_context(cfg, tok, longest_new) if run.env is None else run.env.longest(longest_new)
@@ -190,6 +192,7 @@ def train(run: PreparedRun) -> Path:
                                  multi_turn=run.tools is not None or run.env is not None)
     sampler = PromptSampler(run.rows, cfg.rollout.prompts_per_step, seed=cfg.train.seed,
                             shuffle=cfg.data.shuffle)
+    sampler_state = None  # the pipeline's: the sampler's state after the last trained batch was drawn
     version = 0
     control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
     pending = None  # a step a mid-batch checkpoint interrupted (train.save_every_updates)
@@ -208,7 +211,8 @@ def train(run: PreparedRun) -> Path:
                        fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if backend.is_main else None
 
     def save(step: int) -> None:
-        backend.save(ckpt_root, step, tok, {"policy_version": version, "sampler": sampler.state_dict(),
+        backend.save(ckpt_root, step, tok, {"policy_version": version,
+                                            "sampler": sampler_state or sampler.state_dict(),
                                             "entropy_control": control.state_dict(), "cpu_linear": linears},
                      save_merged=cfg.model.lora_save_merged)
 
@@ -227,6 +231,12 @@ def train(run: PreparedRun) -> Path:
                      rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
         _test_stop(f"step_{step}_update_{sched.done}")
 
+    tier = ServerTier(cfg, engine, backend, weights_dtype, tok) if servers else None
+    if tier is not None:  # the servers get the run's (resumed) weights before any rollout
+        first_sync = tier.sync(version)
+        if backend.is_main:
+            log.info("vLLM servers synced to version %d in %.2f s", version, first_sync["sync/time_s"])
+    eval_policy = None if servers and backend.name in ("fsdp2", "deepspeed") else backend.rollout_model()
     if run.resume_from is None:
         # the held-out baseline first, then step_0: a kill between the two resumes from step_0 with the
         # baseline row kept; a kill before step_0 exists starts the run (and the baseline) over
@@ -234,35 +244,62 @@ def train(run: PreparedRun) -> Path:
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
-                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0,
-                                                             backend.rollout_model())})
+                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)})
         _test_stop("baseline")
         save(0)
         _test_stop("step_0")
     bar = tqdm(range(start_step + 1, cfg.train.steps + 1), initial=start_step, total=cfg.train.steps,
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
+    pipe = None
+    if tier is not None and cfg.rollout.max_staleness:
+        if backend.world_size > 1:
+            raise ConfigError("rollout.max_staleness > 0 runs with one trainer process; with several ranks "
+                              "use rollout.max_staleness=0")
+        pipe = Pipeline(lambda s: produce(cfg, s, tok, engine, sampler, run.rewards, run.tools, run.env),
+                        start_step + 1, cfg.train.steps, cfg.rollout.max_staleness)
     try:
         for step in bar:
             resume = pending if pending is not None and pending.step == step else None
             pending = None
-            row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
-                             device, backend=backend, tools=run.tools, env=run.env, control=control,
-                             resume=resume,
-                             on_update=save_mid_batch if cfg.train.save_every_updates else None)
+            fresh, extra = True, {}
+            versions: list = []
+            if pipe is not None:
+                made, waited = pipe.get(step)
+                resume = consume(cfg, made, ref, device)
+                sampler_state, versions = made.sampler_state, made.versions
+                fresh = bool(versions) and min(lo for lo, _ in versions) == version
+                extra = {"pipeline/trainer_wait_s": waited,
+                         "pipeline/producer_wait_s": pipe.take_producer_wait()}
+            with engine.recording() if pipe is None and tier is not None else nullcontext([]) as rec:
+                row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
+                                 device, backend=backend, tools=run.tools, env=run.env, control=control,
+                                 resume=resume, fresh=fresh,
+                                 on_update=save_mid_batch if cfg.train.save_every_updates else None)
+            row.update(extra)
+            if tier is not None:
+                row.update(staleness(versions or rec, version))
             version += row.pop("_updates")
+            if tier is not None:
+                row.update(tier.sync(version) if version != tier.sync_driver.version else {})
+                if pipe is not None:
+                    pipe.trained(step)
             examples = row.pop("_examples", None)
             if run.eval_rows and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 if backend.world_size > 1:
                     backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
                 if backend.is_main:
-                    row.update(_held_out_eval(cfg, model, tok, engine, run, step, backend.rollout_model()))
+                    row.update(_held_out_eval(cfg, model, tok, engine, run, step, eval_policy))
             if logger is not None:
                 logger.log_step(row, examples)
-            bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} "
-                                f"loss {row['loss'] if row['loss'] is not None else float('nan'):.4f}")
+            loss = f"{row['loss']:.4f}" if row["loss"] is not None else "- (no group with signal)"
+            bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} loss {loss}")
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
+        if pipe is not None:
+            pipe.close()
+        if tier is not None:
+            tier.close()
         bar.close()
         if logger is not None:
             logger.close()
@@ -323,13 +360,14 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
                device: torch.device, backend=None, tools=None, env=None,
                control: EntropyControl | None = None,
-               resume: Pending | None = None, on_update=None) -> dict[str, Any]:
+               resume: Pending | None = None, on_update=None, fresh: bool = True) -> dict[str, Any]:
     """One step: rollout, reference log-probs, the batch's optimizer steps (``grpo.mini_batches`` x
     ``grpo.updates_per_batch``, :mod:`nanogrpo.training.schedule`), the step's metrics.
     ``control``: the run's entropy-bonus coefficient (updated after each optimizer step).
     ``resume``: the step as a mid-batch checkpoint left it (its batch, rollout metrics and the optimizer
     steps already taken): no rollout, the schedule continues. ``on_update(step, batch, sched, rollout)``
-    runs after each optimizer step (mid-batch checkpoints)."""
+    runs after each optimizer step (mid-batch checkpoints). ``fresh``: the batch was sampled under the
+    current weights (False: a stale batch of the asynchronous pipeline)."""
     from nanogrpo.training.distributed import SingleBackend
 
     t0 = time.perf_counter()
@@ -345,7 +383,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         model.eval()
         batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                                 template=cfg.model.chat_template,
-                                seed=_step_seed(cfg.train.seed, step) + rank,
+                                seed=step_seed(cfg.train.seed, step) + rank,
                                 policy_version=version, tools=tools, env=env,
                                 reduce=be.all_reduce if world > 1 else None,
                                 more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
@@ -369,10 +407,12 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         # against the engine's recorded log-probs (the seed's vLLM variant), not logp.detach()
         exact = not getattr(engine, "behaviour_logprobs", False)
         after = None if on_update is None else (lambda s, r: on_update(step, batch, s, roll))
-        run_updates(model, optimizer, batch, cfg, sched, fresh=True, exact=exact, backend=be, control=control,
-                    max_new_tokens=cfg.rollout.max_new_tokens, after_update=after)
-        if updates_taken(sched) and getattr(engine, "owns_weights", False):
-            engine.load_from(model)  # vllm keeps its own copy of the weights: push this step's update
+        run_updates(model, optimizer, batch, cfg, sched, fresh=fresh, exact=exact, backend=be,
+                    control=control, max_new_tokens=cfg.rollout.max_new_tokens, after_update=after)
+        # vllm keeps its own copy of the weights: push this step's update (vLLM servers: the loop syncs them)
+        remote = getattr(engine, "remote", False)
+        if updates_taken(sched) and getattr(engine, "owns_weights", False) and not remote:
+            engine.load_from(model)
     results = sched.results if sched is not None else []
     updates = sum(not r.skipped_nonfinite for r in results)
     if device.type == "cuda":

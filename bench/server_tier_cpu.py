@@ -1,0 +1,194 @@
+"""The server tier on the CPU: weight-sync time and MB/s beside ``nanogrpo serve``'s HTTP relay on the same
+model, and the demo with ``rollout.max_staleness`` 0, 1, 2 side by side.
+
+    python bench/server_tier_cpu.py sync --shape demo              # the demo model (0.8M parameters)
+    python bench/server_tier_cpu.py sync --shape qwen2.5-0.5b      # Qwen2.5-0.5B's shape, random init
+    python bench/server_tier_cpu.py staleness --steps 40           # the demo, k = 0, 1, 2 (same servers)
+
+Run in the vLLM environment (docs/guides/scaling-out.md). ``sync``: two ``vllm serve`` processes of the
+model (started by ``nanogrpo.launch``, gloo transfer), ``--repeats`` syncs of the trainer's weights to both
+(pause, bucketed gloo broadcast, version read back, resume); then ``nanogrpo serve`` on the same model and
+the relay of the same weights: one publish (trainer -> relay) and two concurrent fetches (relay -> each of
+two workers, as two split-mode workers would download them), decoded and checked. ``staleness``: the demo
+preset trained ``--steps`` steps with each ``max_staleness`` (``correction=token_truncate`` for k > 0) on the
+same two servers: wall time, staleness, held-out accuracy. One JSON line per measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_dir(shape: str, tmp: Path) -> str:
+    if shape == "demo":
+        from nanogrpo.demos.arithmetic.build import embedded_path
+
+        return str(embedded_path())
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    d = tmp / shape
+    make_model(shape, tok, seed=0).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def _servers(model: str, tmp: Path, n: int = 2, extra: list[str] = ()):
+    from nanogrpo.config import Config
+    from nanogrpo.launch import start, wait_healthy
+
+    ports = [_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    over = [f"model.path={model}", "rollout.engine=vllm_server", "rollout.servers=" + json.dumps(urls),
+            *extra]
+    cfg = Config.load(None, over)
+    procs = [start(cfg, p, state_dir=tmp, log=tmp / f"server-{p}.log") for p in ports]
+    t = max(wait_healthy(u, pr, log=tmp / f"server-{p}.log")
+            for u, pr, p in zip(urls, procs, ports, strict=True))
+    return urls, procs, over, t
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=60)
+
+
+def bench_sync(shape: str, repeats: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from nanogrpo.rollout.vllm_server import state_source
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.rollout.vllm_server.pool import ServerPool
+    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.serve.client import ServerClient as RelayClient
+    from nanogrpo.serve.weights import WeightLayout
+
+    tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-tier-"))
+    model_dir = _model_dir(shape, tmp)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    urls, procs, _, up = _servers(model_dir, tmp)
+    try:
+        sync = WeightSync(ServerPool([ServerClient(u) for u in urls]), state_source(model, torch.float32))
+        times = []
+        for v in range(1, repeats + 2):
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
+            out = sync.sync(v)
+            if v > 1:  # the first includes the transfer groups' set-up
+                times.append(out)
+        mb = times[0]["sync/mb"]
+        med = sorted(t["sync/time_s"] for t in times)[len(times) // 2]
+        print(json.dumps({"bench": "server_tier_sync", "shape": shape, "servers": 2,
+                          "mb_total": round(mb, 1), "sync_s_median": round(med, 3),
+                          "send_s_median": round(sorted(t["sync/send_s"] for t in times)[len(times) // 2], 3),
+                          "mb_per_s": round(mb / med, 1), "repeats": repeats, "servers_up_s": round(up, 1)}),
+              flush=True)
+    finally:
+        _stop(procs)
+    # the HTTP relay of split mode on the same model
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    relay = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", "serve", "--port", str(port),
+                              f"model.path={model_dir}", "grpo.beta=0"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        from nanogrpo.launch import wait_healthy
+
+        wait_healthy(url, relay)
+        layout = WeightLayout.of_model(model)
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
+        times = []
+        with RelayClient(url, timeout_s=600) as pub, RelayClient(url, timeout_s=600) as w1, \
+                RelayClient(url, timeout_s=600) as w2, ThreadPoolExecutor(2) as exe:
+            for v in range(1, repeats + 1):
+                t0 = time.perf_counter()
+                pub.publish(v, sd)
+                got = list(exe.map(lambda c, v=v: c.fetch_weights(v - 1, layout), (w1, w2)))
+                times.append(time.perf_counter() - t0)
+                assert all(g is not None and g[0] == v for g in got)
+        med = sorted(times)[len(times) // 2]
+        print(json.dumps({"bench": "http_relay", "shape": shape, "workers": 2,
+                          "mb_published": round(nbytes, 1),
+                          "relay_s_median": round(med, 3), "mb_per_s": round(2 * nbytes / med, 1),
+                          "repeats": repeats}), flush=True)
+    finally:
+        relay.terminate()
+        relay.wait(timeout=60)
+
+
+def bench_staleness(steps: int, ks: list[int]) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-stale-"))
+    from nanogrpo.demos.arithmetic.build import embedded_path
+
+    urls, procs, over, _ = _servers(str(embedded_path()), tmp)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    try:
+        for k in ks:
+            out = tmp / f"k{k}"
+            cmd = [sys.executable, "-m", "nanogrpo.cli", "train", "--out", str(out), "--steps", str(steps),
+                   *over, f"rollout.max_staleness={k}", f"eval.every={steps // 2}"]
+            if k:
+                cmd.append("rollout.correction=token_truncate")
+            t0 = time.perf_counter()
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            train = [r for r in rows if "loss" in r]
+            evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+
+            def mean(key: str, train=train) -> float:
+                return sum(r.get(key, 0.0) for r in train) / len(train)
+
+            print(json.dumps({"bench": "max_staleness", "k": k, "steps": steps, "wall_s": round(wall, 1),
+                              "step_s_mean": round(mean("step_time_s"), 2),
+                              "staleness_mean": round(mean("staleness/mean"), 3),
+                              "staleness_max": max(r.get("staleness/max", 0) for r in train),
+                              "trainer_wait_s_mean": round(mean("pipeline/trainer_wait_s"), 2),
+                              "sync_s_mean": round(mean("sync/time_s"), 3), "held_out": evals}), flush=True)
+    finally:
+        _stop(procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("sync")
+    s.add_argument("--shape", default="demo", help="demo, or a shape of nanogrpo.models.tiny (qwen2.5-0.5b)")
+    s.add_argument("--repeats", type=int, default=5)
+    k = sub.add_parser("staleness")
+    k.add_argument("--steps", type=int, default=40)
+    k.add_argument("--ks", default="0,1,2")
+    a = ap.parse_args(argv)
+    if a.what == "sync":
+        bench_sync(a.shape, a.repeats)
+    else:
+        bench_staleness(a.steps, [int(x) for x in a.ks.split(",")])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""The servers of ``rollout.servers`` as one pool: requests spread by load, failover, taking servers back.
+
+- **Load.** Each request goes to the usable server with the fewest requests in flight (ties: the
+  server used least recently), so a server that answers slower (fewer GPUs, a longer queue) gets
+  fewer requests.
+- **Failover.** A server that does not answer (:class:`~nanogrpo.rollout.vllm_server.http.ServerDown`:
+  refused, reset, timed out, 5xx) is taken out at once; the request is sent again to another server
+  (``retries`` counts these). A request is tried at most ``max_attempts`` times; when no server is
+  usable the pool waits for one up to ``wait_s`` seconds, then raises :class:`NoServer`.
+- **Taking back.** A server that is out is probed (``/health``) at most every ``probe_s`` seconds; once it
+  answers it is ``back``: alive but *not* usable until the weight sync has given it the current weights
+  (:meth:`ServerPool.mark_synced`). A restarted server comes up with its launch weights, so it
+  must never serve before that.
+
+Pure Python over any client with ``healthy()`` (tests drive it with real local HTTP servers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from nanogrpo.errors import NanoGRPOError
+from nanogrpo.rollout.vllm_server.http import ServerDown
+
+log = logging.getLogger("nanogrpo.rollout.vllm_server")
+T = TypeVar("T")
+
+UP, OUT, BACK = "up", "out", "back"
+
+
+class NoServer(NanoGRPOError):
+    """No server of the pool could take a request."""
+
+
+@dataclass
+class Slot:
+    """One server and what the pool knows of it."""
+
+    client: Any
+    state: str = BACK
+    """``up`` (serving the current weights), ``out`` (stopped answering), ``back`` (answers again, or
+    has never been synced: waits for the weight sync)."""
+    in_flight: int = 0
+    served: int = 0
+    failures: int = 0
+    version: str | None = None
+    """The weight version last synced to it."""
+    last_used: float = 0.0
+    last_probe: float = 0.0
+    transfer: Any = None
+    """The trainer-side weight-transfer engine bound to this server (the sync driver's)."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return getattr(self.client, "url", "?")
+
+
+class ServerPool:
+    def __init__(self, clients: list[Any], *, max_attempts: int = 4, wait_s: float = 120.0,
+                 probe_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        if not clients:
+            raise ValueError("a server pool needs at least one server")
+        self.slots = [Slot(c) for c in clients]
+        self.max_attempts, self.wait_s, self.probe_s = max_attempts, wait_s, probe_s
+        self.retries = 0
+        self.taken_out = 0
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._gate = True
+        """False while a weight sync holds the pool (new requests wait; in-flight ones are the servers')."""
+
+    # ------------------------------------------------------------------ choosing a server
+
+    def usable(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == UP]
+
+    def _pick(self, avoid: set[int]) -> Slot | None:
+        cands = [s for i, s in enumerate(self.slots) if s.state == UP and i not in avoid] or \
+                [s for s in self.slots if s.state == UP]
+        if not cands:
+            return None
+        best = min(cands, key=lambda s: (s.in_flight, s.last_used))
+        best.in_flight += 1
+        best.last_used = self._clock()
+        return best
+
+    def call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(client)`` on the least-loaded usable server; on :class:`ServerDown` the server is taken out
+        and ``fn`` runs again elsewhere (at most ``max_attempts`` tries in all)."""
+        tried: set[int] = set()
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            slot = self._acquire(tried)
+            i = self.slots.index(slot)
+            try:
+                out = fn(slot.client)
+            except ServerDown as e:
+                last = e
+                tried.add(i)
+                self._release(slot, ok=False, err=e)
+                if attempt + 1 < self.max_attempts:
+                    with self._cv:
+                        self.retries += 1
+                continue
+            except BaseException:
+                self._release(slot, ok=True)
+                raise
+            self._release(slot, ok=True)
+            return out
+        raise NoServer(f"a request failed on {self.max_attempts} tries; last: {last}")
+
+    def _acquire(self, avoid: set[int]) -> Slot:
+        deadline = self._clock() + self.wait_s
+        with self._cv:
+            while True:
+                slot = self._pick(avoid) if self._gate else None
+                if slot is not None:
+                    return slot
+                if self._clock() >= deadline:
+                    states = ", ".join(f"{s.url} {s.state}" for s in self.slots)
+                    raise NoServer(f"no vLLM server could take a request for {self.wait_s:.0f} s ({states})")
+                self._cv.wait(timeout=0.5)
+
+    def _release(self, slot: Slot, ok: bool, err: Exception | None = None) -> None:
+        with self._cv:
+            slot.in_flight -= 1
+            if ok:
+                slot.served += 1
+            elif slot.state == UP:
+                slot.state = OUT
+                slot.failures += 1
+                slot.last_probe = self._clock()
+                self.taken_out += 1
+                log.warning("vLLM server %s taken out of the pool: %s", slot.url, err)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the sync driver's side
+
+    def hold(self) -> None:
+        """New requests wait until :meth:`release` (a weight sync is under way)."""
+        with self._cv:
+            self._gate = False
+
+    def release(self) -> None:
+        with self._cv:
+            self._gate = True
+            self._cv.notify_all()
+
+    def probe(self, force: bool = False) -> list[Slot]:
+        """Probe servers that are out (at most every ``probe_s``); those that answer become ``back``.
+        Returns the servers waiting for weights (``back``)."""
+        now = self._clock()
+        for s in self.slots:
+            if s.state == OUT and (force or now - s.last_probe >= self.probe_s):
+                s.last_probe = now
+                if s.client.healthy():
+                    with self._cv:
+                        s.state = BACK
+                        _drop_transfer(s)  # a restarted server has a new transfer engine: init again
+                    log.warning("vLLM server %s answers again; it serves once it has the current weights",
+                                s.url)
+        return [s for s in self.slots if s.state == BACK]
+
+    def mark_synced(self, slot: Slot, version: str) -> None:
+        with self._cv:
+            slot.version = version
+            slot.state = UP
+            self._cv.notify_all()
+
+    def mark_out(self, slot: Slot, err: Exception | str) -> None:
+        with self._cv:
+            if slot.state != OUT:
+                slot.state = OUT
+                slot.failures += 1
+                slot.last_probe = self._clock()
+                self.taken_out += 1
+                _drop_transfer(slot)
+                log.warning("vLLM server %s taken out of the pool: %s", slot.url, err)
+            self._cv.notify_all()
+
+    def stats(self) -> dict[str, float]:
+        return {"servers/up": float(len(self.usable())), "servers/retries": float(self.retries),
+                "servers/taken_out": float(self.taken_out)}
+
+
+def _drop_transfer(slot: Slot) -> None:
+    """Forget a server's trainer-side transfer engine (its process group ends without waiting)."""
+    engine, slot.transfer = slot.transfer, None
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception as e:  # noqa: BLE001 (the group is being dropped either way)
+            log.debug("shutting down the transfer engine of %s: %s", slot.url, e)

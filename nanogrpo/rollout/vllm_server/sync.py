@@ -1,0 +1,235 @@
+"""The weight sync: the trainer's weights to every vLLM server, through vLLM's weight-transfer protocol.
+
+One sync (:meth:`WeightSync.sync`), driven by trainer rank 0:
+
+1. servers that were out and answer again are probed (:meth:`ServerPool.probe`); they get the weights too;
+2. new requests are held (the pool's gate) and every serving server is paused with ``mode=keep``
+   (``POST /pause?mode=keep``): requests in flight stay in its queue, their KV caches kept;
+3. for each server: its trainer-side engine (``vllm_server.transfer``: ``gloo`` ours on the CPU, ``nccl``
+   or ``ipc`` vLLM's; one process group per server, so a failure stays that server's) sends the
+   weights bucket by bucket (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``),
+   then ``/update_weight_version`` sets the version and ``/weight_info`` must read it back;
+4. every server is resumed (``/resume``); a request paused mid-sequence continues under the new
+   weights (its ``weight_versions`` then span two versions).
+
+A server whose sync fails at any point (killed between ``start`` and ``finish``, a broken broadcast, a
+version that does not read back) is **taken out** and never serves again until a later sync has given
+it the whole weights (the pool's ``back`` state); the run goes on with the others and says so. When no
+server holds the new weights the sync raises :class:`SyncError`: nothing is ever sampled from a server
+with mixed or old weights (the engine also checks every sample's version).
+
+Several trainer ranks: every rank calls :meth:`WeightSync.sync` (FSDP2 gathers each tensor, a collective,
+while rank 0 packs its bucket); rank 0 tells the others how many servers it sends to, and a rank-0
+failure mid-send still runs the rest of that pass's gathers
+(:meth:`~nanogrpo.transfer.source.StateSource.finish_pass`) so no rank hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from nanogrpo.errors import NanoGRPOError
+from nanogrpo.rollout.vllm_server.http import ServerFault
+from nanogrpo.rollout.vllm_server.pool import BACK, UP, ServerPool, Slot
+
+log = logging.getLogger("nanogrpo.rollout.vllm_server")
+
+TRANSFERS = ("gloo", "nccl", "ipc")
+
+
+class SyncError(NanoGRPOError):
+    """No server holds the weights the trainer sent."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightSync:
+    """Pushes the trainer's weights (``source``: a ``WeightSource``) to the servers of ``pool``.
+
+    ``transfer``: ``gloo`` | ``nccl`` | ``ipc``; ``master_address``: this machine's address as the
+    servers reach it (the transfer's rendezvous); ``bucket_bytes``: the gloo engine's bucket;
+    ``server_world``: worker processes per server (tensor x pipeline x data parallel; 1 on the CPU);
+    ``rank`` / ``broadcast``: this trainer rank and a function that gives every rank rank 0's object
+    (multi-rank trainers; every rank calls it in the same order)."""
+
+    def __init__(self, pool: ServerPool, source, *, transfer: str = "gloo", master_address: str = "127.0.0.1",
+                 bucket_bytes: int = 64 << 20, server_world: int = 1, timeout_s: float = 300.0, rank: int = 0,
+                 broadcast: Callable[[int], int] | None = None):
+        if transfer not in TRANSFERS:
+            raise ValueError(f"unknown weight transfer {transfer!r}: one of {TRANSFERS}")
+        self.pool, self.source, self.transfer = pool, source, transfer
+        self.master_address, self.bucket_bytes = master_address, bucket_bytes
+        self.server_world, self.timeout_s, self.rank = server_world, timeout_s, rank
+        self.broadcast = broadcast or (lambda x: x)
+        self.multi_rank = broadcast is not None
+        self.version: int | None = None
+        self.history: list[int] = []
+        """Versions synced, oldest first."""
+        self.failures = 0
+        self.last: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ one server
+
+    def _engine(self, slot: Slot):
+        """The trainer-side engine bound to ``slot`` (built, and the server's side initialised, once)."""
+        if slot.transfer is not None:
+            return slot.transfer
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from nanogrpo.transfer.plugin import register
+
+        register()
+        world = 1 + self.server_world
+        if self.transfer == "gloo":
+            from nanogrpo.transfer.gloo import GlooTrainerInitInfo
+
+            info = GlooTrainerInitInfo(master_address=self.master_address,
+                                       master_port=free_port(self.master_address), world_size=world,
+                                       bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, rank=0)
+        elif self.transfer == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(master_address=self.master_address,
+                                       master_port=free_port(self.master_address), world_size=world, rank=0)
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0)
+        slot.transfer = WeightTransferTrainerFactory.trainer_init(info, client=slot.client,
+                                                                  source=self.source)
+        return slot.transfer
+
+    def _send_one(self, slot: Slot, version: int) -> None:
+        engine = self._engine(slot)
+        try:
+            engine.send_weights()
+        except ServerFault as e:
+            if "already active" not in str(e):
+                raise
+            # a trainer killed mid-sync left the server's update open: close it, then send all again
+            log.warning("%s had a weight update left open (a trainer stopped mid-sync); closing it", slot.url)
+            slot.client.finish_weight_update()
+            engine.send_weights()
+        slot.client.update_weight_version(str(version))
+        got = slot.client.weight_version()
+        if got != str(version):
+            raise ServerFault(f"{slot.url} reads back weight version {got!r} after a sync to {version}")
+
+    # ------------------------------------------------------------------ the sync
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Give every reachable server the trainer's current weights as ``version``. Every trainer rank
+        calls it. Returns its metrics (``sync/time_s``, ``sync/mb``, ``sync/mb_per_s``, ``sync/servers``)."""
+        t0 = time.perf_counter()
+        if self.rank != 0:
+            for _ in range(self.broadcast(None)):
+                for _ in self.source:  # this rank's part of each gather
+                    pass
+            up = self.broadcast(None)  # which servers hold the new weights (rank 0's word)
+            for s in self.pool.slots:
+                if s.url in up:
+                    self.pool.mark_synced(s, str(version))
+                else:
+                    self.pool.mark_out(s, "rank 0's weight sync did not reach it")
+            if not up:
+                raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights")
+            self.version = version
+            self.history.append(version)
+            return {}
+        pool = self.pool
+        pool.probe(force=True)
+        targets = [s for s in pool.slots if s.state in (UP, BACK)]
+        self.broadcast(len(targets))
+        pool.hold()
+        paused: list[Slot] = []
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(targets))) as exe:
+                for slot, err in zip(targets, exe.map(self._pause, targets), strict=True):
+                    if err is None:
+                        paused.append(slot)
+                    else:
+                        pool.mark_out(slot, f"pause failed: {err}")
+            t_pause = time.perf_counter()
+            done = 0
+            for slot in targets:
+                passes = getattr(self.source, "passes", 0)
+                try:
+                    self._send_one(slot, version)
+                    pool.mark_synced(slot, str(version))
+                    done += 1
+                    continue
+                except Exception as e:  # the server's side failed: it must not serve mixed weights
+                    self.failures += 1
+                    log.error("weight sync to %s failed (%s: %s); it is out of the pool until a later sync "
+                              "gives it the whole weights", slot.url, type(e).__name__,
+                              str(e).splitlines()[0] if str(e) else "")
+                    pool.mark_out(slot, f"weight sync failed: {e}")
+                if self.multi_rank:  # the other ranks' gathers of this pass must still run
+                    self.source.finish_pass(started=getattr(self.source, "passes", 0) > passes)
+            t_send = time.perf_counter()
+        finally:
+            for slot in paused:
+                try:
+                    slot.client.resume()
+                except ServerFault as e:
+                    pool.mark_out(slot, f"resume failed: {e}")
+            pool.release()
+            if self.multi_rank:
+                self.broadcast([s.url for s in pool.usable()])
+        if not pool.usable():
+            raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights "
+                            f"({', '.join(s.url + ' ' + s.state for s in pool.slots)}); not training on "
+                            "old ones")
+        self.version = version
+        self.history.append(version)
+        mb = self.source.total_bytes() / 2**20 if hasattr(self.source, "total_bytes") else float("nan")
+        send_s = t_send - t_pause
+        self.last = {"sync/time_s": time.perf_counter() - t0, "sync/send_s": send_s, "sync/mb": mb * done,
+                     "sync/mb_per_s": mb * done / send_s if send_s > 0 else float("nan"),
+                     "sync/servers": float(done)}
+        return dict(self.last)
+
+    @staticmethod
+    def _pause(slot: Slot) -> Exception | None:
+        if slot.state != UP:
+            return None  # a server coming back has nothing in flight
+        try:
+            slot.client.pause("keep")
+            return None
+        except ServerFault as e:
+            return e
+
+    def floor(self, max_staleness: int) -> int:
+        """The oldest version a sample may be taken under when at most ``max_staleness`` syncs are missing."""
+        if not self.history:
+            return 0
+        return self.history[max(0, len(self.history) - 1 - max_staleness)]
+
+    def close(self) -> None:
+        for s in self.pool.slots:
+            if s.transfer is not None:
+                try:
+                    s.transfer.shutdown()
+                except Exception:  # noqa: BLE001 (closing: nothing left to protect)
+                    pass
+                s.transfer = None
+
+
+def server_versions(pool: ServerPool) -> dict[str, Any]:
+    """Each server's weight version as it reports it (``GET /weight_info``), None when it does not answer."""
+    out: dict[str, Any] = {}
+    for s in pool.slots:
+        try:
+            out[s.url] = s.client.weight_version()
+        except ServerFault:
+            out[s.url] = None
+    return out

