@@ -79,7 +79,9 @@ def test_resume_with_vllm_is_exact(tmp_path, demo_shape):
 
 def test_split_mode_with_a_vllm_worker(tmp_path, demo_shape):
     """Server + one `nanogrpo rollout ... rollout.engine=vllm` worker + trainer (real processes): the
-    worker loads each published policy in place and its batches ask for the clipped ratio."""
+    worker loads each published policy in place and its batches ask for the clipped ratio. A staleness
+    bound of 1: a worker that ran ahead on version 0 (it can, while the trainer starts) sees those
+    batches dropped from step 3 on, so later steps train on batches from relayed weights."""
     import httpx
 
     from tests.test_serve_e2e import AUTH, _server, _spawn, _stop
@@ -92,7 +94,7 @@ def test_split_mode_with_a_vllm_worker(tmp_path, demo_shape):
           "rollout.engine=vllm", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8",
           "grpo.group_size=4", "grpo.beta=0.04", 'rewards.functions=["tests.reward_fixtures:length"]',
           "rewards.workers=0", "train.micro_batch_size=8", "train.save_every=0", "train.steps=6",
-          f"train.out={out}", "train.lr=1e-3", "server.max_staleness=6", "server.publish_every=1",
+          f"train.out={out}", "train.lr=1e-3", "server.max_staleness=1", "server.publish_every=1",
           "server.retry_for_s=300", "server.timeout_s=30", "eval.every=3", "eval.n=4"]
     server = _server(port, tmp_path, ov, tmp_path / "server.log")
     worker = _spawn(["rollout", "--server", url, "--worker-id", "v1", *ov], tmp_path / "worker.log")
