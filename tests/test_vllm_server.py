@@ -230,6 +230,23 @@ def test_multi_turn_sessions_run_on_the_servers(servers):
     session.close()
 
 
+def _wait_busy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until the server at ``url`` runs a request (vLLM's ``vllm:num_requests_running`` gauge), so that
+    a kill lands mid-rollout and not between two steps' rollouts, where nothing would be retried."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the server could be killed mid-rollout"
+        text = httpx.get(url + "/metrics", timeout=5).text
+        running = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("vllm:num_requests_running"))
+        if running > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{url} ran no request for {timeout:.0f} s")
+
+
 def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
     out = tmp_path / "run"
     steps = 80  # long enough for the killed server to restart (30-60 s) and be taken back while it runs
@@ -239,6 +256,7 @@ def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.5)
+    _wait_busy(servers.urls[1], proc)  # mid-rollout: requests in flight there, to be retried elsewhere
     servers.kill(1)
     killed_at = len(_rows(out))
     servers.restart(1)
