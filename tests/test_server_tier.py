@@ -10,6 +10,7 @@ against real ``vllm serve`` processes.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -235,3 +236,33 @@ def test_config_accepts_the_server_tier():
     cfg = Config.load(None, ["rollout.engine=vllm_server", 'rollout.servers=["http://127.0.0.1:8100"]',
                              "rollout.max_staleness=2", "vllm_server.transfer=nccl"])
     assert cfg.rollout.max_staleness == 2 and cfg.vllm_server.transfer == "nccl"
+
+
+def test_a_server_gone_before_the_syncs_probe_is_taken_out_not_fatal(two):
+    """The probe after a sync asks each server directly (not through the pool's retries): a server that
+    died since its sync is taken out (and synced again once back), the others are still probed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.training.pipeline import ServerTier
+
+    a, b = two
+    eng = engine_over(a, b)
+    stop(b)
+
+    class Module(torch.nn.Module):  # uniform over 32 tokens: each log-prob -log(32), the server's -0.5
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids):
+            return SimpleNamespace(logits=torch.zeros(1, ids.shape[1], 32) + self.w)
+
+    tier = ServerTier.__new__(ServerTier)
+    tier.engine, tier.probe_ids = eng, [1, 2, 3]
+    tier.backend = SimpleNamespace(rank=0, world_size=1, module=Module())
+    diff = tier.probe(new_tokens=4)
+    assert [s.state for s in eng.pool.slots] == [UP, OUT] and eng.pool.taken_out == 1
+    assert diff == pytest.approx(math.log(32) - 0.5)  # the live server was still probed

@@ -88,6 +88,7 @@ class ServerTier:
         (T=1, fixed seed: both log-prob modes then report ``log_softmax(logits)``) and return the largest
         difference between its log-probs and this trainer's forward of the same tokens (rank 0's)."""
         from nanogrpo.rollout.engine import SamplingParams
+        from nanogrpo.rollout.vllm_server.http import ServerDown
 
         worst = 0.0
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=1234)
@@ -100,9 +101,14 @@ class ServerTier:
             for i in range(n):
                 got = None
                 if self.backend.rank == 0:
-                    got = self.engine.sample_on_server(slots[i], self.probe_ids, params)
+                    try:
+                        got = self.engine.sample_on_server(slots[i], self.probe_ids, params)
+                    except ServerDown as e:  # died since its sync: out, and synced again once back
+                        self.engine.pool.mark_out(slots[i], e)
                 if self.backend.world_size > 1:
                     got = _broadcaster()(got)
+                if got is None:
+                    continue
                 ids, lps = got
                 dev = next(module.parameters()).device
                 full = torch.tensor([self.probe_ids + ids], device=dev)
