@@ -179,5 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> int:
+    """The ``nanogrpo`` command: :func:`main`, then the process's end. A weight-transfer group dropped
+    for a dead vLLM server may still be tearing down (up to its timeout, in C++): the process then ends
+    with ``os._exit`` once its output is flushed, since a normal exit would abort in that teardown."""
+    rc = main()
+    gloo = sys.modules.get("nanogrpo.transfer.gloo")  # loaded only by the server tier's gloo transfer
+    if gloo is not None and gloo.groups_still_ending():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    return rc
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run())

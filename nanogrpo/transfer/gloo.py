@@ -189,7 +189,24 @@ def _abort(group) -> None:
         except RuntimeError:
             pass
 
-    threading.Thread(target=end, name="nanogrpo-gloo-abort", daemon=True).start()
+    t = threading.Thread(target=end, name="nanogrpo-gloo-abort", daemon=True)
+    t.start()
+    _ENDING.append(t)
+
+
+_ENDING: list[threading.Thread] = []
+"""The teardowns :func:`_abort` started (one per dropped group) and not yet seen to end."""
+
+
+def groups_still_ending(wait_s: float = 5.0) -> int:
+    """How many dropped groups are still tearing down after waiting up to ``wait_s`` seconds for them. A
+    group whose peer died can take its whole timeout; a process that exits meanwhile is aborted by the C++
+    runtime ("terminate called without an active exception"), so the CLI then ends with ``os._exit``."""
+    deadline = time.monotonic() + wait_s
+    for t in list(_ENDING):
+        t.join(max(0.0, deadline - time.monotonic()))
+    _ENDING[:] = [t for t in _ENDING if t.is_alive()]
+    return len(_ENDING)
 
 
 # ------------------------------------------------------------------ the trainer side
