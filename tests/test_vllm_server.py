@@ -76,7 +76,17 @@ class Servers:
         return wait_healthy(self.urls[i], self.procs[i], log=self.tmp / f"server{i}.log")
 
     def kill(self, i: int) -> None:
+        """SIGKILL the server and its engine processes (vLLM's EngineCore outlives a killed API server,
+        busy, as an orphan): the whole server gone, as when its machine fails."""
+        import psutil
+
+        kids = psutil.Process(self.procs[i].pid).children(recursive=True)
         self.procs[i].send_signal(signal.SIGKILL)
+        for k in kids:
+            try:
+                k.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.procs[i].wait()
 
     def restart(self, i: int) -> None:
