@@ -104,13 +104,11 @@ def cmd_train(a: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
             print(f"run directory: {run.root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # A launched rank whose run is done (files written and closed, every rank past the final
-        # barrier). Leave without interpreter teardown: tearing down gloo's process group aborted
-        # the process now and then (SIGABRT, "terminate called without an active exception", no
-        # Python frame), or deadlocked when destroyed early, failing a finished run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # A launched rank whose run is done (files written and closed): leave without interpreter
+        # teardown, which aborted or deadlocked in gloo's process group now and then.
+        from nanogrpo.training.distributed import leave_launched_rank
+
+        leave_launched_rank(0)
     return 0
 
 

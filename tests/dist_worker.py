@@ -68,7 +68,7 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(int(os.environ["NANOGRPO_HANG_DUMP"]), exit=True)
-    from nanogrpo.training.distributed import close_distributed, init_distributed, make_backend
+    from nanogrpo.training.distributed import init_distributed, leave_launched_rank, make_backend
     from nanogrpo.training.step import policy_update
 
     cfg = make_cfg(a.backend, a.stage)
@@ -90,7 +90,7 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({"loss": res.loss, "grad_norm": res.grad_norm,
                                                      "skipped": res.skipped_nonfinite, "world": world,
                                                      "metrics": res.metrics}))
-    close_distributed()
+    leave_launched_rank(0)  # as the CLI ends a launched rank: gloo's teardown at exit can abort
 
 
 if __name__ == "__main__":

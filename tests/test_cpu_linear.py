@@ -204,7 +204,8 @@ timed = []
 cpu_linear.onednn_faster = lambda rows, *a: timed.append(rows) or rank == 1  # the ranks' timings disagree
 decided = cpu_linear.settle("auto", torch.nn.Sequential(torch.nn.Linear(8, 8)))
 print(json.dumps({"decided": decided, "timed": timed}))
-dist.destroy_process_group()
+from nanogrpo.training.distributed import leave_launched_rank
+leave_launched_rank(0)
 """
 
 

@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--backend", required=True)
     ap.add_argument("--out", required=True)
     a, _ = ap.parse_known_args()
-    from nanogrpo.training.distributed import close_distributed, init_distributed, make_backend
+    from nanogrpo.training.distributed import init_distributed, leave_launched_rank, make_backend
     from nanogrpo.training.step import policy_update
 
     cfg = make_cfg(a.backend)
@@ -90,7 +90,7 @@ def main() -> None:
         save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(out / "weights.safetensors"))
         (out / "result.json").write_text(json.dumps({"loss": res.loss, "grad_norm": res.grad_norm,
                                                      "skipped": res.skipped_nonfinite, "world": world}))
-    close_distributed()
+    leave_launched_rank(0)  # as the CLI ends a launched rank: gloo's teardown at exit can abort
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,16 @@ def init_distributed(backend: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def close_distributed() -> None:
+def leave_launched_rank(rc: int = 0) -> None:
+    """End a launched rank whose work is done: every rank past one last barrier, output flushed, then
+    ``os._exit`` without interpreter teardown. Tearing down gloo's process group at exit aborted the
+    process now and then (SIGABRT, "terminate called without an active exception", no Python frame,
+    even after a barrier: CI, under load), or deadlocked when destroyed while DDP's reducer held it."""
     if dist.is_initialized():
-        dist.barrier()  # without it gloo sometimes aborts at exit (DESIGN §8)
-        dist.destroy_process_group()
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 class Backend:
