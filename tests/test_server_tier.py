@@ -266,3 +266,67 @@ def test_a_server_gone_before_the_syncs_probe_is_taken_out_not_fatal(two):
     diff = tier.probe(new_tokens=4)
     assert [s.state for s in eng.pool.slots] == [UP, OUT] and eng.pool.taken_out == 1
     assert diff == pytest.approx(math.log(32) - 0.5)  # the live server was still probed
+
+
+_TWO_RANK_PIPELINE = """
+import json, sys, time
+import torch.distributed as dist
+from nanogrpo.training.distributed import Backend, leave_launched_rank
+from nanogrpo.training.pipeline import Made, Pipeline, fresh_everywhere, producer_reduce, staleness
+import torch
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+be = Backend(torch.nn.Linear(2, 2))
+reduce = producer_reduce()
+def make(step):  # a producer's batch-wide sums (advantages, refills), as rollout() makes them
+    sums = []
+    for i in range(5):
+        sums.append(reduce([float(rank + 1), float(step * 10 + i)]))
+        time.sleep(0.002 * (rank + 1))
+    return Made(step, None, {}, {"sums": sums}, versions=[(step - 1 - rank, step - 1)] * (rank + 1))
+pipe = Pipeline(make, 1, 6, k=2)
+out = []
+try:
+    for step in range(1, 7):
+        made, _ = pipe.get(step)
+        for _ in range(20):  # the update's collectives, meanwhile, on the trainer thread
+            be.all_reduce([1.0, float(rank)], ["sum", "max"])
+        now = step - 1
+        fresh = fresh_everywhere(min(lo for lo, _ in made.versions) == now, be)
+        out.append({"sums": made.sampler_state["sums"], "fresh": fresh,
+                    "staleness": staleness(made.versions, now, be.all_reduce)})
+        pipe.trained(step)
+finally:
+    pipe.close()
+print(json.dumps(out))
+leave_launched_rank(0)
+"""
+
+
+@pytest.mark.slow  # two processes: ~5 s
+def test_two_ranks_producers_reduce_beside_the_trainers_collectives():
+    """Under torchrun each rank runs a producer: its batch-wide sums go over a gloo group of its own while
+    the trainer threads run the update's collectives (no interleaving, no deadlock); the ranks agree on
+    freshness and the staleness figures are over both ranks' samples."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANK_PIPELINE, str(r), str(port)], env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-1500:] for _, e in outs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert got[0] == got[1]  # every rank ends with the same figures
+    for step, row in enumerate(got[0], start=1):
+        assert row["sums"] == [[3.0, 2.0 * (step * 10 + i)] for i in range(5)]
+        assert row["fresh"] is False  # rank 1's samples are a version behind
+        # rank 0: one sample 0 behind; rank 1: two samples 1 behind, spanning two versions
+        assert row["staleness"] == {"staleness/min": 0.0, "staleness/mean": pytest.approx(2 / 3),
+                                    "staleness/max": 1.0, "staleness/spanning": 2.0}

@@ -25,12 +25,19 @@ producer held by the staleness bound: the servers waiting for weights).
 
 The producer owns the prompt sampler; each batch carries the sampler's state after it was drawn, and a
 checkpoint saves *that* state: a resumed run regenerates exactly the batches not yet trained (none lost,
-none trained twice). One trainer process (several ranks: ``max_staleness = 0``).
+none trained twice).
+
+Several trainer ranks (torchrun DDP / FSDP2): each rank runs its own producer for its share of every
+step's prompts (rows ``rank::world`` of the same global stream, as the on-policy loop). The producers'
+batch-level sums (advantages over the whole batch, dynamic sampling's refills) go through a gloo group of
+their own (:func:`producer_reduce`), so that they never interleave with the update's collectives on the
+trainer threads; the trainers agree on whether a step is fresh and merge the staleness figures.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -135,32 +142,63 @@ def _broadcaster() -> Callable[[Any], Any]:
     return broadcast
 
 
-def staleness(versions: list[tuple[int, int]], now: int) -> dict[str, float]:
-    """``staleness/min|mean|max``: how many policy versions each sample's oldest token is behind ``now``."""
-    if not versions:
-        return {}
+def staleness(versions: list[tuple[int, int]], now: int, all_reduce=None) -> dict[str, float]:
+    """``staleness/min|mean|max``: how many policy versions each sample's oldest token is behind ``now``;
+    ``staleness/spanning``: samples whose tokens span versions. ``all_reduce`` (several ranks: the
+    backend's, called on every rank): over every rank's samples."""
     lag = [now - lo for lo, _ in versions]
-    return {"staleness/min": float(min(lag)), "staleness/mean": sum(lag) / len(lag),
-            "staleness/max": float(max(lag)),
-            "staleness/spanning": float(sum(lo != hi for lo, hi in versions))}
+    figures = [float(len(lag)), float(sum(lag)), float(min(lag, default=math.inf)),
+               float(max(lag, default=-math.inf)), float(sum(lo != hi for lo, hi in versions))]
+    if all_reduce is not None:
+        figures = all_reduce(figures, ["sum", "sum", "min", "max", "sum"])
+    n, total, low, high, spanning = figures
+    if not n:
+        return {}
+    return {"staleness/min": low, "staleness/mean": total / n, "staleness/max": high,
+            "staleness/spanning": spanning}
+
+
+def fresh_everywhere(fresh: bool, backend) -> bool:
+    """Whether every rank's share of the step was sampled under the current weights (each rank then takes
+    the same path through the update, whose forwards may be collectives)."""
+    if backend.world_size == 1:
+        return fresh
+    return bool(backend.all_reduce([float(fresh)], ["min"])[0])
+
+
+def producer_reduce() -> Callable[[list[float]], list[float]]:
+    """Several ranks, called on every rank in the same order (a new process group): the producers' sums
+    over the ranks, on a gloo group of their own, beside the trainer threads' collectives."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+
+    def reduce(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    return reduce
 
 
 # ------------------------------------------------------------------ the producer
 
 
-def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env) -> Made:
-    """Step ``step``'s batch, in the producer thread: prompts drawn, sampled on the servers, scored (what
-    :func:`~nanogrpo.training.trainer.train_step` does before its update; one trainer process). The
-    model is not touched here: the trainer is updating it."""
+def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env, rank: int = 0, world: int = 1,
+            reduce: Callable[[list[float]], list[float]] | None = None) -> Made:
+    """Step ``step``'s batch (this rank's share: rows ``rank::world``), in the producer thread: prompts
+    drawn, sampled on the servers, scored (what :func:`~nanogrpo.training.trainer.train_step` does before
+    its update). ``reduce``: several ranks, :func:`producer_reduce`'s. The model is not touched here: the
+    trainer is updating it."""
     from nanogrpo.rollout.collect import rollout
 
     t0 = time.perf_counter()
-    rows = sampler.next_batch()
+    rows = sampler.next_batch()[rank::world]
     with engine.recording() as versions:
         batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
-                                template=cfg.model.chat_template, seed=step_seed(cfg.train.seed, step),
-                                policy_version=engine.max_version, tools=tools, env=env,
-                                more=lambda n: sampler.next_batch(n))
+                                template=cfg.model.chat_template, seed=step_seed(cfg.train.seed, step) + rank,
+                                policy_version=engine.max_version, tools=tools, env=env, reduce=reduce,
+                                more=lambda n: sampler.next_batch(n)[rank::world])
     if batch is not None and versions:
         batch.policy_version = min(lo for lo, _ in versions)
         batch.meta["versions"] = [min(lo for lo, _ in versions), max(hi for _, hi in versions)]
@@ -169,10 +207,11 @@ def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env) -> Made:
     return Made(step, batch, roll, sampler.state_dict(), list(versions))
 
 
-def consume(cfg, made: Made, ref, device):
+def consume(cfg, made: Made, ref, device, backend=None):
     """The trainer's side of a produced batch: on its device, with the reference log-probs (computed here,
     in the trainer's thread: a LoRA reference is the policy itself with its adapters off), as the
-    :class:`~nanogrpo.training.schedule.Pending` that ``train_step`` continues from."""
+    :class:`~nanogrpo.training.schedule.Pending` that ``train_step`` continues from. Several ranks: every
+    rank calls it (the mini-batch count is agreed; a rank without rows still joins the update)."""
     from nanogrpo.training.schedule import Pending, Schedule, mini_batch_count
     from nanogrpo.training.step import reference_logprobs
 
@@ -183,8 +222,9 @@ def consume(cfg, made: Made, ref, device):
             batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train, cfg.train.share_prefix,
                                                     temperature=cfg.rollout.logprob_temperature(),
                                                     support=cfg.rollout.logprob_support())
-    sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, None)) \
-        if batch is not None else None
+    several = backend is not None and backend.world_size > 1
+    sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, backend)) \
+        if batch is not None or several else None
     return Pending(made.step, sched, batch, made.roll)
 
 

@@ -35,7 +35,16 @@ from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint, load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary
 from nanogrpo.training.metrics import merge_rank_metrics
-from nanogrpo.training.pipeline import Pipeline, ServerTier, consume, produce, staleness, step_seed
+from nanogrpo.training.pipeline import (
+    Pipeline,
+    ServerTier,
+    consume,
+    fresh_everywhere,
+    produce,
+    producer_reduce,
+    staleness,
+    step_seed,
+)
 from nanogrpo.training.schedule import (
     Pending,
     Schedule,
@@ -252,10 +261,10 @@ def train(run: PreparedRun) -> Path:
                desc="nanogrpo", dynamic_ncols=True, disable=not backend.is_main)
     pipe = None
     if tier is not None and cfg.rollout.max_staleness:
-        if backend.world_size > 1:
-            raise ConfigError("rollout.max_staleness > 0 runs with one trainer process; with several ranks "
-                              "use rollout.max_staleness=0")
-        pipe = Pipeline(lambda s: produce(cfg, s, tok, engine, sampler, run.rewards, run.tools, run.env),
+        rank, world = backend.rank, backend.world_size
+        reduce = producer_reduce() if world > 1 else None
+        pipe = Pipeline(lambda s: produce(cfg, s, tok, engine, sampler, run.rewards, run.tools, run.env,
+                                          rank=rank, world=world, reduce=reduce),
                         start_step + 1, cfg.train.steps, cfg.rollout.max_staleness)
     try:
         for step in bar:
@@ -265,9 +274,9 @@ def train(run: PreparedRun) -> Path:
             versions: list = []
             if pipe is not None:
                 made, waited = pipe.get(step)
-                resume = consume(cfg, made, ref, device)
+                resume = consume(cfg, made, ref, device, backend)
                 sampler_state, versions = made.sampler_state, made.versions
-                fresh = bool(versions) and min(lo for lo, _ in versions) == version
+                fresh = fresh_everywhere(not versions or min(lo for lo, _ in versions) == version, backend)
                 extra = {"pipeline/trainer_wait_s": waited,
                          "pipeline/producer_wait_s": pipe.take_producer_wait()}
             with engine.recording() if pipe is None and tier is not None else nullcontext([]) as rec:
@@ -277,7 +286,8 @@ def train(run: PreparedRun) -> Path:
                                  on_update=save_mid_batch if cfg.train.save_every_updates else None)
             row.update(extra)
             if tier is not None:
-                row.update(staleness(versions or rec, version))
+                row.update(staleness(versions or rec, version,
+                                     backend.all_reduce if backend.world_size > 1 else None))
             version += row.pop("_updates")
             if tier is not None:
                 row.update(tier.sync(version) if version != tier.sync_driver.version else {})
