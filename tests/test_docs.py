@@ -191,6 +191,7 @@ def test_shell_commands_are_parsed_as_a_shell_would():
 
 @pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
                     reason="mkdocs not installed (pip install -e '.[docs]'); .ci/run builds the site")
+@pytest.mark.slow  # ~2.5 s; .ci/run builds the site strict as well
 def test_the_site_builds_strict(tmp_path):
     build = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
     r = subprocess.run(build,

@@ -190,7 +190,7 @@ def cache(monkeypatch, tmp_path):
 def hub(cache):
     """A local stand-in for the hub: its address, and the answers it gives per repo."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     _Hub.ANSWERS = {}
     yield f"http://127.0.0.1:{srv.server_address[1]}", _Hub.ANSWERS
     srv.shutdown()

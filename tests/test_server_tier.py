@@ -62,7 +62,7 @@ class Fake(BaseHTTPRequestHandler):
 def serve(port: int = 0, version: str = "3", delay: float = 0.0):
     srv = ThreadingHTTPServer(("127.0.0.1", port), Fake)
     srv.hits, srv.version, srv.delay, srv.huge = 0, version, delay, False
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return srv
 
 
@@ -144,6 +144,7 @@ def test_a_sample_outside_the_version_window_takes_its_server_out(two):
     g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=2, n=6, seed=0))
     assert len(g.completion_ids) == 6 and {s.url: s.state for s in eng.pool.slots}[url(a)] == OUT
     b.version = "1"  # older than the window [3, 3]: no server left
+    eng.pool.wait_s = 0.3
     with pytest.raises(NoServer):
         eng.generate([[1]], SamplingParams(max_new_tokens=2, n=1, seed=0))
 
@@ -168,7 +169,7 @@ def test_answers_are_read_with_a_cap(two):
 
 def test_no_server_at_all_is_one_line():
     srv = serve()
-    eng = engine_over(srv, wait_s=1.0)
+    eng = engine_over(srv, wait_s=0.3)
     stop(srv)
     with pytest.raises(NoServer, match="no vLLM server|tries"):
         eng.generate([[1]], SamplingParams(max_new_tokens=2, n=1, seed=0))

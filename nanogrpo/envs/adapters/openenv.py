@@ -99,9 +99,9 @@ class OpenEnvEnv(Environment):
 
 def load(rest: str, kwargs: dict):
     """The factory for ``openenv:URL`` (``http://host:port``)."""
-    require("openenv.core", "openenv-core", "env.source 'openenv:...'")
-    if not rest.startswith(("http://", "https://", "ws://", "wss://")):
+    if not rest.startswith(("http://", "https://", "ws://", "wss://")):  # said before a 2 s import
         raise ConfigError(f"env.source 'openenv:{rest}': expected a URL, e.g. openenv:http://127.0.0.1:8000")
+    require("openenv.core", "openenv-core", "env.source 'openenv:...'")
     kw = dict(kwargs)
     field = kw.pop("action_field", None) or action_field(rest.replace("ws", "http", 1)
                                                           if rest.startswith("ws") else rest)
