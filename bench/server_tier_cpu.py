@@ -75,19 +75,25 @@ def _stop(procs) -> None:
         p.wait(timeout=60)
 
 
-def bench_sync(shape: str, repeats: int) -> None:
+def bench_sync(shape: str, repeats: int, parts: str = "tier,relay") -> None:
     from transformers import AutoModelForCausalLM
-
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
-    from nanogrpo.serve.client import ServerClient as RelayClient
-    from nanogrpo.serve.weights import WeightLayout
 
     tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-tier-"))
     model_dir = _model_dir(shape, tmp)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if "tier" in parts.split(","):
+        _bench_tier(shape, repeats, model, model_dir, tmp)
+    if "relay" in parts.split(","):
+        _bench_relay(shape, repeats, model, model_dir)
+
+
+def _bench_tier(shape: str, repeats: int, model, model_dir: str, tmp: Path) -> None:
+    """Weight syncs to two ``vllm serve`` processes (the vLLM environment)."""
+    from nanogrpo.rollout.vllm_server import state_source
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.rollout.vllm_server.pool import ServerPool
+    from nanogrpo.rollout.vllm_server.sync import WeightSync
+
     urls, procs, _, up = _servers(model_dir, tmp)
     try:
         sync = WeightSync(ServerPool([ServerClient(u) for u in urls]), state_source(model, torch.float32))
@@ -107,7 +113,14 @@ def bench_sync(shape: str, repeats: int) -> None:
               flush=True)
     finally:
         _stop(procs)
-    # the HTTP relay of split mode on the same model
+
+
+def _bench_relay(shape: str, repeats: int, model, model_dir: str) -> None:
+    """The HTTP relay of split mode on the same model: a publish, then two workers fetching at once; the
+    relay's peak memory beside the bytes it moved."""
+    from nanogrpo.serve.client import ServerClient as RelayClient
+    from nanogrpo.serve.weights import WeightLayout
+
     port = _port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     relay = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", "serve", "--port", str(port),
@@ -134,10 +147,17 @@ def bench_sync(shape: str, repeats: int) -> None:
         print(json.dumps({"bench": "http_relay", "shape": shape, "workers": 2,
                           "mb_published": round(nbytes, 1),
                           "relay_s_median": round(med, 3), "mb_per_s": round(2 * nbytes / med, 1),
-                          "repeats": repeats}), flush=True)
+                          "relay_peak_rss_mb": round(_peak_mb(relay.pid)), "repeats": repeats}), flush=True)
     finally:
         relay.terminate()
         relay.wait(timeout=60)
+
+
+def _peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def bench_staleness(steps: int, ks: list[int]) -> None:
@@ -179,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sync")
     s.add_argument("--shape", default="demo", help="demo, or a shape of nanogrpo.models.tiny (qwen2.5-0.5b)")
     s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--parts", default="tier,relay", help="tier (vLLM servers), relay (nanogrpo serve)")
     k = sub.add_parser("staleness")
     k.add_argument("--steps", type=int, default=40)
     k.add_argument("--ks", default="0,1,2")
     a = ap.parse_args(argv)
     if a.what == "sync":
-        bench_sync(a.shape, a.repeats)
+        bench_sync(a.shape, a.repeats, a.parts)
     else:
         bench_staleness(a.steps, [int(x) for x in a.ks.split(",")])
     return 0

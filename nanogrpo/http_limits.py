@@ -88,11 +88,12 @@ class BodyError(NanoGRPOError):
         self.url, self.cap = url, cap
 
 
-def request(client: Any, method: str, url: str, *, cap: int, **kw: Any) -> Any:
+def request(client: Any, method: str, url: str, *, cap: int, sink: Any = None, **kw: Any) -> Any:
     """``client.request(method, url, **kw)`` with its body read under ``cap`` (module docstring): a
-    response like the client's own, its body in ``.content``. Raises :class:`BodyError`."""
+    response like the client's own, its body in ``.content``. Raises :class:`BodyError`. ``sink`` (a
+    binary file): a 2xx body is written there as it arrives, not kept (``.content`` is then empty)."""
     with client.stream(method, url, headers=_identity(kw.pop("headers", None)), **kw) as resp:
-        return _with_body(resp, read_capped(resp, cap))
+        return _with_body(resp, read_capped(resp, cap, sink))
 
 
 async def arequest(client: Any, method: str, url: str, *, cap: int, **kw: Any) -> Any:
@@ -101,10 +102,11 @@ async def arequest(client: Any, method: str, url: str, *, cap: int, **kw: Any) -
         return _with_body(resp, await aread_capped(resp, cap))
 
 
-def read_capped(resp: Any, cap: int) -> bytes:
+def read_capped(resp: Any, cap: int, sink: Any = None) -> bytes:
     """The body of a response opened streaming, at most ``cap`` bytes of it when it is 2xx (else cut at
-    :data:`ERROR_BODY`); raises :class:`BodyError` and closes ``resp`` past the cap."""
-    body = _Body(resp, cap)
+    :data:`ERROR_BODY`); raises :class:`BodyError` and closes ``resp`` past the cap. ``sink``: as
+    :func:`request`'s."""
+    body = _Body(resp, cap, sink)
     try:
         if body.declared_too_large():
             body.over()
@@ -161,11 +163,12 @@ def _with_body(resp: Any, data: bytes) -> Any:
 class _Body:
     """One body being read: the bytes so far, the decoder of a compressed one, the cap that applies."""
 
-    def __init__(self, resp: Any, cap: int):
+    def __init__(self, resp: Any, cap: int, sink: Any = None):
         if cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
         self.url = str(resp.request.url) if _has_request(resp) else "the server"
         self.ok = 200 <= resp.status_code < 300
+        self.sink = sink if self.ok else None
         self.cap = cap if self.ok else ERROR_BODY
         self.declared = resp.headers.get("content-length", "")
         self.parts: list[bytes] = []
@@ -231,7 +234,10 @@ class _Body:
             self.cut = True
             return True
         if data:
-            self.parts.append(data)
+            if self.sink is not None:
+                self.sink.write(data)
+            else:
+                self.parts.append(data)
             self.size += len(data)
         return False
 

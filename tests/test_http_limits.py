@@ -53,6 +53,22 @@ def test_an_async_client_stops_at_the_cap_too() -> None:
         assert srv.answers_to("/x")[0].client_left
 
 
+def test_a_sink_takes_the_body_to_a_file_under_the_same_cap(tmp_path) -> None:
+    """``sink``: a 2xx body goes to the file as it arrives, not into memory; the cap still ends an endless
+    one (the file holds no more than the cap); an error answer is read as text, not written."""
+    with EndlessServer({"/x": endless(), "/ok": json_answer({"a": 1}),
+                        "/no": json_answer({"e": 1}, status=500)}) as srv, httpx.Client() as c:
+        with open(tmp_path / "ok", "wb") as f:
+            r = http_limits.request(c, "GET", srv.url + "/ok", cap=MiB, sink=f)
+        assert r.content == b"" and (tmp_path / "ok").read_bytes() == b'{"a": 1}'
+        with PeakMemory() as mem, open(tmp_path / "x", "wb") as f, pytest.raises(http_limits.BodyError):
+            http_limits.request(c, "GET", srv.url + "/x", cap=8 * MiB, sink=f)
+        assert (tmp_path / "x").stat().st_size <= 8 * MiB and mem.growth_mb < 1 + SLACK_MB, mem.growth_mb
+        with open(tmp_path / "no", "wb") as f:
+            r = http_limits.request(c, "GET", srv.url + "/no", cap=MiB, sink=f)
+        assert r.status_code == 500 and r.json() == {"e": 1} and (tmp_path / "no").read_bytes() == b""
+
+
 def test_a_declared_length_over_the_cap_is_refused_before_the_body_is_read() -> None:
     with EndlessServer({"/x": endless("length")}) as srv, httpx.Client() as c:
         with pytest.raises(http_limits.BodyError, match=f"reply over {MiB} bytes"):

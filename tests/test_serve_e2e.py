@@ -404,3 +404,54 @@ def test_sharded_trainers_behind_the_server(tmp_path, tiny_dir, backend):
     assert all(len(r["batch_ids"]) == 2 and r["loss"] is not None for r in rows)
     assert stats["weights_version"] == 3                       # published by rank 0 from gathered shards
     assert (out / "checkpoints" / "step_3" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- the weight relay's memory
+
+
+def _peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.slow  # ~15 s: 234 MB through the real server, twice
+def test_the_relay_streams_weights_through_disk_not_memory(tmp_path):
+    """Weights go through ``nanogrpo serve`` on disk: a 234 MB publish raises the server's peak memory by
+    a small part of it (the body is spooled as it arrives and sent from the file; before, +670 MB), and
+    each fetch gets the version just published, whole (tests/test_serve_weights.py: the files)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.weights import WeightLayout
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path / "model")  # the server reads the layout from the config (beta = 0)
+    with torch.device("meta"):
+        layout = WeightLayout.of_model(AutoModelForCausalLM.from_config(config))
+    port = free_port()
+    proc = start_server(port, tmp_path / "state.json", "--vocab-size", "32000", "grpo.beta=0",
+                        f"model.path={tmp_path / 'model'}", log=tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        peak0 = _peak_mb(proc.pid)
+        with ServerClient(url, TOKEN) as c:
+            for version in (1, 2):  # ~234 MB of float32 each
+                sd = {k: torch.full(shape, float(version)) for k, shape in layout.shapes.items()
+                      if k != "lm_head.weight"}
+                c.publish(version, sd)
+                got_version, got = c.fetch_weights(version - 1, layout)
+                assert got_version == version and got.keys() == sd.keys()
+                assert all(torch.equal(got[k], v) for k, v in sd.items())
+                del got, sd
+            stats = c.stats()
+        grew = _peak_mb(proc.pid) - peak0
+        print(f"server peak memory +{grew:.0f} MB")
+        assert grew < 64, f"server peak memory grew by {grew:.0f} MB for a 234 MB publish"
+        assert stats["weights_version"] == 2 and stats["weights_bytes"] > 200 << 20
+    finally:
+        _stop(proc)
+    assert "policy version 2 published" in (tmp_path / "server.log").read_text()

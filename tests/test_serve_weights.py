@@ -107,9 +107,18 @@ def _mutate(rng: random.Random, header: str, data: bytes) -> bytes:
 
 
 @pytest.mark.slow
-def test_fuzzed_headers_either_fail_the_check_or_load_into_the_model():
+def test_fuzzed_headers_either_fail_the_check_or_load_into_the_model(tmp_path):
     """Anything check_weights accepts, the real loader (safetensors) decodes and the model loads; anything
-    else is a WeightsError (one line), never another exception."""
+    else is a WeightsError (one line), never another exception. The check of a body on disk (what the
+    server runs on a spooled publish, a worker on a fetch) says the same of each."""
+    from nanogrpo.serve.weights import check_weights_file
+
+    def verdict(check, arg):
+        try:
+            return check(arg, layout)
+        except WeightsError as e:
+            return str(e)
+
     model = make_model("tiny", seed=0)
     layout = WeightLayout.of_model(model)
     header, data = _split(encode_state_dict(model.state_dict(), 1))
@@ -118,6 +127,8 @@ def test_fuzzed_headers_either_fail_the_check_or_load_into_the_model():
     target = make_model("tiny", seed=1)
     for _ in range(800):
         body = _mutate(rng, header, data)
+        (tmp_path / "body").write_bytes(body)
+        assert verdict(check_weights_file, tmp_path / "body") == verdict(check_weights, body)
         try:
             shapes = check_weights(body, layout)
         except WeightsError as e:
@@ -169,6 +180,38 @@ def test_a_publish_that_does_not_fit_the_model_is_refused_and_keeps_the_old_weig
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             await fn(c)
     asyncio.run(main())
+
+
+def test_the_relay_serves_from_one_file_and_a_fetch_under_way_keeps_its_version(tmp_path):
+    """Each publish is spooled to the relay's directory and replaces the served file (the one before
+    removed); a fetch that opened the file before a newer publish landed still reads its version whole;
+    closing the server removes the directory."""
+    from nanogrpo.serve.weights import WeightRelay, check_weights_file
+
+    relay = WeightRelay(directory=tmp_path)
+    bodies = {v: encode_state_dict({"w": torch.full((1000,), float(v))}, v) for v in (1, 2, 3)}
+    opened = {}
+    for v, body in bodies.items():
+        spooled = relay.spool_path()
+        spooled.write_bytes(body)
+        relay.accept(spooled, v, f"p{v}", check_weights_file(spooled))
+        opened[v] = relay.open()
+        assert [p.name for p in tmp_path.iterdir()] == [f"weights-{v}.safetensors"]
+        assert relay.size == len(body) and relay.version == v
+    for v, f in opened.items():  # the earlier files are gone from the directory, not from their readers
+        with f:
+            assert f.read() == bodies[v]
+    st = ServerState(Settings(vocab_size=VOCAB), TOKEN)
+    st.relay.accept(_spooled(st.relay, bodies[1]), 1, "p", {"w": (1000,)})
+    directory = st.relay.directory
+    st.close()
+    assert not directory.exists()
+
+
+def _spooled(relay, body: bytes):
+    path = relay.spool_path()
+    path.write_bytes(body)
+    return path
 
 
 def test_versions_move_forward_by_a_bounded_step_and_a_publisher_behind_is_told_loudly():

@@ -24,24 +24,30 @@ without end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import random
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
 from nanogrpo import http_limits
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import NanoGRPOError
 from nanogrpo.serve.auth import auth_headers
-from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights, weights_cap
+from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights, check_weights_file, weights_cap
 
 log = logging.getLogger("nanogrpo.serve.client")
 WEIGHTS_FORMAT = "nanogrpo.weights/1"
@@ -61,8 +67,8 @@ class ServerError(NanoGRPOError):
     """The server refused a request for good, or stayed away longer than the retry budget."""
 
 
-def encode_state_dict(state_dict: dict[str, torch.Tensor], version: int) -> bytes:
-    """Safetensors bytes of a state dict; tensors sharing storage (tied embeddings) are sent once."""
+def _publishable(state_dict: dict[str, torch.Tensor], version: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors to send (those sharing storage, tied embeddings, once; on the CPU) and the metadata."""
     seen: set[tuple[int, int]] = set()
     out: dict[str, torch.Tensor] = {}
     for k, v in state_dict.items():
@@ -70,21 +76,50 @@ def encode_state_dict(state_dict: dict[str, torch.Tensor], version: int) -> byte
         if key in seen:
             continue
         seen.add(key)
-        out[k] = v.detach().to("cpu", copy=True).contiguous()
-    meta = {"nanogrpo": json.dumps({"format": WEIGHTS_FORMAT, "version": version})}
-    return st_save(out, metadata=meta)
+        v = v.detach()
+        out[k] = v.contiguous() if v.device.type == "cpu" else v.to("cpu").contiguous()
+    return out, {"nanogrpo": json.dumps({"format": WEIGHTS_FORMAT, "version": version})}
+
+
+def encode_state_dict(state_dict: dict[str, torch.Tensor], version: int) -> bytes:
+    """Safetensors bytes of a state dict; tensors sharing storage (tied embeddings) are sent once."""
+    tensors, meta = _publishable(state_dict, version)
+    return st_save(tensors, metadata=meta)
+
+
+def write_state_dict(state_dict: dict[str, torch.Tensor], version: int, path) -> int:
+    """:func:`encode_state_dict` into the file ``path`` (a publish streams it from there: the body is
+    never a second copy of the weights in memory); returns its size."""
+    tensors, meta = _publishable(state_dict, version)
+    st_save_file(tensors, str(path), metadata=meta)
+    return os.path.getsize(path)
+
+
+class _FileBody:
+    """A request body read from a file in chunks, from its start at every attempt (retries resend it)."""
+
+    def __init__(self, path, chunk: int = 1 << 20):
+        self.path, self.chunk = path, chunk
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            while data := f.read(self.chunk):
+                yield data
 
 
 def decode_state_dict(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
-def load_published(data: bytes, layout: WeightLayout) -> dict[str, torch.Tensor]:
-    """Published weights as a state dict, after checking them in full against the receiver's model
-    (:func:`nanogrpo.serve.weights.check_weights`); raises :class:`~nanogrpo.serve.weights.WeightsError`
-    (or the decoder's error) before anything is loaded anywhere."""
-    check_weights(data, layout)
-    return st_load(data)
+def load_published(data, layout: WeightLayout) -> dict[str, torch.Tensor]:
+    """Published weights (bytes, or the path of a file holding them) as a state dict, after checking them
+    in full against the receiver's model (:func:`nanogrpo.serve.weights.check_weights`); raises
+    :class:`~nanogrpo.serve.weights.WeightsError` (or the decoder's error) before anything is loaded."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        check_weights(bytes(data), layout)
+        return st_load(bytes(data))
+    check_weights_file(data, layout)
+    return st_load_file(str(data))
 
 
 @dataclass
@@ -126,16 +161,18 @@ class ServerClient:
     def _request(self, method: str, path: str, what: str, *, ok: tuple[int, ...] = (200,),
                  timeout: float | None = None, cap: int = http_limits.SMALL,
                  too_large: str = "is the URL a nanogrpo server, no proxy between sending without end?",
-                 **kw) -> httpx.Response:
+                 into=None, **kw) -> httpx.Response:
         """One request, retried as the module docstring says; its answer read with at most ``cap``
-        bytes (past it: :class:`ServerError` saying ``too_large``, not retried)."""
+        bytes (past it: :class:`ServerError` saying ``too_large``, not retried). ``into``: a path a 2xx
+        answer's body is written to (from its start at every attempt), not kept in memory."""
         deadline = time.monotonic() + self.retry_for_s
         delay = self.backoff[0]
         away_since: float | None = None
         while True:
             try:
-                r = http_limits.request(self.http, method, path, cap=cap,
-                                        timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
+                with open(into, "wb") if into is not None else contextlib.nullcontext() as sink:
+                    r = http_limits.request(self.http, method, path, cap=cap, sink=sink,
+                                            timeout=timeout or httpx.USE_CLIENT_DEFAULT, **kw)
                 if r.status_code in ok:
                     if away_since is not None:
                         log.info("%s: server %s answered again after %.1f s", what, self.url,
@@ -210,11 +247,14 @@ class ServerClient:
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Publish weights as ``version``. A retry whose first attempt landed is a success; a server
         holding a newer version from someone else is a :class:`ServerError`."""
-        body = encode_state_dict(state_dict, version)
         pid = uuid.uuid4().hex
-        r = self._request("POST", "/weights", "publish weights", ok=(200, 409), content=body,
-                          headers={"X-Policy-Version": str(version), "X-Publish-Id": pid,
-                                   "Content-Type": "application/octet-stream"})
+        with tempfile.TemporaryDirectory(prefix="nanogrpo-publish-") as tmp:
+            path = Path(tmp) / "weights.safetensors"
+            size = write_state_dict(state_dict, version, path)
+            r = self._request("POST", "/weights", "publish weights", ok=(200, 409), content=_FileBody(path),
+                              headers={"X-Policy-Version": str(version), "X-Publish-Id": pid,
+                                       "Content-Type": "application/octet-stream",
+                                       "Content-Length": str(size)})
         if r.status_code == 409 and r.headers.get("x-publish-id") != pid:
             held = r.headers.get("x-policy-version", "?")
             raise ServerError(f"publish weights: server {self.url} holds policy version {held}, not "
@@ -229,13 +269,15 @@ class ServerClient:
         """The published weights when newer than version ``have`` (checked against ``layout``, the
         receiver's model, before they are decoded), else None. Invalid weights raise
         :class:`~nanogrpo.serve.weights.WeightsError` (or the decoder's error)."""
-        r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have},
-                          cap=weights_cap(layout),
-                          too_large="more than this worker's model can hold: does the trainer train the same "
-                                    "model (model.path)?")
-        if r.status_code == 204:
-            return None
-        version = r.headers.get("x-policy-version", "")
-        if not version.isascii() or not version.isdigit():
-            raise WeightsError(f"server {self.url} sent weights without a policy version")
-        return int(version), load_published(r.content, layout)
+        with tempfile.TemporaryDirectory(prefix="nanogrpo-fetch-") as tmp:
+            path = Path(tmp) / "weights.safetensors"  # the body goes to disk as it arrives, then is decoded
+            r = self._request("GET", "/weights", "fetch weights", ok=(200, 204), params={"have": have},
+                              cap=weights_cap(layout), into=path,
+                              too_large="more than this worker's model can hold: does the trainer train the "
+                                        "same model (model.path)?")
+            if r.status_code == 204:
+                return None
+            version = r.headers.get("x-policy-version", "")
+            if not version.isascii() or not version.isdigit():
+                raise WeightsError(f"server {self.url} sent weights without a policy version")
+            return int(version), load_published(path, layout)

@@ -29,20 +29,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import os
 import re
 import time
 import uuid
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.serve.queue import LEASE_RE, AckResult
 from nanogrpo.serve.state import Reject, ServerState
-from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights
+from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights_file
 
 OCTET = "application/octet-stream"
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -93,6 +95,51 @@ async def read_body(request: Request, cap: int, timeout_s: float) -> bytes:
     if cl is not None and len(buf) != int(cl):
         raise Reject(400, "truncated", f"body has {len(buf)} bytes but Content-Length says {cl}")
     return bytes(buf)
+
+
+async def spool_body(request: Request, cap: int, timeout_s: float, path) -> int:
+    """:func:`read_body` into the file ``path`` as it arrives (a weights publish: never whole in memory);
+    returns its size. The file is removed when the body is refused."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not _UINT.fullmatch(cl):
+            raise Reject(400, "bad_header", "Content-Length is not a non-negative integer")
+        if int(cl) > cap:
+            raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
+    size = 0
+
+    async def pull(f) -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
+            f.write(chunk)
+
+    try:
+        with open(path, "wb") as f:
+            try:
+                await asyncio.wait_for(pull(f), timeout_s)
+            except asyncio.TimeoutError:
+                raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
+            except ClientDisconnect:
+                raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
+        if cl is not None and size != int(cl):
+            raise Reject(400, "truncated", f"body has {size} bytes but Content-Length says {cl}")
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _file_chunks(f, chunk: int = 1 << 20):
+    """An open file's bytes in chunks, then the file closed (a response body starlette iterates in a
+    worker thread)."""
+    try:
+        while data := f.read(chunk):
+            yield data
+    finally:
+        f.close()
 
 
 def number_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
@@ -279,26 +326,31 @@ def create_app(st: ServerState) -> Starlette:
             raise Reject(429, "busy", "another weights upload is in progress", st.s.retry_after_s)
         relay.busy = True
         try:
-            body = await read_body(request, st.s.max_weights_body, st.s.body_timeout_s * 10)
+            spooled = relay.spool_path()
+            size = await spool_body(request, st.s.max_weights_body, st.s.body_timeout_s * 10, spooled)
             try:
-                shapes = await asyncio.to_thread(check_weights, body, relay.layout)
-            except WeightsError as e:
-                raise Reject(400, "bad_weights", str(e)) from None
-            check_version()
-            relay.accept(body, version, pid, shapes)
+                shapes = await asyncio.to_thread(check_weights_file, spooled, relay.layout)
+                check_version()
+            except BaseException as e:
+                spooled.unlink(missing_ok=True)
+                if isinstance(e, WeightsError):
+                    raise Reject(400, "bad_weights", str(e)) from None
+                raise
+            relay.accept(spooled, version, pid, shapes)
         finally:
             relay.busy = False
         st.expire_stale()
-        st.log.info("policy version %d published (%d tensors, %.1f MB)", version, len(shapes),
-                    len(body) / 1e6)
+        st.log.info("policy version %d published (%d tensors, %.1f MB)", version, len(shapes), size / 1e6)
         return JSONResponse({"version": version, "tensors": len(shapes)})
 
     async def weights(request: Request) -> Response:
         have = int(number_param(request, "have", -1, -1, MAX_VERSION))
         headers = {"X-Policy-Version": str(relay.version), "X-Publish-Id": relay.publish_id}
-        if relay.body is None or relay.version <= have:
+        if relay.path is None or relay.version <= have:
             return Response(status_code=204, headers=headers)
-        return Response(relay.body, media_type=OCTET, headers=headers)
+        f = relay.open()  # opened now: a publish meanwhile replaces the file, not what this reply sends
+        headers["Content-Length"] = str(os.fstat(f.fileno()).st_size)
+        return StreamingResponse(_file_chunks(f), media_type=OCTET, headers=headers)
 
     async def weights_version(request: Request) -> Response:
         return JSONResponse({"version": relay.version, "publish_id": relay.publish_id})

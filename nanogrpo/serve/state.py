@@ -160,7 +160,7 @@ class ServerState:
             "ref_model": self.ref_fn is not None, "ref_tokens": self.ref_tokens,
             "ref_tokens_per_s": self.ref_tokens / self.ref_seconds if self.ref_seconds > 0 else 0.0,
             "weights_version": relay.version,
-            "weights_bytes": len(relay.body) if relay.body is not None else 0,
+            "weights_bytes": relay.size if relay.path is not None else 0,
             "rejected": dict(self.rejected), "rejected_total": sum(self.rejected.values()),
             "workers": dict(self.workers), "uptime_s": time.time() - self.started,
         }
@@ -208,4 +208,5 @@ class ServerState:
             log.warning("shutting down with %d queued batch(es); they are lost", lost)
         self.pending = 0
         self.record_state()
+        self.relay.close()
         self._ref_pool.shutdown(wait=False, cancel_futures=True)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MAX_VERSION = 2**53 - 1
 """Versions stay exact as JSON numbers and floats."""
@@ -111,12 +113,14 @@ def _int(x) -> bool:
     return type(x) is int  # not bool, not float
 
 
-def read_header(body: bytes) -> tuple[dict, int]:
-    """The safetensors header as a dict, and where the data starts; :class:`WeightsError` if malformed."""
-    if len(body) < 10:
+def read_header(body: bytes, total: int | None = None) -> tuple[dict, int]:
+    """The safetensors header as a dict, and where the data starts; :class:`WeightsError` if malformed.
+    ``total``: the whole body's size when ``body`` is only its start (a body on disk)."""
+    total = len(body) if total is None else total
+    if total < 10:
         raise WeightsError("body too short for safetensors")
     n = int.from_bytes(body[:8], "little")
-    if n < 2 or n > min(len(body) - 8, _MAX_HEADER):
+    if n < 2 or n > min(total - 8, len(body) - 8, _MAX_HEADER):
         raise WeightsError("safetensors header length out of range")
     try:
         text = body[8:8 + n].decode("utf-8")
@@ -139,7 +143,21 @@ def read_header(body: bytes) -> tuple[dict, int]:
 
 def check_weights(body: bytes, layout: WeightLayout | None = None) -> dict[str, tuple[int, ...]]:
     """Validate a published state dict without materialising a tensor; return its names and shapes."""
-    header, start = read_header(body)
+    return _check(body, len(body), layout)
+
+
+def check_weights_file(path, layout: WeightLayout | None = None) -> dict[str, tuple[int, ...]]:
+    """:func:`check_weights` of a body on disk, reading only its header."""
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head += f.read(min(n, _MAX_HEADER + 1))
+    return _check(head, total, layout)
+
+
+def _check(body: bytes, total: int, layout: WeightLayout | None) -> dict[str, tuple[int, ...]]:
+    header, start = read_header(body, total)
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise WeightsError("safetensors __metadata__ must map strings to strings")
@@ -174,23 +192,61 @@ def check_weights(body: bytes, layout: WeightLayout | None = None) -> dict[str, 
         if a != end:
             raise WeightsError("tensor data ranges overlap or leave gaps")
         end = b
-    if end != len(body) - start:
-        raise WeightsError(f"tensor data ends at byte {end} but the body holds {len(body) - start}")
+    if end != total - start:
+        raise WeightsError(f"tensor data ends at byte {end} but the body holds {total - start}")
     if layout is not None:
         layout.check(shapes)
     return shapes
 
 
 class WeightRelay:
-    """The latest accepted weights, their version and the id of the publish that sent them."""
+    """The latest accepted weights (a file in ``directory``, never held in memory), their version and the
+    id of the publish that sent them. A publish is spooled to :meth:`spool_path` as it arrives and checked
+    there; :meth:`accept` makes it the served file and removes the one before (a fetch still reading it
+    keeps its open descriptor)."""
 
-    def __init__(self, layout: WeightLayout | None = None, max_step: int = 1000):
+    def __init__(self, layout: WeightLayout | None = None, max_step: int = 1000, directory=None):
         self.layout = layout
         self.max_step = max_step
-        self.body: bytes | None = None
+        self._own_dir = directory is None
+        self._directory = None if directory is None else Path(directory)
+        self.path: Path | None = None
+        self.size = 0
         self.version = -1
         self.publish_id = ""
         self.busy = False
+        self._spools = 0
+
+    @property
+    def directory(self) -> Path:
+        """Where the weights are spooled and served from: the given one, else a private temporary directory
+        made at the first publish."""
+        if self._directory is None:
+            import tempfile
+
+            self._directory = Path(tempfile.mkdtemp(prefix="nanogrpo-relay-"))
+        return self._directory
+
+    def spool_path(self) -> Path:
+        """A fresh file name for an incoming publish (removed by the caller if it is not accepted)."""
+        self._spools += 1
+        return self.directory / f"incoming-{os.getpid()}-{self._spools}.safetensors"
+
+    def open(self):
+        """The served weights, opened for reading (None when none were published)."""
+        return None if self.path is None else open(self.path, "rb")  # noqa: SIM115 (closed by the sender)
+
+    def close(self) -> None:
+        """Remove the served file (and the directory, when the relay made it)."""
+        import shutil
+
+        if self._own_dir:
+            if self._directory is not None:
+                shutil.rmtree(self._directory, ignore_errors=True)
+                self._directory = None
+        elif self.path is not None:
+            self.path.unlink(missing_ok=True)
+        self.path = None
 
     def check_version(self, version: int) -> str | None:
         """None if ``version`` may be published now, else why not ("old" or a too-large step)."""
@@ -203,7 +259,14 @@ class WeightRelay:
             return f"version must be at most {MAX_VERSION}"
         return None
 
-    def accept(self, body: bytes, version: int, publish_id: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    def accept(self, spooled: Path, version: int, publish_id: str,
+               shapes: dict[str, tuple[int, ...]]) -> None:
         if self.layout is None:  # beta = 0 without a readable model config: the first publish sets it
             self.layout = WeightLayout.of_published(shapes)
-        self.body, self.version, self.publish_id = body, version, publish_id
+        served = self.directory / f"weights-{version}.safetensors"
+        os.replace(spooled, served)
+        old, self.path = self.path, served
+        if old is not None and old != served:
+            old.unlink(missing_ok=True)
+        self.size = served.stat().st_size
+        self.version, self.publish_id = version, publish_id
