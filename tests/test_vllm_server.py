@@ -10,7 +10,7 @@ weight-transfer engine, shared by the module's tests.
   said loudly, that server out, the other serving the new weights only; back after a later sync;
 - ``kill -9`` of the trainer and ``--resume``: the servers (given other weights meanwhile) get the
   resumed weights before any new rollout;
-- a 2-rank FSDP2 trainer (gloo) with the server tier; 2 DDP ranks with the asynchronous pipeline.
+- a 2-rank FSDP2 trainer (gloo) with the server tier; 2 DDP / FSDP2 ranks with the asynchronous pipeline.
 
 Needs vLLM (``pip install -e ".[vllm]"``, then ``pip install -e . --no-deps`` once more so that vLLM finds
 nanogrpo's plugin); skipped without it unless ``NANOGRPO_REQUIRE_VLLM=1`` (``.ci/run``). About 4-6
@@ -354,13 +354,15 @@ def test_two_rank_fsdp2_trainer_with_the_server_tier(servers, tmp_path):
         assert r["num_completions"] == 32 and abs(r["is_weight_max"] - 1) < 1e-3
 
 
-def test_two_rank_ddp_trainer_with_the_asynchronous_pipeline(servers, tmp_path):
-    """torchrun, 2 DDP ranks, ``max_staleness=1``: each rank's producer samples its share while the
-    trainers update; every batch within the bound, the servers given each step's weights."""
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_two_rank_trainer_with_the_asynchronous_pipeline(servers, tmp_path, backend):
+    """torchrun, 2 ranks, ``max_staleness=1``: each rank's producer samples its share while the trainers
+    update (FSDP2: and gather their shards for the sync); every batch within the bound, the servers
+    given each step's weights."""
     out = tmp_path / "run"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
               str(_port()), "-m", "nanogrpo.cli"]
-    _train(servers, out, "train.steps=4", "train.backend=ddp", "rollout.max_staleness=1",
+    _train(servers, out, "train.steps=4", f"train.backend={backend}", "rollout.max_staleness=1",
            "rollout.correction=token_truncate", launch=launch)
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
