@@ -124,6 +124,7 @@ def _bench_relay(shape: str, repeats: int, model, model_dir: str) -> None:
     port = _port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     relay = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", "serve", "--port", str(port),
+                              "--weights-dir", str(Path(model_dir).parent / "relay"),
                               f"model.path={model_dir}", "grpo.beta=0"], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.STDOUT)
     try:

@@ -255,7 +255,9 @@ def short_argv(argv: list[str], cwd: Path, port: int) -> list[str]:
         steps = (int(newest.name.split("_")[1]) if newest else 0) + 1
         short = [f"{k}={v}" for k, v in SHORT.items() if k != "train.steps"]
         return _with(a, [], short + [f"train.steps={steps}"])
-    if sub in ("train", "serve", "rollout"):
+    if sub == "serve":  # its relay's files in the example's directory, not the user's cache
+        return _with(a, ["--weights-dir", "relay"], [f"{k}={v}" for k, v in SHORT.items()])
+    if sub in ("train", "rollout"):
         return _with(a, [], [f"{k}={v}" for k, v in SHORT.items()])
     if sub == "eval":
         return _with(a, ["--n", "4"], ["eval.max_new_tokens=40"])

@@ -77,7 +77,8 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def _server(port: int, tmp: Path, ov: list[str], log: Path) -> subprocess.Popen:
-    p = _spawn(["serve", "--port", str(port), "--state-file", str(tmp / "serve-state.json"), *ov], log)
+    p = _spawn(["serve", "--port", str(port), "--state-file", str(tmp / "serve-state.json"),
+                "--weights-dir", str(tmp / "relay"), *ov], log)
     wait_healthy(f"http://127.0.0.1:{port}", p, timeout=120)
     return p
 
@@ -454,4 +455,6 @@ def test_the_relay_streams_weights_through_disk_not_memory(tmp_path):
         assert stats["weights_version"] == 2 and stats["weights_bytes"] > 200 << 20
     finally:
         _stop(proc)
+    assert proc.returncode == 0  # SIGTERM: shut down through st.close(), not killed by the signal
+    assert list((tmp_path / "relay").iterdir()) == []  # the served weights removed with the server
     assert "policy version 2 published" in (tmp_path / "server.log").read_text()

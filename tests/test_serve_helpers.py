@@ -142,7 +142,8 @@ def start_server(port: int, state_file: Path, *extra: str, token: str | None = T
         env["NANOGRPO_TOKEN"] = token
     out = open(log, "ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "nanogrpo.cli", "serve", "--port", str(port),
-                             "--state-file", str(state_file), *extra], env=env, stdout=out,
+                             "--state-file", str(state_file),
+                             "--weights-dir", str(state_file.parent / "relay"), *extra], env=env, stdout=out,
                             stderr=subprocess.STDOUT)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc

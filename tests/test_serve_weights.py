@@ -208,6 +208,36 @@ def test_the_relay_serves_from_one_file_and_a_fetch_under_way_keeps_its_version(
     assert not directory.exists()
 
 
+def test_a_relay_directory_is_cleared_of_a_killed_servers_files_and_publishes_are_capped_by_the_model():
+    """A server restarted on a weights directory removes the weight files a killed one left there (and
+    nothing else); a publish longer than the model's weights can be (``weights_cap``) is refused (413)
+    before its body is read."""
+    import tempfile
+    from pathlib import Path
+
+    from nanogrpo.serve.weights import WeightRelay, weights_cap
+
+    d = Path(tempfile.mkdtemp())
+    for name in ("weights-7.safetensors", "incoming-1-1.safetensors", "notes.txt"):
+        (d / name).write_bytes(b"x" * 10)
+    relay = WeightRelay(directory=d)
+    relay.spool_path()
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+    model = make_model("tiny", seed=0)
+    layout = WeightLayout.of_model(model)
+    st = ServerState(Settings(vocab_size=VOCAB, weights_dir=d), TOKEN, layout=layout)
+
+    async def main():
+        transport = httpx.ASGITransport(app=create_app(st))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/weights", content=b"\0" * (weights_cap(layout) + 1),
+                             headers={**AUTH, "X-Policy-Version": "1"})
+            assert r.status_code == 413 and "exceeds the limit" in r.text
+    asyncio.run(main())
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+    st.close()
+
+
 def _spooled(relay, body: bytes):
     path = relay.spool_path()
     path.write_bytes(body)

@@ -44,7 +44,7 @@ from starlette.routing import Route
 from nanogrpo.batch import BatchError, RolloutBatch
 from nanogrpo.serve.queue import LEASE_RE, AckResult
 from nanogrpo.serve.state import Reject, ServerState
-from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights_file
+from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights_file, weights_cap
 
 OCTET = "application/octet-stream"
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -326,8 +326,10 @@ def create_app(st: ServerState) -> Starlette:
             raise Reject(429, "busy", "another weights upload is in progress", st.s.retry_after_s)
         relay.busy = True
         try:
+            cap = st.s.max_weights_body if relay.layout is None else \
+                min(st.s.max_weights_body, weights_cap(relay.layout))  # no more than the model can hold
             spooled = relay.spool_path()
-            size = await spool_body(request, st.s.max_weights_body, st.s.body_timeout_s * 10, spooled)
+            size = await spool_body(request, cap, st.s.body_timeout_s * 10, spooled)
             try:
                 shapes = await asyncio.to_thread(check_weights_file, spooled, relay.layout)
                 check_version()

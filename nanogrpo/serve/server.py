@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -79,9 +80,16 @@ def _with_images(model, b: RolloutBatch, micro_batch: int, chunk: int, temperatu
     return torch.cat(out)                                                     # (N, C)
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
+
+
 def default_state_file(host: str, port: int) -> Path:
-    root = Path(os.environ.get("NANOGRPO_CACHE", Path.home() / ".cache" / "nanogrpo"))
-    return root / f"serve-{host}-{port}.json"
+    return _cache() / f"serve-{host}-{port}.json"
+
+
+def default_weights_dir(host: str, port: int) -> Path:
+    return _cache() / f"relay-{host}-{port}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, help="cap on an uploaded batch (default: server.max_body_mb)")
     p.add_argument("--max-weights-mb", type=float, default=65536.0, help="cap on published weights")
     p.add_argument("--state-file", type=Path, help="where the queue depth is recorded for restart reports")
+    p.add_argument("--weights-dir", type=Path,
+                   help="where published weights are spooled and served from, one model's worth on a disk "
+                        "(default: $NANOGRPO_CACHE or ~/.cache/nanogrpo, relay-HOST-PORT)")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p
@@ -138,7 +149,8 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         max_weights_body=int(a.max_weights_mb * (1 << 20)),
         queue_size=cfg.server.queue_size, max_staleness=cfg.server.max_staleness, lease_s=cfg.server.lease_s,
         max_version_step=cfg.server.max_version_step,
-        state_file=a.state_file or default_state_file(a.host, a.port))
+        state_file=a.state_file or default_state_file(a.host, a.port),
+        weights_dir=a.weights_dir or default_weights_dir(a.host, a.port))
     ref_fn = None
     layout = None
     vocab = a.vocab_size
@@ -207,8 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn_config(st, a.host, a.port, a.access_log)
     log.info("serving on http://%s:%d (token %s, queue %d, vocab %d, body cap %.0f MB)", a.host, a.port,
                 "required" if token else "off", st.s.queue_size, st.s.vocab_size, st.s.max_body / 2**20)
+    # uvicorn ends a SIGTERM by raising the signal again once it has shut down, under the handler it found
+    # at start: with the default one the process died there, before st.close() below (no state recorded,
+    # the relay's weights left on disk). This one ends it through the finally instead.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         uvicorn.Server(config).run()
     finally:
         st.close()
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)

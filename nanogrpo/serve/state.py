@@ -67,6 +67,8 @@ class Settings:
     body_timeout_s: float = 120.0
     max_wait_s: float = 30.0
     state_file: Path | None = None
+    weights_dir: Path | None = None
+    """Where published weights are spooled and served from (None: a private temporary directory)."""
     max_staleness: int | None = None
     """When set, queued batches more than this many versions behind the published weights are discarded
     (the trainer would drop them anyway) so that their queue slots go to fresh batches."""
@@ -93,7 +95,7 @@ class ServerState:
         self.ref_fn = ref_fn
         self.log = log
         self.queue = BatchQueue(settings.queue_size, settings.lease_s)
-        self.relay = WeightRelay(layout, settings.max_version_step)
+        self.relay = WeightRelay(layout, settings.max_version_step, settings.weights_dir)
         self.pending = 0
         self.reading = 0
         self.seqs_in = self.duplicates = 0

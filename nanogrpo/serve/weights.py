@@ -200,10 +200,10 @@ def _check(body: bytes, total: int, layout: WeightLayout | None) -> dict[str, tu
 
 
 class WeightRelay:
-    """The latest accepted weights (a file in ``directory``, never held in memory), their version and the
-    id of the publish that sent them. A publish is spooled to :meth:`spool_path` as it arrives and checked
-    there; :meth:`accept` makes it the served file and removes the one before (a fetch still reading it
-    keeps its open descriptor)."""
+    """The latest accepted weights (a file in ``directory``, never held in memory: give it one on a disk,
+    not a tmpfs), their version and the id of the publish that sent them. A publish is spooled to
+    :meth:`spool_path` as it arrives and checked there; :meth:`accept` makes it the served file and
+    removes the one before (a fetch still reading it keeps its open descriptor)."""
 
     def __init__(self, layout: WeightLayout | None = None, max_step: int = 1000, directory=None):
         self.layout = layout
@@ -216,16 +216,26 @@ class WeightRelay:
         self.publish_id = ""
         self.busy = False
         self._spools = 0
+        self._ready = False
 
     @property
     def directory(self) -> Path:
-        """Where the weights are spooled and served from: the given one, else a private temporary directory
-        made at the first publish."""
+        """Where the weights are spooled and served from, made at the first publish: the given one (files a
+        killed server left there removed first), else a private temporary directory."""
         if self._directory is None:
             import tempfile
 
             self._directory = Path(tempfile.mkdtemp(prefix="nanogrpo-relay-"))
+        elif not self._ready:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            self._remove_ours()
+        self._ready = True
         return self._directory
+
+    def _remove_ours(self) -> None:
+        for pattern in ("weights-*.safetensors", "incoming-*.safetensors"):
+            for f in self._directory.glob(pattern):
+                f.unlink(missing_ok=True)
 
     def spool_path(self) -> Path:
         """A fresh file name for an incoming publish (removed by the caller if it is not accepted)."""
@@ -244,8 +254,8 @@ class WeightRelay:
             if self._directory is not None:
                 shutil.rmtree(self._directory, ignore_errors=True)
                 self._directory = None
-        elif self.path is not None:
-            self.path.unlink(missing_ok=True)
+        elif self._ready:
+            self._remove_ours()
         self.path = None
 
     def check_version(self, version: int) -> str | None:
