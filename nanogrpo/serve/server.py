@@ -191,10 +191,10 @@ def uvicorn_config(st: ServerState, host: str, port: int, access_log: bool = Fal
 
     s = st.s
     max_conns = s.max_connections
-    try:  # leave file descriptors for the listening socket, the state file, the model's files
-        import resource
+    try:  # leave file descriptors for the listening socket, the state file, the model's files, and one
+        import resource  # open weights file per connection fetching them
 
-        max_conns = min(max_conns, max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64))
+        max_conns = min(max_conns, max(16, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64) // 2))
     except (ImportError, OSError, ValueError):
         pass
     st.guard = ConnectionGuard(s.idle_timeout_s, max_conns, s.max_connections_per_client)
