@@ -158,6 +158,23 @@ def test_a_tied_weight_may_be_sent_once_or_twice_but_not_left_out():
         check_weights(encode_state_dict(without, 1), layout)
 
 
+def test_views_of_one_storage_are_published_as_their_own_tensors(tmp_path):
+    """Weights that are views of one buffer (a fused QKV split, a flat parameter) publish and decode to
+    the same values, from memory and from a file; the tensors themselves are not changed."""
+    from nanogrpo.serve.client import write_state_dict
+
+    flat = torch.arange(12, dtype=torch.float32)
+    sd = {"q": flat[:4].view(2, 2), "k": flat[4:8].view(2, 2), "v": flat[8:].view(2, 2),
+          "tied": flat[:4].view(2, 2)}
+    layout = WeightLayout({k: (2, 2) for k in ("q", "k", "v")}, [["q"], ["k"], ["v"]])
+    write_state_dict(sd, 1, tmp_path / "w.safetensors")
+    for got in (load_published(encode_state_dict(sd, 1), layout),
+                load_published(tmp_path / "w.safetensors", layout)):
+        assert sorted(got) == ["k", "q", "v"]  # "tied" is "q" (same storage, same offset): sent once
+        assert all(torch.equal(got[n], sd[n]) for n in got)
+    assert torch.equal(flat, torch.arange(12, dtype=torch.float32))
+
+
 def test_a_publish_that_does_not_fit_the_model_is_refused_and_keeps_the_old_weights():
     model = make_model("tiny", seed=0)
     st = ServerState(Settings(vocab_size=VOCAB, max_weights_body=8 << 20), TOKEN,

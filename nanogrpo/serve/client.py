@@ -70,14 +70,21 @@ class ServerError(NanoGRPOError):
 def _publishable(state_dict: dict[str, torch.Tensor], version: int) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors to send (those sharing storage, tied embeddings, once; on the CPU) and the metadata."""
     seen: set[tuple[int, int]] = set()
+    storages: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for k, v in state_dict.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        ptr = v.untyped_storage().data_ptr()
+        key = (ptr, v.storage_offset())
         if key in seen:
             continue
         seen.add(key)
         v = v.detach()
-        out[k] = v.contiguous() if v.device.type == "cpu" else v.to("cpu").contiguous()
+        if v.device.type != "cpu":
+            v = v.to("cpu")
+        elif ptr in storages:  # another view of a storage already sent (safetensors refuses shared memory)
+            v = v.clone()
+        storages.add(ptr)
+        out[k] = v.contiguous()
     return out, {"nanogrpo": json.dumps({"format": WEIGHTS_FORMAT, "version": version})}
 
 
