@@ -288,3 +288,31 @@ def test_adversarial_completions_take_bounded_time_against_latex_references(ref:
     # target 50 ms for 100k characters (bench); 10x margin here. CPU time, not wall time: other processes
     # on a shared machine stretch the wall clock, not the work a call does
     assert worst[1] < 0.5, worst
+
+
+@pytest.mark.slow  # math_verify's own 1 s alarm, run out once
+def test_a_verdict_that_ran_out_of_time_is_not_kept(monkeypatch) -> None:
+    """math_verify timing out (on a loaded machine a normally fast parse can) costs that call its credit,
+    not every later call: the verdict is not cached, and the same answer is graded right once the parse
+    finishes in time. Before, the timed-out empty parse stayed cached for the run."""
+    import math_verify.parser
+
+    from nanogrpo.rewards import verify as mv
+
+    real = math_verify.parser.extract_target_from_pred
+    slow = {"left": 1}
+
+    def slowed(*a, **kw):
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(1.5)  # past the alarm: math_verify's real timeout fires
+        return real(*a, **kw)
+
+    mv.clear_caches()
+    monkeypatch.setattr(mv, "TIMEOUT_S", 1)
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", slowed)
+    completion, ref = "<answer>\\frac{\\sqrt{3}}{2}</answer>", "\\frac{\\sqrt3}{2}"
+    assert not ok(completion, ref)  # ran out of time: no credit this once
+    assert slow["left"] == 0
+    assert ok(completion, ref)      # asked again, in time
+    mv.clear_caches()

@@ -5,18 +5,19 @@ math_verify needs ``$…$`` (or ``\\boxed{}``) around bare LaTeX to find it, and
 the time (reward worker processes, each call under a deadline). Before sympy sees a text, what could
 cost it seconds is refused (:func:`safe`: long texts, factorials, long digit runs, big or stacked
 powers). Parses and verdicts are cached: a reference repeats for every completion of its group, and
-a group's completions often give the same answer.
+a group's completions often give the same answer; a call that ran out of time is not (:class:`TimedOut`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["equal", "region_equal", "safe", "rational_value", "IRRATIONAL", "MAX_CHARS"]
+__all__ = ["equal", "region_equal", "safe", "rational_value", "TimedOut", "IRRATIONAL", "MAX_CHARS"]
 
 TIMEOUT_S = 5
 MAX_CHARS = 400
@@ -57,22 +58,61 @@ def _depth(text: str) -> int:
     return deepest
 
 
+class TimedOut(Exception):
+    """math_verify ran out of its time (:data:`TIMEOUT_S`): on a loaded machine a call that is normally
+    fast can. The verdict of that call is "not shown equal", and it is not cached (:func:`_cached`), so
+    the same answer is asked again next time instead of being graded wrong for the rest of the run."""
+
+
+def _cached(maxsize: int, on_timeout: Any):
+    """``lru_cache`` for a verdict, except that a call that timed out (:class:`TimedOut`, from any parse
+    or comparison under it) answers ``on_timeout`` and leaves no entry."""
+    def wrap(fn):
+        inner = lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            try:
+                return inner(*args)
+            except TimedOut:
+                return on_timeout
+
+        call.cache_clear, call.cache_info = inner.cache_clear, inner.cache_info
+        return call
+    return wrap
+
+
+def _math_verify(fn, *args, failed: Any, **kw):
+    """``fn`` (math_verify's ``parse`` or ``verify``) with its errors read as it reads them itself
+    (``failed``), except a timeout, which raises :class:`TimedOut`."""
+    from math_verify.errors import TimeoutException
+
+    try:
+        return fn(*args, raise_on_error=True, **kw)
+    except TimeoutException:
+        raise TimedOut() from None
+    except Exception:  # noqa: BLE001 (math_verify's own rule with raise_on_error=False)
+        return failed
+
+
 @lru_cache(maxsize=8192)
 def parse_latex(text: str) -> tuple[Any, ...]:
-    """math_verify's reading of bare LaTeX ``text`` (delimited here so that it is found whole)."""
+    """math_verify's reading of bare LaTeX ``text`` (delimited here so that it is found whole); raises
+    :class:`TimedOut` (and caches nothing) when it runs out of time."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    return tuple(parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                       parsing_timeout=_timeout()))
+    return tuple(_math_verify(parse, f"${text}$", failed=[], parsing_timeout=_timeout(),
+                              extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()]))
 
 
 @lru_cache(maxsize=4096)
 def parse_region(text: str) -> tuple[Any, ...]:
     """math_verify's own reading of a stretch of text (it finds the answer in it: the last
-    delimited math, an "answer is …", a box, else a number)."""
+    delimited math, an "answer is …", a box, else a number); raises :class:`TimedOut` as
+    :func:`parse_latex`."""
     from math_verify import parse
 
-    return tuple(parse(text, parsing_timeout=_timeout()))
+    return tuple(_math_verify(parse, text, failed=[], parsing_timeout=_timeout()))
 
 
 def _verify(gold: tuple[Any, ...], guess: tuple[Any, ...]) -> bool:
@@ -83,7 +123,7 @@ def _verify(gold: tuple[Any, ...], guess: tuple[Any, ...]) -> bool:
     g, p = _single(gold[0]), _single(guess[0])
     if _one_against_many(g, p) or _one_against_many(p, g) or _clearly_different(g, p):
         return False
-    return bool(verify(list(gold), list(guess), timeout_seconds=_timeout()))
+    return bool(_math_verify(verify, list(gold), list(guess), failed=False, timeout_seconds=_timeout()))
 
 
 def _single(x: Any) -> Any:
@@ -144,7 +184,7 @@ def _clearly_different(gold: Any, guess: Any) -> bool:
     return False
 
 
-@lru_cache(maxsize=8192)
+@_cached(maxsize=8192, on_timeout=False)
 def equal(pred: str, ref: str) -> bool:
     """Whether LaTeX answer ``pred`` equals reference ``ref`` (both bare, wrappers already taken off)."""
     if not safe(pred) or not safe(ref):
@@ -152,7 +192,7 @@ def equal(pred: str, ref: str) -> bool:
     return _verify(parse_latex(ref), parse_latex(pred))
 
 
-@lru_cache(maxsize=4096)
+@_cached(maxsize=4096, on_timeout=False)
 def region_equal(region: str, ref: str) -> bool:
     """Whether the answer math_verify reads in ``region`` (its last :data:`MAX_REGION` characters)
     equals reference ``ref``."""
@@ -167,7 +207,7 @@ def region_equal(region: str, ref: str) -> bool:
     return _verify(parse_latex(ref), guess)
 
 
-@lru_cache(maxsize=4096)
+@_cached(maxsize=4096, on_timeout=None)
 def rational_value(ref: str) -> Fraction | str | None:
     """The exact value of reference ``ref`` when it is a rational number (``2^{10}``, ``\\sqrt{2.25}``),
     :data:`IRRATIONAL` when it is a number not known to be rational (``\\frac{\\sqrt3}{2}``, ``2\\pi``,
