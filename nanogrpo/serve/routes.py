@@ -72,34 +72,26 @@ def check_auth(token: str | None, request: Request) -> None:
 
 async def read_body(request: Request, cap: int, timeout_s: float) -> bytes:
     """The request body, refusing more than ``cap`` bytes and bodies slower than ``timeout_s``."""
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        if not _UINT.fullmatch(cl):
-            raise Reject(400, "bad_header", "Content-Length is not a non-negative integer")
-        if int(cl) > cap:
-            raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
     buf = bytearray()
-
-    async def pull() -> None:
-        async for chunk in request.stream():
-            buf.extend(chunk)
-            if len(buf) > cap:
-                raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
-
-    try:
-        await asyncio.wait_for(pull(), timeout_s)
-    except asyncio.TimeoutError:
-        raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
-    except ClientDisconnect:
-        raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
-    if cl is not None and len(buf) != int(cl):
-        raise Reject(400, "truncated", f"body has {len(buf)} bytes but Content-Length says {cl}")
+    await _receive(request, cap, timeout_s, buf.extend)
     return bytes(buf)
 
 
 async def spool_body(request: Request, cap: int, timeout_s: float, path) -> int:
     """:func:`read_body` into the file ``path`` as it arrives (a weights publish: never whole in memory);
     returns its size. The file is removed when the body is refused."""
+    try:
+        with open(path, "wb") as f:
+            return await _receive(request, cap, timeout_s, f.write)
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+
+
+async def _receive(request: Request, cap: int, timeout_s: float, write) -> int:
+    """Hand the body to ``write`` chunk by chunk as it arrives, refusing more than ``cap`` bytes (before
+    reading, when ``Content-Length`` says so), a body slower than ``timeout_s`` or shorter than declared;
+    returns its size."""
     cl = request.headers.get("content-length")
     if cl is not None:
         if not _UINT.fullmatch(cl):
@@ -108,27 +100,22 @@ async def spool_body(request: Request, cap: int, timeout_s: float, path) -> int:
             raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
     size = 0
 
-    async def pull(f) -> None:
+    async def pull() -> None:
         nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
                 raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
-            f.write(chunk)
+            write(chunk)
 
     try:
-        with open(path, "wb") as f:
-            try:
-                await asyncio.wait_for(pull(f), timeout_s)
-            except asyncio.TimeoutError:
-                raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
-            except ClientDisconnect:
-                raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
-        if cl is not None and size != int(cl):
-            raise Reject(400, "truncated", f"body has {size} bytes but Content-Length says {cl}")
-    except BaseException:
-        Path(path).unlink(missing_ok=True)
-        raise
+        await asyncio.wait_for(pull(), timeout_s)
+    except asyncio.TimeoutError:
+        raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
+    except ClientDisconnect:
+        raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
+    if cl is not None and size != int(cl):
+        raise Reject(400, "truncated", f"body has {size} bytes but Content-Length says {cl}")
     return size
 
 
