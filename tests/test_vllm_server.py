@@ -241,28 +241,32 @@ def test_multi_turn_sessions_run_on_the_servers(servers):
 
 
 def _wait_busy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    """Until the server at ``url`` is generating right now, so that a kill lands mid-rollout and not
-    between two steps' rollouts, where nothing would be retried. vLLM's ``vllm:num_requests_running``
-    gauge alone is not enough: it is recorded per engine step, so an idle engine keeps the last step's
-    value (a kill then lands in the weight sync: the server taken out, nothing retried). The generation
-    token counter must also have grown since the previous poll, a few milliseconds before."""
+    """Until the server at ``url`` has just begun a step's rollout, so that a kill lands mid-rollout,
+    where requests in flight are retried elsewhere. Not enough (CI's kill once missed): requests running
+    (``vllm:num_requests_running``), since the sync's probe right before the rollout is one request too,
+    and a server killed under the probe is taken out with nothing to retry. So: the server idle, then
+    more than one request running and the generation token counter growing since the previous poll
+    (a few milliseconds before): the rollout's start, about 0.4 s of generation still ahead of the kill."""
     import httpx
 
     def sample(text: str, name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
     deadline = time.monotonic() + timeout
-    last = None
+    last, idle = None, False
     with httpx.Client(timeout=5) as client:
         while time.monotonic() < deadline:
             assert proc.poll() is None, "the run ended before the server could be killed mid-rollout"
             text = client.get(url + "/metrics").text
             tokens = sample(text, "vllm:generation_tokens_total")
-            if last is not None and tokens > last and sample(text, "vllm:num_requests_running") > 0:
+            running = sample(text, "vllm:num_requests_running")
+            if running == 0:
+                idle = True
+            elif idle and running > 1 and last is not None and tokens > last:
                 return
             last = tokens
             time.sleep(0.005)
-    raise AssertionError(f"{url} generated nothing for {timeout:.0f} s")
+    raise AssertionError(f"{url} began no rollout for {timeout:.0f} s")
 
 
 def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
