@@ -212,6 +212,43 @@ def test_what_the_question_asks_in() -> None:
     assert [n.value for n in find_numbers("5 hours, 3 days")] == [5, 3]  # a larger unit second: two of them
 
 
+# ----------------------------------------------------------------------------- times of day
+
+TRAIN = "A train leaves at 6:15 PM and the trip takes 2 hours and 15 minutes. When does it arrive?"
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer>8:30 PM</answer>", "<answer>8:30 pm</answer>", "<answer>8:30pm</answer>",
+    "<answer>8:30 p.m.</answer>", "<answer>8:30 P.M.</answer>", "<answer>20:30</answer>",
+    "<answer>It arrives at 8:30 p.m.</answer>", "The answer is $\\boxed{\\text{8:30 PM}}$.",
+    "<answer>8:30</answer>",  # the 12-hour clock: the question says which half of the day
+])
+def test_a_time_of_day_however_written(completion: str) -> None:
+    assert score(completion, "8:30 PM", TRAIN) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer>8:30 AM</answer>", "<answer>9:30 PM</answer>", "<answer>830</answer>",
+    "<answer>8:03 PM</answer>",
+    "<answer>8</answer>",  # a number, not a time
+    "<answer>It leaves at 6:15 PM and arrives at 8:30 PM</answer>",  # two times: which is the answer?
+    "<answer>8:30 AM or 8:30 PM</answer>",
+])
+def test_another_time_or_no_single_time_is_wrong(completion: str) -> None:
+    assert score(completion, "8:30 PM", TRAIN) == -1.0
+
+
+def test_what_a_time_is() -> None:
+    from nanogrpo.rewards.forms import clock, same_time
+
+    assert clock("8 p.m.") == (8, 0, "pm") and clock("7 o'clock") == (7, 0, None)
+    assert clock("\\text{12:05 a.m.}") == (12, 5, "am") and clock("20:30") == (20, 30, None)
+    assert clock("8") is None and clock("3:2") is None and clock("13:00 PM") is None  # a number, a ratio
+    assert same_time((12, 15, "am"), (0, 15, None)) and not same_time((12, 15, "am"), (12, 15, "pm"))
+    assert score("<answer>3:2</answer>", "3:2") == 1.0 and score("<answer>1.5</answer>", "3:2") == 1.0
+    assert score("<answer>8:30 PM</answer>", "8:30") == 1.0  # a reference that names no half of the day
+
+
 # ----------------------------------------------------------------------------- no answer, no credit
 
 EGGS = ("Janet's ducks lay 16 eggs. She eats 3 and bakes with 4, and sells the rest at $2 each. "

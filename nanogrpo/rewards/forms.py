@@ -1,6 +1,6 @@
 """Answers of other forms than a number or an expression: multiple-choice letters (:func:`choice`,
-:func:`choices`), word answers (:func:`words`), numbers in a base (:func:`base_number`), and the delimited
-math inside a sentence (:func:`math_segments`).
+:func:`choices`), word answers (:func:`words`), numbers in a base (:func:`base_number`), clock times
+(:func:`clock`, :func:`same_time`), and the delimited math inside a sentence (:func:`math_segments`).
 
 Every pattern is bounded; none can backtrack without bound.
 """
@@ -11,8 +11,8 @@ import re
 
 from nanogrpo.rewards.latex import _BOX_RE, _DELIMS_RE, _unwrap
 
-__all__ = ["choice", "choices", "words", "base_number", "math_segments", "math_segment_matches",
-           "MATH_SEGMENT_RE"]
+__all__ = ["choice", "choices", "words", "base_number", "clock", "clocks_in", "same_time", "math_segments",
+           "math_segment_matches", "MATH_SEGMENT_RE"]
 
 _TEXT_OPEN = r"(?:\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{\s{0,2})?"
 _CHOICE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"\(\s{0,2}([A-Ha-h])\s{0,2}\)"
@@ -73,6 +73,59 @@ def base_number(text: str) -> tuple[str, int] | None:
     if m is None:
         return None
     return m.group(1).upper(), int(m.group(2))
+
+
+_CLOCK_RE = re.compile(r"(?<![\d:.])([01]?\d|2[0-3])(?:\s{0,2}:\s{0,2}([0-5]\d))?"
+                       r"(?:\s{0,3}(?:([AaPp])\.?\s{0,2}[Mm]\b\.?|o'clock\b))?(?![\d:])")
+_CLOCK_MARKUP_RE = re.compile(r"\\(?:text|mathrm|mbox|textrm|textbf)\s{0,2}\{|\\[ ,;]|[{}$*`]")
+
+
+def clock(text: str) -> tuple[int, int, str | None] | None:
+    """``(hour, minute, "am" | "pm" | None)`` of an answer that is a time of day (``8:30 PM``, ``8:30pm``,
+    ``8 p.m.``, ``\\text{8:30 a.m.}``, ``20:30``, ``7 o'clock``), or None. An hour without minutes needs
+    its a.m./p.m. or o'clock (``8`` is a number), and a 12-hour suffix needs an hour from 1 to 12."""
+    t = " ".join(_CLOCK_MARKUP_RE.sub(" ", text).split()).rstrip(".").strip()
+    m = _CLOCK_RE.fullmatch(t)
+    if m is None:
+        return None
+    hour, minute, half = int(m.group(1)), m.group(2), m.group(3)
+    suffix = None if half is None else ("am" if half in "Aa" else "pm")
+    if minute is None and half is None and "o'clock" not in t:
+        return None
+    if suffix is not None and not 1 <= hour <= 12:
+        return None
+    return hour, int(minute or 0), suffix
+
+
+def clocks_in(text: str) -> list[tuple[int, int, str | None]]:
+    """The clock times written in a sentence ("She gets home at 8:30 p.m."), in order: those with
+    minutes or with a.m./p.m. (a bare number is no time)."""
+    t = _CLOCK_MARKUP_RE.sub(" ", text)
+    out = []
+    for m in _CLOCK_RE.finditer(t):
+        if m.group(2) is not None or m.group(3) is not None:
+            found = clock(m.group(0))
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def _minutes(hour: int, minute: int, suffix: str) -> int:
+    return (hour % 12 + (12 if suffix == "pm" else 0)) * 60 + minute
+
+
+def same_time(a: tuple[int, int, str | None], b: tuple[int, int, str | None]) -> bool:
+    """Whether two clock times (:func:`clock`) are the same time of day: with a.m./p.m. on both, exactly;
+    with it on one side only, the other read on a 24-hour clock (``20:30`` = ``8:30 PM``) or, for an
+    hour from 1 to 12, on the 12-hour clock (``8:30`` = ``8:30 PM``: the question says which half)."""
+    if a[2] is None:
+        a, b = b, a
+    if a[2] is None:  # neither says which half of the day: as written (the caller's plain comparison)
+        return a[:2] == b[:2]
+    mine = _minutes(*a)
+    if b[2] is not None:
+        return mine == _minutes(*b)
+    return b[0] * 60 + b[1] == mine or (1 <= b[0] <= 12 and (b[0] % 12) * 60 + b[1] == mine % 720)
 
 
 MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,400})\$\$|(?<![\\$])\$([^$\n]{1,400})(?<!\\)\$"

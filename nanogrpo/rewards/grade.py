@@ -18,6 +18,9 @@ ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
   refuses hedges ("42 or 56"), ranges and negations; an expression (``\\sqrt{16}``, ``2^{10}``, a list
   ``5, -5``, anything with a variable) goes to math_verify instead, so that no number is picked out
   of ``2\\sqrt{2}``;
+- a time of day (``8:30 PM``, ``8:30 p.m.``, ``20:30``) against one with a.m./p.m. on either side: as
+  times (``8:30 pm`` = ``20:30`` = ``8:30 PM``; ``8:30 AM`` is not); a sentence with one time in it
+  ("She arrives at 8:30 p.m.") gives that time, with two different ones it gives none;
 - a letter, a word, a base: compared as such (``(B)`` = ``\\textbf{(B)}``; "The function is odd." =
   ``\\text{odd}`` but "even, not odd" is not; ``1011_{2}`` = ``1011`` but ``1011_3`` is not);
 - anything else: math_verify on the answer, delimited, so it is read whole (lists as multisets when
@@ -40,7 +43,17 @@ from functools import lru_cache
 
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
-from nanogrpo.rewards.forms import base_number, choice, choices, math_segment_matches, math_segments, words
+from nanogrpo.rewards.forms import (
+    base_number,
+    choice,
+    choices,
+    clock,
+    clocks_in,
+    math_segment_matches,
+    math_segments,
+    same_time,
+    words,
+)
 from nanogrpo.rewards.latex import MATH_NAMES, clean, final_span, plain_values, split_top
 from nanogrpo.rewards.numbers import Num, read_number
 from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
@@ -67,6 +80,9 @@ class Reference:
     """Several letters to choose, in any order (``\\text{A, E}``)."""
     words: str | None = None
     base: tuple[str, int] | None = None
+    clock: tuple[int, int, str | None] | None = None
+    """A time of day (``8:30 PM``; ``8:30`` too, compared as a time only against an answer that says
+    a.m. or p.m.)."""
 
 
 @lru_cache(maxsize=4096)
@@ -79,6 +95,9 @@ def reference(text: str) -> Reference:
     if letters is not None:
         return Reference(text, text, choices=letters)
     latex = clean(text)
+    when = clock(text)
+    if when is not None and when[2] is not None:
+        return Reference(text, latex, clock=when)
     values = plain_values(latex, units=False)  # "3m^2" is a monomial; "12 \\text{ m}^2" was cleaned to 12
     if values is not None:
         m = _LONG_DECIMAL_RE.search(latex)
@@ -87,7 +106,7 @@ def reference(text: str) -> Reference:
     base = base_number(latex)
     if base is not None:
         return Reference(text, latex, base=base)
-    return Reference(text, latex, words=words(text))
+    return Reference(text, latex, words=words(text), clock=when)
 
 
 # ----------------------------------------------------------------------------- what an answer is
@@ -195,6 +214,15 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
         return choice(raw) == ref.choice or choice(text) == ref.choice
     if ref.choices is not None:
         return choices(raw) == ref.choices or choices(text) == ref.choices
+    if ref.clock is not None:
+        mine = clock(raw)
+        if mine is None and ref.clock[2] is not None:
+            found = set(clocks_in(raw))
+            mine = found.pop() if len(found) == 1 else None
+            if mine is None:
+                return False
+        if mine is not None and (mine[2] or ref.clock[2]):
+            return same_time(mine, ref.clock)
     if ref.words is not None:
         return _words_match(ref.words, raw)
     what = kind(text)
