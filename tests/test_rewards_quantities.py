@@ -212,6 +212,36 @@ def test_what_the_question_asks_in() -> None:
     assert [n.value for n in find_numbers("5 hours, 3 days")] == [5, 3]  # a larger unit second: two of them
 
 
+# ----------------------------------------------------------------------------- fractions in words
+
+@pytest.mark.parametrize("completion, ref", [
+    ("two thirds", "\\frac{2}{3}"), ("two-thirds", "2/3"), ("three fourths", "0.75"), ("a quarter", "0.25"),
+    ("one half", "0.5"), ("a third", "1/3"), ("one and a half", "1.5"), ("two and one half", "2.5"),
+    ("three and two thirds", "11/3"), ("a dozen and a half", "12.5"), ("twenty-one hundredths", "0.21"),
+    ("2 thirds", "2/3"), ("7 tenths", "0.7"), ("negative two thirds", "-2/3"),
+    ("three quarters", "0.75"), ("three quarters", "3"),  # a fraction, or three coins
+    ("It is 3 fifths of the class.", "0.6"),
+])
+def test_a_fraction_in_words_is_its_value(completion: str, ref: str) -> None:
+    assert score(f"<answer>{completion}</answer>", ref) == 1.0
+
+
+@pytest.mark.parametrize("completion, ref", [
+    ("two thirds", "2"), ("three-fourths", "3"), ("one fifth", "1"), ("2 thirds", "2"),  # read as before
+    ("one half", "1.5"), ("three fourth", "0.75"),
+])
+def test_a_fraction_in_words_is_not_its_numerator(completion: str, ref: str) -> None:
+    assert score(f"<answer>{completion}</answer>", ref) == -1.0
+
+
+def test_an_ordinal_is_no_fraction() -> None:
+    assert [n.values for n in find_number_words("the twenty-fifth day")] == [(20,)]  # not 20/5
+    assert score("<answer>5 fourth-graders</answer>", "5") == 1.0
+    assert score("<answer>5 fifth graders</answer>", "5") == 1.0
+    assert score("<answer>On his third try he scored 5.</answer>", "5") == 1.0
+    assert [n.values for n in find_number_words("half a dozen, half")] == [(6,), (Fraction(1, 2),)]
+
+
 # ----------------------------------------------------------------------------- times of day
 
 TRAIN = "A train leaves at 6:15 PM and the trip takes 2 hours and 15 minutes. When does it arrive?"

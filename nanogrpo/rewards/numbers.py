@@ -76,6 +76,7 @@ _MIXED_RE = re.compile(
     r"|" + _GAP + r"(?:and" + _GAP1 + r")?" + _FRAC +
     r"|" + _GAP1 + r"and" + _GAP1 + r"(?:a|one)" + _GAP1 + r"(half|third|quarter)\b)"
 )
+_DENOM_AFTER_RE = re.compile(r"[ \t]{1,2}([A-Za-z]{5,11})(?![-A-Za-z])")
 _SCI_RE = re.compile(
     r"[eE]([+-]?[0-9]{1,2})(?![0-9])"
     r"|" + _GAP + r"(?:\\times|\\cdot|×|·|\*|x)" + _GAP + r"10" + _GAP +
@@ -206,6 +207,7 @@ def find_numbers(text: str) -> list[Num]:
         if kind == "num" and _is_power(text, start):
             continue  # the 2 of "m^2", "\\text{ cm}^{2}", "x^2": a power, not a number of its own
         value: Fraction | None
+        alt: Fraction | None = None
         is_int = False
         if kind == "frac":
             value = _frac_value(m, 2)
@@ -231,10 +233,16 @@ def find_numbers(text: str) -> list[Num]:
                 value, end, is_int = value / den, s.end(), False
             else:
                 mixed = _MIXED_RE.match(text, end)
-                if mixed is not None:
-                    part = _mixed_part(mixed)
-                    if part is not None and 0 < part < 1:
-                        value, end, is_int = value + part, mixed.end(), False
+                part = _mixed_part(mixed) if mixed is not None else None
+                if part is not None and 0 < part < 1:
+                    value, end, is_int = value + part, mixed.end(), False
+                else:
+                    den = _DENOM_AFTER_RE.match(text, end)
+                    word = den.group(1).lower() if den is not None else ""
+                    if word in _DENOMS and word != "half" and value and (value == 1) != word.endswith("s"):
+                        # "2 thirds"; "3 quarters" is also 3 coins
+                        alt = value if word in _AMBIGUOUS_DENOMS else None
+                        value, end, is_int = value / _DENOMS[word], den.end(), False
         sci = _SCI_RE.match(text, end)
         if sci is not None and kind == "num":
             exp_text = (sci.group(1) or sci.group(2) or sci.group(3)
@@ -245,7 +253,7 @@ def find_numbers(text: str) -> list[Num]:
         if scale is not None and (scale.group(3) in (None, "M") or currency):
             word = next(g for g in scale.groups() if g is not None).lower()
             value, end = value * _SCALE_WORD[word], scale.end()
-        values = [value]
+        values = [value] if alt is None else [value, alt]
         measure = None
         pct = _PERCENT_RE.match(text, end)
         compound = None
@@ -302,6 +310,32 @@ _WORDS = {**_UNITS, **_TENS, **_BIG, "hundred": 100, "dozen": 12, "none": 0, "ha
           "and": 0}
 _WORD_RE = re.compile(r"[A-Za-z]+")
 _MAX_PHRASE = 12
+_DENOM_ROOTS = {"half": 2, "third": 3, "quarter": 4, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
+                "eighth": 8, "ninth": 9, "tenth": 10, "twelfth": 12, "hundredth": 100, "thousandth": 1000}
+_DENOMS = {**_DENOM_ROOTS, **{w + "s": d for w, d in _DENOM_ROOTS.items() if w != "half"}, "halves": 2}
+_AMBIGUOUS_DENOMS = frozenset({"quarter", "quarters"})
+"""Also coins: "three quarters" is 3/4 or 3 (both readings kept)."""
+
+
+def _fraction_value(words: list[str]) -> tuple[Fraction, ...] | None:
+    """The value of a fraction in words ending with its denominator: "two thirds", "a quarter", "one
+    half", "three and one fifth", "a dozen and a half"; None when it is none: a singular denominator
+    needs a numerator of one ("twenty-fifth" is an ordinal), a plural one a numerator above one."""
+    den_word = words[-1]
+    den = _DENOMS[den_word]
+    body = words[:-1]
+    cut = max((i for i, w in enumerate(body) if w == "and"), default=-1)
+    whole_words, num_words = (body[:cut], body[cut + 1:]) if cut >= 0 else ([], body)
+    if not num_words:
+        return None
+    num = Fraction(1) if num_words in (["a"], ["an"], ["one"]) else _phrase_value(num_words)
+    if num is None or num.denominator != 1 or num < 1 or (num == 1) == den_word.endswith("s"):
+        return None
+    whole = _phrase_value(whole_words) if whole_words else Fraction(0)
+    if whole is None:
+        return None
+    value = whole + num / den
+    return (value, whole + num) if den_word in _AMBIGUOUS_DENOMS and not whole_words else (value,)
 
 
 def _phrase_value(words: list[str]) -> Fraction | None:
@@ -356,13 +390,20 @@ def find_number_words(text: str) -> list[Num]:
     def flush() -> None:
         if run:
             words = [w for w, _, _ in run]
-            # a leading "a"/"and" belongs to the phrase only before a scale word ("a dozen")
+            # a leading "a"/"and" belongs to the phrase only before a scale word ("a dozen") or a
+            # denominator ("a third")
             while words and words[0] in ("a", "an", "and") and not (
-                    len(words) > 1 and words[1] in ("dozen", "hundred", "thousand", "million", "half")):
+                    len(words) > 1 and (words[1] in ("dozen", "hundred", "thousand", "million")
+                                        or words[1] in _DENOMS)):
                 words, run[:] = words[1:], run[1:]
-            value = _phrase_value(words) if words else None
-            if value is not None:
-                out.append(_signed_words(text, run[0][1], run[-1][2], value, out))
+            values = _fraction_value(words) if len(words) > 1 and words[-1] in _DENOMS else None
+            if values is None and words and words[-1] in _DENOMS and words[-1] != "half":
+                words, run[:] = words[:-1], run[:-1]  # "twenty-fifth": the denominator is no part of it
+            if values is None:
+                value = _phrase_value(words) if words else None
+                values = (value,) if value is not None else None
+            if values is not None and run:
+                out.append(_signed_words(text, run[0][1], run[-1][2], values, out))
             run.clear()
 
     prev_end = -1
@@ -370,7 +411,11 @@ def find_number_words(text: str) -> list[Num]:
         if out and not run and m.start() < out[-1].end:
             continue  # "zero" of "five below zero"
         w = m.group(0).lower()
-        if w in _WORDS and (not run or _only_separators(text, prev_end, m.start())):
+        if w in _DENOMS and w != "half" and run and _only_separators(text, prev_end, m.start()) \
+                and not text.startswith("-", m.end()):  # "fourth-graders" are no fourths
+            run.append((w, m.start(), m.end()))
+            flush()  # a denominator ends the phrase
+        elif w in _WORDS and (not run or _only_separators(text, prev_end, m.start())):
             run.append((w, m.start(), m.end()))
         else:
             flush()
@@ -381,7 +426,7 @@ def find_number_words(text: str) -> list[Num]:
     return out
 
 
-def _signed_words(text: str, start: int, end: int, value: Fraction, before: list[Num]) -> Num:
+def _signed_words(text: str, start: int, end: int, values: tuple[Fraction, ...], before: list[Num]) -> Num:
     """The number in words at ``text[start:end]`` with its sign: "negative five", "minus five" (not
     "ten minus five"), "five below zero"."""
     negative = False
@@ -395,7 +440,7 @@ def _signed_words(text: str, start: int, end: int, value: Fraction, before: list
     below = _BELOW_ZERO_RE.match(text, end)
     if below is not None:
         end, negative = below.end(), not negative
-    return Num(start, end, (-value if negative else value,), words=True)
+    return Num(start, end, tuple(-v for v in values) if negative else values, words=True)
 
 
 def _only_separators(text: str, a: int, b: int) -> bool:
