@@ -9,7 +9,7 @@ around it: ``1,234`` / ``1 234`` / ``1{,}234`` (thousands), ``-5`` / ``−5`` /
 quantities (``2 hours and 30 minutes``, ``5'6"``: :attr:`Num.measure`); the power of a
 unit or a variable (the 2 of ``m^2``) is no number of its own.
 :func:`find_number_words` reads numbers written in words ("forty-two",
-"one hundred and five", "a dozen", "half a dozen", "none", "negative five").
+"one hundred and five", "a dozen", "two thirds", "negative five": :mod:`nanogrpo.rewards.number_words`).
 
 A number can mean more than one value: ``25%`` is 25 (the reference is often the
 bare number) and 1/4; ``2100 cents`` is 2100 and 21 (dollars). Those land in
@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from nanogrpo.rewards.number_words import AMBIGUOUS_DENOMS, BELOW_ZERO_RE, DENOMS, NEG_WORD_RE, word_numbers
 from nanogrpo.rewards.units import Measure, compound_at
 
 __all__ = ["Num", "MAX_DIGITS", "normalize", "find_numbers", "find_number_words", "read_number",
@@ -93,15 +94,12 @@ _DOLLARS = r"(?:dollars?|bucks|USD|\\text\{" + _GAP + r"dollars?" + _GAP + r"\})
 _CENTS_RE = re.compile(r"(?:" + _GAP1 + _DOLLARS + r")?"
                        r"(?:" + _GAP1 + r"and)?" + _GAP + r"([0-9]{1,2})" + _GAP + r"(?:cents?\b|¢)")
 _CENTS_UNIT_RE = re.compile(_GAP + r"(?:cents?\b|¢)")
-_BELOW_ZERO_RE = re.compile(r"(?:" + _GAP1 + r"degrees?)?(?:" + _GAP + r"°(?:" + _GAP + r"[CF])?)?" + _GAP1 +
-                            r"below" + _GAP1 + r"(?:zero|0)\b", re.IGNORECASE)
 _UNIT_POWER_RE = re.compile(r"(?:[A-Za-z]|\\(?:text|mathrm|mbox|textrm)\s{0,2}\{[A-Za-z ]{1,20}\})"
                             r"\s{0,2}\^\s{0,2}\{?\s{0,2}-?$")
 _SPACED_SIGN_RE = re.compile(r"(?:^|[=:(\[{$,\n]|\b(?:is|are|was|were|be|been|equals?|of|at|to|by|from|"
                              r"answer|"
                              r"result|total|value|change|difference|about|approximately))[ \t]{0,3}$",
                              re.IGNORECASE)
-_NEG_WORD_RE = re.compile(r"(?:negative|minus)\s+$", re.IGNORECASE)
 _PLAIN_AFTER = frozenset(",.;:!?)]}\n\r\"=+<>|&")
 _CURRENCY = "$€£¥₹"
 
@@ -168,7 +166,7 @@ def _sign_before(text: str, start: int) -> int:
         j -= 1
     if i - j and j > 0 and text[j - 1] == "-" and _SPACED_SIGN_RE.search(text, max(0, j - 24), j - 1):
         return j - 1  # "- 5" after "=", "is", a bracket or the start; "10 - 5", "x - 5" subtract
-    m = _NEG_WORD_RE.search(text, max(0, i - 12), i)
+    m = NEG_WORD_RE.search(text, max(0, i - 12), i)
     if m is None:
         return -1
     if m.group(0)[0] in "mM":
@@ -239,10 +237,10 @@ def find_numbers(text: str) -> list[Num]:
                 else:
                     den = _DENOM_AFTER_RE.match(text, end)
                     word = den.group(1).lower() if den is not None else ""
-                    if word in _DENOMS and word != "half" and value and (value == 1) != word.endswith("s"):
+                    if word in DENOMS and word != "half" and value and (value == 1) != word.endswith("s"):
                         # "2 thirds"; "3 quarters" is also 3 coins
-                        alt = value if word in _AMBIGUOUS_DENOMS else None
-                        value, end, is_int = value / _DENOMS[word], den.end(), False
+                        alt = value if word in AMBIGUOUS_DENOMS else None
+                        value, end, is_int = value / DENOMS[word], den.end(), False
         sci = _SCI_RE.match(text, end)
         if sci is not None and kind == "num":
             exp_text = (sci.group(1) or sci.group(2) or sci.group(3)
@@ -276,7 +274,7 @@ def find_numbers(text: str) -> list[Num]:
                 if unit is not None:
                     values.append(value / 100)
         sign = _sign_before(text, start)
-        below = _BELOW_ZERO_RE.match(text, end)
+        below = BELOW_ZERO_RE.match(text, end)
         if below is not None:
             end = below.end()
         if (below is not None) != (sign >= 0):
@@ -298,154 +296,9 @@ def _mixed_part(m: re.Match) -> Fraction | None:
     return _frac_value(m, 4)
 
 
-# ----------------------------------------------------------------------------- numbers in words
-
-_UNITS = {w: i for i, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-    "sixteen seventeen eighteen nineteen".split())}
-_TENS = {w: 10 * (i + 2)
-         for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split())}
-_BIG = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
-_WORDS = {**_UNITS, **_TENS, **_BIG, "hundred": 100, "dozen": 12, "none": 0, "half": 0, "a": 0, "an": 0,
-          "and": 0}
-_WORD_RE = re.compile(r"[A-Za-z]+")
-_MAX_PHRASE = 12
-_DENOM_ROOTS = {"half": 2, "third": 3, "quarter": 4, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
-                "eighth": 8, "ninth": 9, "tenth": 10, "twelfth": 12, "hundredth": 100, "thousandth": 1000}
-_DENOMS = {**_DENOM_ROOTS, **{w + "s": d for w, d in _DENOM_ROOTS.items() if w != "half"}, "halves": 2}
-_AMBIGUOUS_DENOMS = frozenset({"quarter", "quarters"})
-"""Also coins: "three quarters" is 3/4 or 3 (both readings kept)."""
-
-
-def _fraction_value(words: list[str]) -> tuple[Fraction, ...] | None:
-    """The value of a fraction in words ending with its denominator: "two thirds", "a quarter", "one
-    half", "three and one fifth", "a dozen and a half"; None when it is none: a singular denominator
-    needs a numerator of one ("twenty-fifth" is an ordinal), a plural one a numerator above one."""
-    den_word = words[-1]
-    den = _DENOMS[den_word]
-    body = words[:-1]
-    cut = max((i for i, w in enumerate(body) if w == "and"), default=-1)
-    whole_words, num_words = (body[:cut], body[cut + 1:]) if cut >= 0 else ([], body)
-    if not num_words:
-        return None
-    num = Fraction(1) if num_words in (["a"], ["an"], ["one"]) else _phrase_value(num_words)
-    if num is None or num.denominator != 1 or num < 1 or (num == 1) == den_word.endswith("s"):
-        return None
-    whole = _phrase_value(whole_words) if whole_words else Fraction(0)
-    if whole is None:
-        return None
-    value = whole + num / den
-    return (value, whole + num) if den_word in _AMBIGUOUS_DENOMS and not whole_words else (value,)
-
-
-def _phrase_value(words: list[str]) -> Fraction | None:
-    """Value of a run of number words, or None when it is not a number ("a", "and", "half" alone...)."""
-    while words and words[-1] in ("a", "an", "and"):
-        words = words[:-1]
-    while words and words[0] == "and":
-        words = words[1:]
-    if not words or all(w in ("a", "an", "and") for w in words):
-        return None
-    if len(words) > _MAX_PHRASE:
-        return None
-    total, current = Fraction(0), Fraction(0)
-    seen = False
-    i = 0
-    while i < len(words):
-        w = words[i]
-        nxt = words[i + 1] if i + 1 < len(words) else None
-        if w in ("a", "an"):
-            if nxt in ("dozen", "hundred", "thousand", "million", "billion", "trillion"):
-                current += 1
-            elif nxt == "half":
-                current += Fraction(1, 2)
-                i += 1
-            seen = seen or nxt is not None
-        elif w == "half":
-            if nxt in ("a", "an") and i + 2 < len(words) and words[i + 2] == "dozen":
-                current, i = current + 6, i + 2
-            else:
-                current += Fraction(1, 2)
-        elif w == "and":
-            pass
-        elif w == "none" or w in _UNITS or w in _TENS:
-            current += 0 if w == "none" else _WORDS[w]
-        elif w == "hundred":
-            current = (current or 1) * 100
-        elif w == "dozen":
-            current = (current or 1) * 12
-        else:  # thousand, million...
-            total += (current or 1) * _BIG[w]
-            current = Fraction(0)
-        seen = True
-        i += 1
-    return total + current if seen else None
-
-
 def find_number_words(text: str) -> list[Num]:
-    """Numbers written in words, in order: "forty-two", "one hundred and five", "a dozen", "none"."""
-    out: list[Num] = []
-    run: list[tuple[str, int, int]] = []
-
-    def flush() -> None:
-        if run:
-            words = [w for w, _, _ in run]
-            # a leading "a"/"and" belongs to the phrase only before a scale word ("a dozen") or a
-            # denominator ("a third")
-            while words and words[0] in ("a", "an", "and") and not (
-                    len(words) > 1 and (words[1] in ("dozen", "hundred", "thousand", "million")
-                                        or words[1] in _DENOMS)):
-                words, run[:] = words[1:], run[1:]
-            values = _fraction_value(words) if len(words) > 1 and words[-1] in _DENOMS else None
-            if values is None and words and words[-1] in _DENOMS and words[-1] != "half":
-                words, run[:] = words[:-1], run[:-1]  # "twenty-fifth": the denominator is no part of it
-            if values is None:
-                value = _phrase_value(words) if words else None
-                values = (value,) if value is not None else None
-            if values is not None and run:
-                out.append(_signed_words(text, run[0][1], run[-1][2], values, out))
-            run.clear()
-
-    prev_end = -1
-    for m in _WORD_RE.finditer(text):
-        if out and not run and m.start() < out[-1].end:
-            continue  # "zero" of "five below zero"
-        w = m.group(0).lower()
-        if w in _DENOMS and w != "half" and run and _only_separators(text, prev_end, m.start()) \
-                and not text.startswith("-", m.end()):  # "fourth-graders" are no fourths
-            run.append((w, m.start(), m.end()))
-            flush()  # a denominator ends the phrase
-        elif w in _WORDS and (not run or _only_separators(text, prev_end, m.start())):
-            run.append((w, m.start(), m.end()))
-        else:
-            flush()
-            if w in _WORDS:
-                run.append((w, m.start(), m.end()))
-        prev_end = m.end()
-    flush()
-    return out
-
-
-def _signed_words(text: str, start: int, end: int, values: tuple[Fraction, ...], before: list[Num]) -> Num:
-    """The number in words at ``text[start:end]`` with its sign: "negative five", "minus five" (not
-    "ten minus five"), "five below zero"."""
-    negative = False
-    m = _NEG_WORD_RE.search(text, max(0, start - 12), start)
-    if m is not None:
-        prev = text[max(0, m.start() - 8):m.start()].rstrip()
-        subtracts = m.group(0)[0] in "mM" and (
-            (prev and prev[-1].isdigit()) or (before and before[-1].end >= m.start() - 2))
-        if not subtracts:
-            start, negative = m.start(), True
-    below = _BELOW_ZERO_RE.match(text, end)
-    if below is not None:
-        end, negative = below.end(), not negative
-    return Num(start, end, tuple(-v for v in values) if negative else values, words=True)
-
-
-def _only_separators(text: str, a: int, b: int) -> bool:
-    gap = text[a:b]
-    return len(gap) <= 3 and all(c in " -\n\t" for c in gap)
+    """Numbers written in words, in order (:func:`nanogrpo.rewards.number_words.word_numbers`)."""
+    return [Num(start, end, values, words=True) for start, end, values in word_numbers(text)]
 
 
 _FULL_RE = re.compile(r"\s*(?:(?:\\?\$|[€£¥₹])\s*)?")
