@@ -1,5 +1,6 @@
 """The server tier on the CPU: weight-sync time and MB/s beside ``nanogrpo serve``'s HTTP relay on the same
-model, and the demo with ``rollout.max_staleness`` 0, 1, 2 side by side.
+model (two servers synced at once, and one after another, A B A B), and the demo with
+``rollout.max_staleness`` 0, 1, 2 side by side.
 
     python bench/server_tier_cpu.py sync --shape demo              # the demo model (0.8M parameters)
     python bench/server_tier_cpu.py sync --shape qwen2.5-0.5b      # Qwen2.5-0.5B's shape, random init
@@ -96,21 +97,33 @@ def _bench_tier(shape: str, repeats: int, model, model_dir: str, tmp: Path) -> N
 
     urls, procs, _, up = _servers(model_dir, tmp)
     try:
-        sync = WeightSync(ServerPool([ServerClient(u) for u in urls]), state_source(model, torch.float32))
-        times = []
-        for v in range(1, repeats + 2):
-            with torch.no_grad():
-                next(model.parameters()).add_(1e-3)
-            out = sync.sync(v)
-            if v > 1:  # the first includes the transfer groups' set-up
-                times.append(out)
-        mb = times[0]["sync/mb"]
-        med = sorted(t["sync/time_s"] for t in times)[len(times) // 2]
-        print(json.dumps({"bench": "server_tier_sync", "shape": shape, "servers": 2,
-                          "mb_total": round(mb, 1), "sync_s_median": round(med, 3),
-                          "send_s_median": round(sorted(t["sync/send_s"] for t in times)[len(times) // 2], 3),
-                          "mb_per_s": round(mb / med, 1), "repeats": repeats, "servers_up_s": round(up, 1)}),
-              flush=True)
+        pool = ServerPool([ServerClient(u) for u in urls])
+        source = state_source(model, torch.float32)
+        sync = WeightSync(pool, source)
+        times: dict[str, list[dict]] = {"parallel": [], "sequential": []}
+        v = 0
+        for r in range(repeats + 1):  # A B A B on the same servers; the first pair sets up the groups
+            for mode in times:
+                v += 1
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-3)
+                sync.parallel = mode == "parallel"
+                out = sync.sync(v)
+                if r > 0:
+                    times[mode].append(out)
+        for mode, ts in times.items():
+            mb = ts[0]["sync/mb"]
+            med = sorted(t["sync/time_s"] for t in ts)[len(ts) // 2]
+            print(json.dumps({"bench": "server_tier_sync", "mode": mode, "shape": shape, "servers": 2,
+                              "mb_total": round(mb, 1), "sync_s_median": round(med, 3),
+                              "send_s_median": round(sorted(t["sync/send_s"] for t in ts)[len(ts) // 2], 3),
+                              "mb_per_s": round(mb / med, 1), "repeats": repeats,
+                              "servers_up_s": round(up, 1)}), flush=True)
+        ratio = sorted(a["sync/time_s"] / b["sync/time_s"]
+                       for a, b in zip(times["sequential"], times["parallel"], strict=True))
+        print(json.dumps({"bench": "server_tier_sync_ratio", "shape": shape,
+                          "sequential_over_parallel_median": round(ratio[len(ratio) // 2], 2),
+                          "pairs": [round(x, 2) for x in ratio]}), flush=True)
     finally:
         _stop(procs)
 

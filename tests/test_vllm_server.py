@@ -6,8 +6,9 @@ weight-transfer engine, shared by the module's tests.
 - stop strings are stopped by the server and cut by nanogrpo's rule; multi-turn (tool) sessions run on it;
 - a server killed (SIGKILL) mid-run and restarted: the run finishes, retries counted, no step lost or
   trained twice, the server taken back once synced;
-- a sync interrupted (a server killed between ``/start_weight_update`` and ``/finish_weight_update``):
-  said loudly, that server out, the other serving the new weights only; back after a later sync;
+- a sync interrupted (a server killed between ``/start_weight_update`` and ``/finish_weight_update``),
+  servers synced one after another or at once: said loudly, that server out, the other serving the new
+  weights only; back after a later sync; synced at once, the two updates overlap;
 - ``kill -9`` of the trainer and ``--resume``: the servers (given other weights meanwhile) get the
   resumed weights before any new rollout;
 - a 2-rank FSDP2 trainer (gloo) with the server tier; 2 DDP / FSDP2 ranks with the asynchronous pipeline.
@@ -187,6 +188,67 @@ def test_every_sync_gives_both_servers_the_trainers_weights(servers, tmp_path):
         assert abs(r["is_weight_max"] - 1) < 1e-3 and abs(r["is_weight_min"] - 1) < 1e-3  # ratio vs server
 
 
+def test_servers_are_synced_at_once_or_one_after_another(servers):
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+
+    spans: dict[str, list[float]] = {}
+
+    class Timed(ServerClient):  # the real server; when its update starts and ends
+        def start_weight_update(self) -> None:
+            spans[self.url] = [time.monotonic()]
+            super().start_weight_update()
+
+        def finish_weight_update(self, *args, **kwargs) -> None:
+            super().finish_weight_update(*args, **kwargs)
+            spans[self.url].append(time.monotonic())
+
+    model = _model(seed=2)
+    engine, sync = _tier(servers, model, [Timed(u) for u in servers.urls])
+    sync.sync(19)  # the transfer groups are set up (one at a time)
+    for version, parallel in ((20, True), (21, False), (22, True), (23, False)):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        sync.parallel = parallel
+        spans.clear()
+        assert sync.sync(version)["sync/servers"] == 2
+        (a0, a1), (b0, b1) = spans.values()
+        assert (min(a1, b1) > max(a0, b0)) == parallel, (parallel, spans)  # the two updates overlap
+        assert [c.weight_version() for c in (s.client for s in engine.pool.slots)] == [str(version)] * 2
+        engine.min_version = engine.max_version = version
+        diffs = _probe_diff(engine, model, [1, 5, 6, 7])
+        assert len(diffs) == 2 and max(diffs.values()) < 1e-4, diffs
+
+
+def test_passes_at_once_each_yield_the_whole_model_from_one_state():
+    import threading
+
+    from nanogrpo.transfer.source import StateSource
+
+    state = {f"w{i}": torch.full((4, 4), float(i)) for i in range(250)}
+    taken = []
+    source = StateSource(lambda: taken.append(1) or state, torch.bfloat16)
+    got: list[list[str]] = []
+
+    def one_pass() -> None:
+        got.append([k for k, t in source if t.dtype == torch.bfloat16 and float(t[0, 0]) == int(k[1:])])
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: a race between passes shows
+    try:
+        for _ in range(20):
+            with source.pinned():
+                threads = [threading.Thread(target=one_pass) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert len(got) == 60 and all(names == list(state) for names in got)  # each pass its own, whole
+    assert len(taken) == 20  # one state per pinned block, not one per pass
+
+
 def test_stop_strings_are_stopped_by_the_server(servers):
     from nanogrpo.data import make_split
     from nanogrpo.data.prompts import encode_prompts
@@ -294,7 +356,8 @@ def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
     assert all(r["sync/probe_diff"] < 1e-4 for r in rows)
 
 
-def test_a_sync_interrupted_by_a_killed_server(servers, caplog):
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-after-another", "at-once"])
+def test_a_sync_interrupted_by_a_killed_server(servers, caplog, parallel):
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.vllm_server.http import ServerClient
     from nanogrpo.rollout.vllm_server.pool import OUT, UP
@@ -307,6 +370,7 @@ def test_a_sync_interrupted_by_a_killed_server(servers, caplog):
     model = _model(seed=1)
     clients = [ServerClient(servers.urls[0]), ServerClient(servers.urls[1])]
     engine, sync = _tier(servers, model, clients)
+    sync.parallel = parallel  # at once: the other server's update runs while this one is killed
     sync.sync(10)
     engine.pool.slots[1].client = KilledAfterStart(servers.urls[1])
     engine.pool.slots[1].transfer.client = engine.pool.slots[1].client

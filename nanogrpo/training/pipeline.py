@@ -73,7 +73,7 @@ class ServerTier:
         self.sync_driver = WeightSync(engine.pool, self.source, transfer=v.transfer,
                                       master_address=v.master_address, bucket_bytes=int(v.bucket_mb * 2**20),
                                       server_world=v.server_world, timeout_s=v.transfer_timeout_s,
-                                      rank=backend.rank, broadcast=broadcast)
+                                      rank=backend.rank, broadcast=broadcast, parallel=v.parallel_sync)
         self.k = cfg.rollout.max_staleness
         self.probe_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"] \
             if tokenizer is not None and cfg.vllm_server.probe else None

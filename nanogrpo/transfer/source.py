@@ -12,6 +12,7 @@ gathered at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
@@ -26,17 +27,31 @@ class StateSource(WeightSource):
         self.passes = 0
         """Passes started (each ``iter()``)."""
         self._live: Iterator | None = None
+        self._pinned: dict[str, torch.Tensor] | None = None
+
+    @contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Every pass inside takes one state dict, taken on entry (several servers sent to at once,
+        one pass each: a LoRA merge made once, not once per pass)."""
+        self._pinned = self._state()
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        return self._pinned if self._pinned is not None else self._state()
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(k, self._dtype(v), tuple(v.shape)) for k, v in self._state().items()]
+        return [ParamMeta(k, self._dtype(v), tuple(v.shape)) for k, v in self._current().items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.passes += 1
-        self._live = self._pass()
-        return self._live
+        self._live = live = self._pass()  # returned from the local: another thread may start a pass meanwhile
+        return live
 
     def finish_pass(self, started: bool) -> None:
         """After a send failed on this rank: run the rest of the pass it started (``started``), else a whole
@@ -48,7 +63,7 @@ class StateSource(WeightSource):
     def _pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         # no ``torch.no_grad()`` here: a generator left suspended inside it (a sender stops at the last
         # tensor it needs) would leave gradients off in the caller's thread; detached tensors need none
-        for k, v in self._state().items():
+        for k, v in self._current().items():
             full = materialize_full_tensor(v.detach())
             yield k, full.detach().to(dtype=self._dtype(v))
 

@@ -8,7 +8,11 @@ One sync (:meth:`WeightSync.sync`), driven by trainer rank 0:
 3. for each server: its trainer-side engine (``vllm_server.transfer``: ``gloo`` ours on the CPU, ``nccl``
    or ``ipc`` vLLM's; one process group per server, so a failure stays that server's) sends the
    weights bucket by bucket (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``),
-   then ``/update_weight_version`` sets the version and ``/weight_info`` must read it back;
+   then ``/update_weight_version`` sets the version and ``/weight_info`` must read it back. One server
+   after another, or, for a one-process trainer with ``parallel`` (``vllm_server.parallel_sync``), every
+   server at once, one thread each (the model's state taken once for all of them: a LoRA merge is not
+   made once per server); several trainer ranks always go one server after another, since each pass
+   gathers FSDP2 shards with collectives that every rank must run in the same order;
 4. every server is resumed (``/resume``); a request paused mid-sequence continues under the new
    weights (its ``weight_versions`` then span two versions).
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +68,7 @@ class WeightSync:
 
     def __init__(self, pool: ServerPool, source, *, transfer: str = "gloo", master_address: str = "127.0.0.1",
                  bucket_bytes: int = 64 << 20, server_world: int = 1, timeout_s: float = 300.0, rank: int = 0,
-                 broadcast: Callable[[int], int] | None = None):
+                 broadcast: Callable[[int], int] | None = None, parallel: bool = False):
         if transfer not in TRANSFERS:
             raise ValueError(f"unknown weight transfer {transfer!r}: one of {TRANSFERS}")
         self.pool, self.source, self.transfer = pool, source, transfer
@@ -71,18 +76,27 @@ class WeightSync:
         self.server_world, self.timeout_s, self.rank = server_world, timeout_s, rank
         self.broadcast = broadcast or (lambda x: x)
         self.multi_rank = broadcast is not None
+        self.parallel = parallel and not self.multi_rank
+        """Send to every server at once (one thread each); never with several trainer ranks."""
         self.version: int | None = None
         self.history: list[int] = []
         """Versions synced, oldest first."""
         self.failures = 0
+        self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self.last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ one server
 
     def _engine(self, slot: Slot):
-        """The trainer-side engine bound to ``slot`` (built, and the server's side initialised, once)."""
-        if slot.transfer is not None:
+        """The trainer-side engine bound to ``slot`` (built, and the server's side initialised, once; one
+        build at a time: vLLM's engine registry is not guarded for threads)."""
+        with self._build_lock:
+            if slot.transfer is None:
+                slot.transfer = self._build(slot)
             return slot.transfer
+
+    def _build(self, slot: Slot):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from nanogrpo.transfer.plugin import register
@@ -104,9 +118,7 @@ class WeightSync:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
             info = IPCTrainerInitInfo(rank=0)
-        slot.transfer = WeightTransferTrainerFactory.trainer_init(info, client=slot.client,
-                                                                  source=self.source)
-        return slot.transfer
+        return WeightTransferTrainerFactory.trainer_init(info, client=slot.client, source=self.source)
 
     def _send_one(self, slot: Slot, version: int) -> None:
         engine = self._engine(slot)
@@ -159,22 +171,11 @@ class WeightSync:
                     else:
                         pool.mark_out(slot, f"pause failed: {err}")
             t_pause = time.perf_counter()
-            done = 0
-            for slot in targets:
-                passes = getattr(self.source, "passes", 0)
-                try:
-                    self._send_one(slot, version)
-                    pool.mark_synced(slot, str(version))
-                    done += 1
-                    continue
-                except Exception as e:  # the server's side failed: it must not serve mixed weights
-                    self.failures += 1
-                    log.error("weight sync to %s failed (%s: %s); it is out of the pool until a later sync "
-                              "gives it the whole weights", slot.url, type(e).__name__,
-                              str(e).splitlines()[0] if str(e) else "")
-                    pool.mark_out(slot, f"weight sync failed: {e}")
-                if self.multi_rank:  # the other ranks' gathers of this pass must still run
-                    self.source.finish_pass(started=getattr(self.source, "passes", 0) > passes)
+            if self.parallel and len(targets) > 1:
+                with self.source.pinned(), ThreadPoolExecutor(max_workers=len(targets)) as exe:
+                    done = sum(exe.map(lambda slot: self._sync_one(slot, version), targets))
+            else:
+                done = sum(self._sync_one(slot, version) for slot in targets)
             t_send = time.perf_counter()
         finally:
             for slot in paused:
@@ -197,6 +198,25 @@ class WeightSync:
                      "sync/mb_per_s": mb * done / send_s if send_s > 0 else float("nan"),
                      "sync/servers": float(done)}
         return dict(self.last)
+
+    def _sync_one(self, slot: Slot, version: int) -> bool:
+        """Send to one server; on any failure take it out (it must not serve mixed weights) and, with
+        several trainer ranks, run the rest of this pass's gathers so that no rank hangs."""
+        passes = getattr(self.source, "passes", 0)
+        try:
+            self._send_one(slot, version)
+            self.pool.mark_synced(slot, str(version))
+            return True
+        except Exception as e:
+            with self._lock:
+                self.failures += 1
+            log.error("weight sync to %s failed (%s: %s); it is out of the pool until a later sync "
+                      "gives it the whole weights", slot.url, type(e).__name__,
+                      str(e).splitlines()[0] if str(e) else "")
+            self.pool.mark_out(slot, f"weight sync failed: {e}")
+        if self.multi_rank:  # the other ranks' gathers of this pass must still run
+            self.source.finish_pass(started=getattr(self.source, "passes", 0) > passes)
+        return False
 
     @staticmethod
     def _pause(slot: Slot) -> Exception | None:
