@@ -246,6 +246,19 @@ def test_readers_of_other_kinds_of_answers() -> None:
     assert r.values is not None and float(r.values[0]) == 1234.5
 
 
+@pytest.mark.parametrize("answer, ref, right", [
+    ("2 \\le x \\le 5", "[2,5]", True), ("2 \\leq x < 5", "[2, 5)", True), ("5 \\ge x > 2", "(2,5]", True),
+    ("x > 3", "(3, \\infty)", True), ("3 < x", "(3,\\infty)", True),
+    ("x \\leqslant -1", "(-\\infty,-1]", True),
+    ("-\\frac12 < x < 3", "\\left(-\\frac{1}{2}, 3\\right)", True),
+    ("[3, \\infty)", "x \\ge 3", True),  # the other way round: the reference is the inequality
+    ("2 < x \\le 5", "[2,5]", False), ("x \\ge 3", "(3,\\infty)", False), ("x < 3", "(3, \\infty)", False),
+    ("(3, \\infty)", "x \\ge 3", False), ("2 < x > 5", "(2,5)", False), ("x > y", "(3,\\infty)", False),
+])
+def test_an_inequality_is_the_interval_it_describes(answer: str, ref: str, right: bool) -> None:
+    assert ok(f"The final answer is $\\boxed{{{answer}}}$.", ref) is right
+
+
 def test_final_span_reads_where_a_grader_looks() -> None:
     assert final_span("<answer>\n (2,3) \n</answer>").text == "(2,3)"
     assert final_span("<answer></answer>").text == ""

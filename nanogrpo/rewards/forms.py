@@ -1,6 +1,7 @@
 """Answers of other forms than a number or an expression: multiple-choice letters (:func:`choice`,
 :func:`choices`), word answers (:func:`words`), numbers in a base (:func:`base_number`), clock times
-(:func:`clock`, :func:`same_time`), and the delimited math inside a sentence (:func:`math_segments`).
+(:func:`clock`, :func:`same_time`), inequalities as intervals (:func:`as_interval`), and the delimited math
+inside a sentence (:func:`math_segments`).
 
 Every pattern is bounded; none can backtrack without bound.
 """
@@ -11,8 +12,8 @@ import re
 
 from nanogrpo.rewards.latex import _BOX_RE, _DELIMS_RE, _unwrap
 
-__all__ = ["choice", "choices", "words", "base_number", "clock", "clocks_in", "same_time", "math_segments",
-           "math_segment_matches", "MATH_SEGMENT_RE"]
+__all__ = ["choice", "choices", "words", "base_number", "clock", "clocks_in", "same_time", "as_interval",
+           "is_interval", "math_segments", "math_segment_matches", "MATH_SEGMENT_RE"]
 
 _TEXT_OPEN = r"(?:\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s{0,2}\{\s{0,2})?"
 _CHOICE_RE = re.compile(r"^\s*" + _TEXT_OPEN + r"\(\s{0,2}([A-Ha-h])\s{0,2}\)"
@@ -126,6 +127,49 @@ def same_time(a: tuple[int, int, str | None], b: tuple[int, int, str | None]) ->
     if b[2] is not None:
         return mine == _minutes(*b)
     return b[0] * 60 + b[1] == mine or (1 <= b[0] <= 12 and (b[0] % 12) * 60 + b[1] == mine % 720)
+
+
+_REL_RE = re.compile(r"(<=?|>=?|≤|≥|\\[lg]e(?:q(?:slant)?)?(?![A-Za-z]))")
+_INTERVAL_RE = re.compile(r"^\s*[\[(][^\[\]()]{0,80}(?:\([^()]{0,40}\)[^\[\]()]{0,40})*,.{0,80}[\])]\s*$")
+
+
+def _less(rel: str) -> tuple[bool, bool]:
+    """``(points left to right, strict)`` of a relation: ``<`` is (True, True), ``\\geq`` (False, False)."""
+    return rel.startswith("<") or rel in ("≤",) or rel.startswith("\\l"), rel in ("<", ">")
+
+
+def as_interval(text: str) -> str | None:
+    """An inequality in one variable as the interval it describes, in LaTeX: ``2 \\le x < 5`` ->
+    ``[2, 5)``, ``x > 3`` and ``3 < x`` -> ``(3, \\infty)``, ``5 \\ge x \\ge 2`` -> ``[2, 5]``; None for
+    anything else (two variables, relations pointing both ways, no variable)."""
+    if len(text) > 200:
+        return None
+    parts = [p.strip() for p in _REL_RE.split(text)]
+    var = re.compile(r"[A-Za-z]")
+    if len(parts) == 5 and var.fullmatch(parts[2]) and parts[0] and parts[4]:
+        (l1, s1), (l2, s2) = _less(parts[1]), _less(parts[3])
+        if l1 != l2:
+            return None
+        lo, hi, s_lo, s_hi = (parts[0], parts[4], s1, s2) if l1 else (parts[4], parts[0], s2, s1)
+        return ("(" if s_lo else "[") + lo + ", " + hi + (")" if s_hi else "]")
+    if len(parts) == 3 and parts[0] and parts[2]:
+        if var.fullmatch(parts[0]) and not var.fullmatch(parts[2]):
+            less, strict = _less(parts[1])
+            bound = parts[2]
+        elif var.fullmatch(parts[2]) and not var.fullmatch(parts[0]):
+            less, strict = _less(parts[1])
+            less, bound = not less, parts[0]  # "3 < x" is "x > 3"
+        else:
+            return None
+        if less:
+            return "(-\\infty, " + bound + (")" if strict else "]")
+        return ("(" if strict else "[") + bound + ", \\infty)"
+    return None
+
+
+def is_interval(latex: str) -> bool:
+    """Whether ``latex`` is one interval: ``[2, 5)``, ``(-\\infty, 3]``."""
+    return _INTERVAL_RE.match(latex) is not None and "\\cup" not in latex
 
 
 MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,400})\$\$|(?<![\\$])\$([^$\n]{1,400})(?<!\\)\$"

@@ -23,6 +23,8 @@ ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
   ("She arrives at 8:30 p.m.") gives that time, with two different ones it gives none;
 - a letter, a word, a base: compared as such (``(B)`` = ``\\textbf{(B)}``; "The function is odd." =
   ``\\text{odd}`` but "even, not odd" is not; ``1011_{2}`` = ``1011`` but ``1011_3`` is not);
+- an inequality in one variable against an interval, or the other way round: as that interval
+  (``2 \\le x < 5`` = ``[2, 5)``, ``x > 3`` = ``(3, \\infty)``);
 - anything else: math_verify on the answer, delimited, so it is read whole (lists as multisets when
   the reference is a list; tuples, intervals, sets and matrices by structure); a sentence with math
   in it is left to math_verify's own reading of that sentence. A finite decimal never equals an
@@ -44,11 +46,13 @@ from functools import lru_cache
 from nanogrpo.rewards import verify
 from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
 from nanogrpo.rewards.forms import (
+    as_interval,
     base_number,
     choice,
     choices,
     clock,
     clocks_in,
+    is_interval,
     math_segment_matches,
     math_segments,
     same_time,
@@ -253,6 +257,10 @@ def _against(text: str, raw: str, completion: str, ref: Reference, question: str
         return verify.equal(text, ref.latex)
     if "".join(text.split()) == "".join(ref.latex.split()):
         return True  # written as the reference is
+    if is_interval(ref.latex) and (interval := as_interval(text)) is not None:
+        return verify.equal(interval, ref.latex)  # "2 \\le x < 5" against [2, 5)
+    if is_interval(text) and (interval := as_interval(ref.latex)) is not None:
+        return verify.equal(text, interval)
     if what == "number":
         return _decimal_vs_exact(plain_values(text) or (), text, ref)
     if what == "prose":
