@@ -7,6 +7,7 @@ shapes, random init: no download). Not run yet (no GPU lent to this project); wr
 
 The trainer's model lives on GPU 0; server ``i`` runs on GPU ``i + 1`` (``--transfer ipc``: one server on
 GPU 0 beside the trainer). For 1 and then 2 servers: ``--repeats`` syncs (median time, GB/s per server),
+(with 2 servers, one after another and at once, ``vllm_server.parallel_sync``, alternating),
 then one rollout of ``--prompts`` x ``--group`` samples of ``--new-tokens`` tokens each (EOS ignored, so
 every sample has the same length): tokens/s over the servers. One JSON line per measurement.
 """
@@ -75,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             pool = ServerPool([ServerClient(u) for u in urls[:n]])
             engine = ServerEngine(pool, [tok.eos_token_id], ignore_eos=True, concurrency=256)
             sync = WeightSync(pool, state_source(model, torch.bfloat16), transfer=a.transfer)
-            times = []
-            for v in range(1, a.repeats + 2):
-                out = sync.sync(v)
-                if v > 1:
-                    times.append(out["sync/time_s"])
-            engine.min_version = engine.max_version = a.repeats + 1
+            times, at_once = [], []
+            v = 0
+            for r in range(a.repeats + 1):  # with 2 servers also at once (parallel_sync), A B A B
+                for parallel in ([False, True] if n > 1 else [False]):
+                    v += 1
+                    sync.parallel = parallel
+                    out = sync.sync(v)
+                    if r > 0:
+                        (at_once if parallel else times).append(out["sync/time_s"])
+            engine.min_version = engine.max_version = v
             gb = out["sync/mb"] / 1024 / n
             med = sorted(times)[len(times) // 2]
             prompts = [[5 + (i % 90)] * 32 for i in range(a.prompts)]
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"bench": "server_tier_gpu", "shape": a.shape, "transfer": a.transfer,
                               "servers": n,
                               "gb_per_server": round(gb, 2), "sync_s_median": round(med, 3),
-                              "gb_per_s_per_server": round(gb / med, 1), "rollout_tokens": toks,
+                              "gb_per_s_per_server": round(gb / med, 1),
+                              "sync_s_median_at_once": round(sorted(at_once)[len(at_once) // 2], 3)
+                              if at_once else None, "rollout_tokens": toks,
                               "rollout_s": round(dt, 2), "tokens_per_s": round(toks / dt)}), flush=True)
             sync.close()
     finally:
