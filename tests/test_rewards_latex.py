@@ -257,6 +257,9 @@ def test_readers_of_other_kinds_of_answers() -> None:
 ])
 def test_an_inequality_is_the_interval_it_describes(answer: str, ref: str, right: bool) -> None:
     assert ok(f"The final answer is $\\boxed{{{answer}}}$.", ref) is right
+    assert ok(f"<answer>The solution set is ${answer}$.</answer>", ref) is right  # in a sentence
+    if "infty" in ref or "[" in ref:  # not announced: the last math of the text
+        assert ok(f"Solving the inequality step by step, we get ${answer}$.", ref) is right
 
 
 def test_final_span_reads_where_a_grader_looks() -> None:

@@ -138,13 +138,21 @@ def _less(rel: str) -> tuple[bool, bool]:
     return rel.startswith("<") or rel in ("≤",) or rel.startswith("\\l"), rel in ("<", ">")
 
 
+def _operand(text: str) -> bool:
+    """Whether ``text`` can be one side of an inequality: math, no words, no list, no equation."""
+    bare = re.sub(r"\\[A-Za-z]+", " ", text)
+    return bool(text) and len(text) <= 80 and not re.search(r"[A-Za-z]{2,}|[,=;:?!]", bare)
+
+
 def as_interval(text: str) -> str | None:
     """An inequality in one variable as the interval it describes, in LaTeX: ``2 \\le x < 5`` ->
     ``[2, 5)``, ``x > 3`` and ``3 < x`` -> ``(3, \\infty)``, ``5 \\ge x \\ge 2`` -> ``[2, 5]``; None for
     anything else (two variables, relations pointing both ways, no variable)."""
     if len(text) > 200:
         return None
-    parts = [p.strip() for p in _REL_RE.split(text)]
+    parts = [p.strip() for p in _REL_RE.split(text.strip().rstrip("."))]
+    if not all(_operand(p) for p in parts[::2]):
+        return None  # "The solution set is 2 \\le x \\le 5": a sentence, not an inequality
     var = re.compile(r"[A-Za-z]")
     if len(parts) == 5 and var.fullmatch(parts[2]) and parts[0] and parts[4]:
         (l1, s1), (l2, s2) = _less(parts[1]), _less(parts[3])

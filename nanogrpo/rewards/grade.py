@@ -287,6 +287,14 @@ def _hedged(raw: str) -> bool:
     return any(_HEDGE_RE.search(raw, a.end(), b.start()) for a, b in zip(segments, segments[1:]))
 
 
+def _last_interval(segments: list[re.Match], ref: Reference) -> str | None:
+    """The interval the last delimited math of a sentence describes when it is an inequality and the
+    reference an interval (:func:`~nanogrpo.rewards.forms.as_interval`), else None."""
+    if not segments or not is_interval(ref.latex):
+        return None
+    return as_interval(clean(next(g for g in segments[-1].groups() if g is not None)))
+
+
 def _prose(raw: str, ref: Reference) -> bool:
     """A sentence against a LaTeX reference: math_verify's reading of it (the last delimited math,
     joined lists, "answer is"), else what follows its last "is" / "are" / "=" when that is math;
@@ -301,6 +309,9 @@ def _prose(raw: str, ref: Reference) -> bool:
         segments = [m for m in segments if m not in negated]
     if _hedged(raw):
         return False
+    interval = _last_interval(segments, ref)
+    if interval:  # "The solution is $x < -2$." against (-\\infty, -2)
+        return verify.equal(interval, ref.latex)
     if segments and verify.region_equal(raw, ref.latex):
         return True
     cop = None
@@ -326,9 +337,11 @@ def grade(completion: str, reference_text: str, question: str | None = None) -> 
         tail = tail[-verify.MAX_REGION:]
         if ref.words is not None:
             return _words_match(ref.words, tail[-200:])
-        if not math_segment_matches(tail[-verify.MAX_REGION:]):
+        segments = math_segment_matches(tail[-verify.MAX_REGION:])
+        if not segments:
             return False  # no delimited math at the end: nothing a LaTeX reference could equal
-        return verify.region_equal(tail, ref.latex)
+        interval = _last_interval(segments, ref)
+        return verify.equal(interval, ref.latex) if interval else verify.region_equal(tail, ref.latex)
     if len(span.text) > verify.MAX_REGION:  # no final answer is this long: a passage, read as one
         if ref.values is not None:
             return _numbers(completion, ref, question)
