@@ -177,7 +177,7 @@ def as_interval(text: str) -> str | None:
 
 def is_interval(latex: str) -> bool:
     """Whether ``latex`` is one interval: ``[2, 5)``, ``(-\\infty, 3]``."""
-    return _INTERVAL_RE.match(latex) is not None and "\\cup" not in latex
+    return len(latex) <= 200 and _INTERVAL_RE.match(latex) is not None and "\\cup" not in latex
 
 
 MATH_SEGMENT_RE = re.compile(r"\$\$([^$]{1,400})\$\$|(?<![\\$])\$([^$\n]{1,400})(?<!\\)\$"
