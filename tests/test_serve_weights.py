@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -276,9 +277,11 @@ def test_versions_move_forward_by_a_bounded_step_and_a_publisher_behind_is_told_
         assert c.weights_version() == 510
 
 
-def test_a_retried_publish_whose_first_attempt_landed_is_a_success():
+@pytest.mark.parametrize("first_attempt_s", [0.0, 1.5], ids=["quick", "slower-than-the-retry-window"])
+def test_a_retried_publish_whose_first_attempt_landed_is_a_success(first_attempt_s):
     st = ServerState(Settings(vocab_size=VOCAB), TOKEN)
-    with LiveServer(st) as srv, ServerClient(srv.url, TOKEN, timeout_s=5, retry_for_s=5) as c:
+    # the retry window opens at the first failure: an attempt that took longer than it still gets retried
+    with LiveServer(st) as srv, ServerClient(srv.url, TOKEN, timeout_s=5, retry_for_s=1) as c:
         calls = []
         real = c.http.stream  # the client reads every answer streaming (nanogrpo.http_limits)
 
@@ -288,6 +291,7 @@ def test_a_retried_publish_whose_first_attempt_landed_is_a_success():
                 if path == "/weights" and method == "POST" and not calls:
                     r.read()
                     calls.append(r.status_code)
+                    time.sleep(first_attempt_s)
                     raise httpx.ReadTimeout("answer lost")      # it landed; the client does not know
                 yield r
         c.http.stream = lose_first_answer

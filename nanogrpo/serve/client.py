@@ -2,7 +2,7 @@
 
 Every request has a timeout. Connection failures, timeouts, 5xx and "busy"
 answers (429/503, honouring ``Retry-After``) are retried with exponential
-backoff and jitter for up to ``retry_for_s`` seconds, then raise
+backoff and jitter for up to ``retry_for_s`` seconds from the first failure, then raise
 :class:`ServerError` (a server that keeps answering "busy, retry after" is alive, and is
 waited for without limit); a 4xx that retrying cannot fix raises at once with the
 server's one-line reason. Uploads carry an ``X-Batch-Id`` that stays the same
@@ -172,8 +172,8 @@ class ServerClient:
         """One request, retried as the module docstring says; its answer read with at most ``cap``
         bytes (past it: :class:`ServerError` saying ``too_large``, not retried). ``into``: a path a 2xx
         answer's body is written to (from its start at every attempt), not kept in memory."""
-        deadline = time.monotonic() + self.retry_for_s
-        delay = self.backoff[0]
+        deadline: float | None = None  # the retry window opens at the first failure: a slow attempt
+        delay = self.backoff[0]         # that then fails (a lost answer) still gets its retries
         away_since: float | None = None
         while True:
             try:
@@ -203,6 +203,8 @@ class ServerClient:
                 problem = f"{type(e).__name__}: {str(e)[:200]}"
                 wait = delay
             now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.retry_for_s
             if now + wait > deadline:
                 raise ServerError(f"{what}: server {self.url} unavailable for {self.retry_for_s:.0f} s "
                                   f"(last: {problem}); is `nanogrpo serve` running?")
