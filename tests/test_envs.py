@@ -45,7 +45,6 @@ def test_step_results_of_every_shape():
     assert (gym.observation, gym.reward, gym.done, gym.info) == ("obs", 2.0, True, {"k": 1})
     assert as_step_result(("o", 0.5)).reward == 0.5
     assert as_step_result("just text") == StepResult("just text")
-    assert as_step_result(None).done
     msgs = as_step_result(([{"role": "tool", "content": "42"}], 0, False)).observation
     assert msgs == [{"role": "tool", "content": "42"}]
 
@@ -57,6 +56,7 @@ def test_step_results_of_every_shape():
         (("o", math.inf, True), "non-finite"),
         (("o", "lots", False), "not a number"),
         (42, "StepResult"),
+        (None, "answered None"),  # a step that forgot its return: an env_error, counted (issue 44)
         ((123, 1.0, False), "observation of type int"),
         (([{"role": "user"}], 1.0, False), "observation"),
         (StepResult("o", info=[1]), "info"),
