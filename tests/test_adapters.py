@@ -186,6 +186,24 @@ def test_textarena_game_with_its_real_rules():
     assert guess == secret and res.reward == 1.0 and res.info["success"] is True and moves <= 5
 
 
+def test_textarena_observations_are_bounded_while_they_are_joined():
+    """A game's messages are joined no further than max_observation_bytes (the rollout sets it): past it
+    the reset ends as too_long, the text never built whole (issue 44)."""
+    need("textarena")
+    from nanogrpo.envs.runner import EnvRunner
+
+    cfg = Config.load("demo", ["env.source=textarena:GuessTheNumber-v0"])
+    runner = EnvRunner.from_config(cfg)
+    try:
+        roomy, tight = [o.value for o in runner.make(1, {"max_observation_bytes": 100_000})] + \
+            [o.value for o in runner.make(1, {"max_observation_bytes": 60})]
+        ok, refused = runner.call([roomy, tight], "reset", [{"seed": 3}, {"seed": 3}])
+        assert ok.ok and len(ok.value) > 60
+        assert refused.status == "too_long" and "more than 60 characters" in refused.error, refused
+    finally:
+        runner.close()
+
+
 @pytest.fixture
 def openenv_server():
     need("openenv.core")
@@ -248,7 +266,6 @@ def test_openenv_observations_are_bounded_by_what_the_rollout_can_show(openenv_s
         runner.close()
 
 
-@pytest.mark.slow
 def test_an_openenv_server_at_capacity_drops_and_counts_and_says_so_once(policy, tmp_path, caplog):
     """The server `openenv init` scaffolds (max_concurrent_envs=1; its app served by uvicorn, as its README
     says) against 8 episodes at once: 7 sessions are refused, each group with a refused episode is dropped

@@ -180,3 +180,26 @@ def test_runner_catches_raising_and_hanging_calls_and_goes_on():
     finally:
         release.set()
         run.close()
+
+
+def test_a_failure_is_named_by_the_line_that_says_what_is_missing():
+    """nltk's missing-data error (TextArena's Wordle offline) opens with a row of asterisks: the warning
+    shows the line that names the missing resource (issue 44: it showed `LookupError: ******…`)."""
+    from tests.adapter_fixtures import need
+
+    nltk = need("nltk")
+    run = _runner()
+
+    class NeedsData:
+        def reset(self, row):
+            nltk.data.find("corpora/nanogrpo_no_such_corpus")  # the library's own error, as Wordle's
+            return "x"
+
+        def step(self, action):
+            return "x"
+
+    try:
+        (o,) = run.call([NeedsData()], "reset", [{}])
+    finally:
+        run.close()
+    assert o.status == "error" and o.error == "LookupError: Resource 'nanogrpo_no_such_corpus' not found.", o
