@@ -294,9 +294,14 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     rows = (rows if rows is not None else load_eval_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     episodes = Episodes.from_config(cfg, env)
+    from nanogrpo.data.images import check_images_early, check_model_takes_images
+    from nanogrpo.models.vision import is_vision
+
+    if engine is None:  # before the engine is built: vLLM and fast take no images
+        check_images_early(rows, cfg.data.image_field, engine=cfg.rollout.engine, vision=is_vision(model),
+                           model=cfg.model.path, multi_turn=episodes is not None or cfg.tools.enabled)
     max_len = longest_context(cfg, tokenizer, max_new) if episodes is None else episodes.longest(max_new)
     engine = engine or engine_for(cfg, model, tokenizer, max_len=max_len)
-    from nanogrpo.data.images import check_model_takes_images
 
     check_model_takes_images(rows, cfg.data.image_field, getattr(engine, "vision", None), cfg.model.path)
     model.eval()

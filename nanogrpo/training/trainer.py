@@ -112,6 +112,9 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         if model_path is None:
             model_path = check_model_source(cfg.model)
+        from nanogrpo.models.vision import check_run_images
+
+        check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
         if cfg.rollout.engine in ("vllm", "vllm_server"):
             from nanogrpo.rollout.vllm_engine import import_vllm
 
