@@ -150,6 +150,17 @@ def _reference():
     return mod
 
 
+def test_the_committed_config_reference_is_the_code_s():
+    """docs/reference/config.md holds the generated reference (a reader of the repository finds it, not a
+    placeholder filled only when the site is built; issue 44): it must be what the code generates now."""
+    ref = _reference()
+    page = ROOT / "docs" / ref.PAGE
+    text = page.read_text()
+    assert ref.filled(text) == text, (f"{page} is stale (a config key or its docstring changed): run "
+                                      "python docs/scripts/config_reference.py --write")
+    assert "### `grpo.group_size` {#grpo.group_size}" in text
+
+
 def test_the_config_reference_lists_every_key_with_its_meaning():
     from nanogrpo.config import Config
 
