@@ -137,6 +137,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def train(run: PreparedRun) -> Path:
+    t_start = time.perf_counter()  # the end line says the whole time, loading and evaluations included
     cfg = run.cfg
     root = run.root
     root.mkdir(parents=True, exist_ok=True)
@@ -322,7 +323,7 @@ def train(run: PreparedRun) -> Path:
         if run.env is not None:
             run.env.close()
     if backend.is_main:
-        log.info(run_summary(root))
+        log.info(run_summary(root, wall_s=time.perf_counter() - t_start, start_step=start_step))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
     # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
