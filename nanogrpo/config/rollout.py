@@ -154,6 +154,15 @@ class VllmServerConfig(_Strict):
     elsewhere)."""
     wait_s: float = Field(300.0, gt=0)
     """How long a request waits for a usable server before the run stops with one line."""
+    connect_wait_s: float = Field(15.0, ge=0)
+    """At the start of the run, how long to wait for the servers to answer ``/health``; then none
+    answering stops the run with one line naming each URL and why (``connection refused``: nothing listens
+    there), some answering starts on those (the others are taken back once they answer). Servers loading
+    a large model take minutes: 900, or start the trainer when ``nanogrpo vllm-serve`` prints its
+    ``train with:`` line."""
+    stall_timeout_s: float = Field(10.0, gt=0)
+    """A server with requests (or a sync's calls) in flight whose ``/health`` does not answer in this long
+    is stalled: taken out, its requests ended and sent elsewhere (asked every 2 s)."""
     port: int = Field(8100, ge=1, le=65535)
     """``nanogrpo vllm-serve``: the first server's port (``--count`` servers take consecutive ports)."""
     tensor_parallel_size: int = Field(1, ge=1)

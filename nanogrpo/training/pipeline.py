@@ -77,6 +77,13 @@ class ServerTier:
         self.k = cfg.rollout.max_staleness
         self.probe_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"] \
             if tokenizer is not None and cfg.vllm_server.probe else None
+        if backend.rank == 0:  # first contact: reachable, serving the trainer's model; then the watch
+            from nanogrpo.rollout.vllm_server.contact import connect
+            from nanogrpo.transfer.worker import model_facts
+
+            config = getattr(backend.module, "config", None)
+            connect(engine.pool, v.connect_wait_s, model_facts(config) if config is not None else None)
+            engine.pool.watch(timeout_s=v.stall_timeout_s)
 
     def sync(self, version: int) -> dict[str, float]:
         """Every rank: the servers get the current weights as ``version``; the engine's version window
@@ -127,6 +134,9 @@ class ServerTier:
         return worst
 
     def close(self) -> None:
+        """End every request to the servers now (a producer waiting on one raises at once), then the
+        transfer groups."""
+        self.engine.pool.close()
         self.sync_driver.close()
         self.engine.close()
 
@@ -293,8 +303,11 @@ class Pipeline:
             w, self.producer_wait_s = self.producer_wait_s, 0.0
         return w
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30.0) -> None:
+        """Stop the producer; wait for it up to ``wait_s`` seconds (close the servers' pool first: a
+        producer inside a rollout then ends at once). It is a daemon: one still running does not hold
+        the process."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=wait_s)

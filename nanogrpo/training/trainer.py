@@ -310,10 +310,10 @@ def train(run: PreparedRun) -> Path:
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
+        if tier is not None:  # first: a producer waiting on a server ends at once
+            tier.close()
         if pipe is not None:
             pipe.close()
-        if tier is not None:
-            tier.close()
         bar.close()
         if logger is not None:
             logger.close()
