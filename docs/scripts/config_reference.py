@@ -137,13 +137,14 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def filled(text: str) -> str:
-    """``text`` (the page) with the generated reference between its markers (whatever stood there)."""
+def filled(text: str, generated: str | None = None) -> str:
+    """``text`` (the page) with the generated reference (``generated``, else :func:`markdown`'s) between
+    its markers (whatever stood there)."""
     if MARKER not in text or END not in text.split(MARKER, 1)[1]:
         raise ValueError(f"{PAGE} lost its markers {MARKER} ... {END}: the reference goes between them")
     head, rest = text.split(MARKER, 1)
     tail = rest.split(END, 1)[1]
-    return f"{head}{MARKER}\n\n{markdown()}\n{END}{tail}"
+    return f"{head}{MARKER}\n\n{markdown() if generated is None else generated}\n{END}{tail}"
 
 
 def on_page_markdown(text: str, page: Any, **_: Any) -> str:
