@@ -14,6 +14,9 @@ what the trainer needs from it:
   ``ipc`` also sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the CUDA IPC handles travel pickled);
 - ``--worker-extension-cls nanogrpo.transfer.worker.NanoGRPOWorkerExtension``: the server can tell the
   trainer its model's shape, so a server with another model is refused before any weights move;
+- a LoRA run serving its adapter (``model.lora_r > 0``, ``vllm_server.lora_sync=adapter``): ``--enable-lora``
+  at the rank vLLM needs for the adapter, ``--max-loras`` / ``--max-cpu-loras`` ``max_staleness + 2``, and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (each update's adapter is loaded by name);
 - ``--enable-scale-out`` (the token-in-token-out route ``/inference/v1/generate``);
 - ``--logprobs-mode`` ``raw_logprobs`` (untempered: the seed's convention) or ``processed_logprobs``
   (``rollout.tempered_logprobs``), so the behaviour log-probs are in the run's convention;
@@ -99,8 +102,15 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
                                                   * max_len * seqs)
         cmd += ["--enforce-eager", "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(kv),
                 "--max-num-seqs", str(min(256, seqs))]
-    cmd += list(v.serve_args)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.model.lora_r > 0 and v.lora_sync == "adapter":  # the servers serve the run's adapter
+        from nanogrpo.models.lora import vllm_max_lora_rank
+
+        held = str(cfg.rollout.max_staleness + 2)
+        cmd += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(cfg.model.lora_r)),
+                "--max-loras", held, "--max-cpu-loras", held]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    cmd += list(v.serve_args)
     if v.transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return cmd, env

@@ -49,7 +49,14 @@ class Fake(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self._stall()
-        self._send(200, {}) if self.path == "/health" else self._send(404, {"detail": "no"})
+        srv = self.server
+        if self.path == "/health":
+            return self._send(200, {})
+        if self.path == "/weight_info":
+            return self._send(200, {"weight_version": srv.version})
+        if self.path == "/is_paused":
+            return self._send(200, {"is_paused": srv.paused})
+        self._send(404, {"detail": "no"})
 
     def do_POST(self):
         srv = self.server
@@ -58,6 +65,10 @@ class Fake(BaseHTTPRequestHandler):
         if self.path == "/collective_rpc":  # nanogrpo's worker extension, as vLLM relays it
             return self._send(200, {"results": [{"facts": srv.facts, "model": "/models/served"}]})
         srv.hits += 1
+        if srv.drop > 0:  # the connection closed with no answer (a keep-alive the server just ended)
+            srv.drop -= 1
+            self.close_connection = True
+            return
         time.sleep(srv.delay)
         n = req["sampling_params"]["max_tokens"]
         if srv.huge:
@@ -73,6 +84,7 @@ def serve(port: int = 0, version: str = "3", delay: float = 0.0):
     srv = ThreadingHTTPServer(("127.0.0.1", port), Fake)
     srv.hits, srv.version, srv.delay, srv.huge = 0, version, delay, False
     srv.stalled = threading.Event()
+    srv.drop, srv.paused = 0, False
     srv.facts = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2}
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return srv
@@ -469,3 +481,29 @@ def test_a_fatal_error_ends_the_process_whatever_its_threads_are_doing():
     assert out.returncode == 2 and time.monotonic() - t0 < 30, (out.returncode, out.stderr)
     assert out.stderr.strip().splitlines()[-1] == ("nanogrpo: error: weight sync to version 4: no vLLM "
                                                    "server holds the new weights")
+
+
+def test_a_lost_connection_to_a_server_that_answers_is_sent_again_not_a_server_out(two):
+    a, b = two
+    eng = engine_over(a)
+    a.drop = 1  # the first request's connection ends without an answer; /health answers
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=1, seed=0))
+    assert len(g.completion_ids) == 1 and eng.pool.slots[0].state == UP
+    assert eng.pool.retries == 1 and eng.pool.taken_out == 0
+
+
+def test_a_server_out_by_mistake_that_holds_its_weights_is_taken_back_when_none_serves(two):
+    a, b = two
+    eng = engine_over(a, b, wait_s=10.0)
+    for slot in eng.pool.slots:
+        eng.pool.mark_out(slot, "a transient fault")  # both out, both still serving version 3
+    b.paused = True  # b: a sync of it failed (left paused): it must wait for the next sync
+    t0 = time.monotonic()
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=2, seed=0))
+    assert len(g.completion_ids) == 2 and time.monotonic() - t0 < 5
+    assert [s.state for s in eng.pool.slots] == [UP, OUT]
+    a.version = "default"  # a restarted server (its launch weights): never taken back this way
+    eng.pool.mark_out(eng.pool.slots[0], "killed and restarted")
+    eng.pool.wait_s = 1.0
+    with pytest.raises(NoServer):
+        eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=1, seed=0))

@@ -112,6 +112,10 @@ class VllmConfig(_Strict):
     """Reuse the keys and values of a prompt across its samples (reset at every weight load); in
     multi-turn (tool) rollouts each turn re-sends the trajectory's whole context, and the cache makes
     that cost the new tokens only."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA run (``model.lora_r > 0``): ``adapter`` keeps the frozen base weights in vLLM and loads only
+    the adapter after each update (megabytes, vLLM's LoRA kernels apply it); ``merged`` sends every weight
+    with the adapter merged in (``W + scale * B @ A``), as before."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
 
@@ -172,6 +176,15 @@ class VllmServerConfig(_Strict):
     kv_cache_gib: float = Field(0.0, ge=0)
     """``nanogrpo vllm-serve``: the KV cache size (``--kv-cache-memory-bytes``); 0: on the CPU room for one
     rollout's sequences, on a GPU vLLM's sizing."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA run (``model.lora_r > 0``): ``adapter`` (the servers keep the frozen base weights and load each
+    update's adapter by name, megabytes per sync; ``nanogrpo vllm-serve`` starts them with LoRA enabled at
+    the run's rank) or ``merged`` (every weight with the adapter merged in, through the weight transfer,
+    as for a full model)."""
+    adapter_dir: str = ""
+    """``lora_sync=adapter``: where each adapter version is written for the servers to load (vLLM reads
+    adapters from disk): a directory the servers can read, on a filesystem shared with them when they run
+    on other machines. Empty: ``RUN/vllm-adapters``."""
     probe: bool = False
     """After every sync, sample a fixed probe prompt on each server and compare its log-probs with the
     trainer's forward (``sync/probe_diff``: the largest difference, over servers and tokens; float32

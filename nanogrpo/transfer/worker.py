@@ -4,7 +4,8 @@ calls through vLLM's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
 
 - ``nanogrpo_model_info``: the server's model as :func:`model_facts` describes it, so that the trainer
   refuses a server with another model (vocabulary, depth, widths) in one line *before* any weights move,
-  instead of a transfer failing half-way with "Worker failed with error ''".
+  instead of a transfer failing half-way with "Worker failed with error ''"; and its LoRA settings (a
+  LoRA run serving its adapter needs them: rank, adapters held, runtime loading).
 
 Light on purpose: vLLM imports it in every worker process.
 """
@@ -40,5 +41,13 @@ class NanoGRPOWorkerExtension:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
 
     def nanogrpo_model_info(self) -> dict[str, Any]:
+        import os
+
         cfg = self.model_config.hf_config  # type: ignore[attr-defined]  (the worker's)
-        return {"facts": model_facts(cfg), "model": str(self.model_config.model)}  # type: ignore[attr-defined]
+        lora = getattr(self.vllm_config, "lora_config", None)  # type: ignore[attr-defined]
+        return {"facts": model_facts(cfg), "model": str(self.model_config.model),  # type: ignore[attr-defined]
+                "lora": None if lora is None else {
+                    "max_lora_rank": int(lora.max_lora_rank), "max_loras": int(lora.max_loras),
+                    "max_cpu_loras": int(lora.max_cpu_loras or lora.max_loras),
+                    "runtime_updating": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+                    in ("1", "true")}}

@@ -34,10 +34,12 @@ class ServerModelMismatch(NanoGRPOError):
 
 
 def connect(pool: ServerPool, wait_s: float, facts: dict[str, Any] | None = None,
-            clock=time.monotonic, sleep=time.sleep) -> list[str]:
+            lora: tuple[int, int] | None = None, clock=time.monotonic, sleep=time.sleep) -> list[str]:
     """Wait up to ``wait_s`` seconds for every server to answer ``/health``; check the model of those
-    that do against ``facts`` (:func:`~nanogrpo.transfer.worker.model_facts` of the trainer's). Returns
-    the URLs that did not answer (taken out of the pool, to be taken back when they do)."""
+    that do against ``facts`` (:func:`~nanogrpo.transfer.worker.model_facts` of the trainer's) and, for a
+    LoRA run serving its adapter, ``lora`` = (rank, adapters held at once) against the server's LoRA
+    settings. Returns the URLs that did not answer (taken out of the pool, to be taken back when they
+    do)."""
     deadline = clock() + wait_s
     waiting = list(pool.slots)
     why: dict[str, str] = {}
@@ -46,7 +48,7 @@ def connect(pool: ServerPool, wait_s: float, facts: dict[str, Any] | None = None
             reason = slot.client.health(timeout=max(1.0, min(5.0, deadline - clock())))
             if reason is None:
                 waiting.remove(slot)
-                check_model(slot, facts)
+                check_model(slot, facts, lora)
             else:
                 why[slot.url] = reason.split(": ", 1)[-1]
         if not waiting or clock() >= deadline:
@@ -63,11 +65,12 @@ def connect(pool: ServerPool, wait_s: float, facts: dict[str, Any] | None = None
     return [s.url for s in waiting]
 
 
-def check_model(slot, facts: dict[str, Any] | None) -> None:
-    """Raise :class:`ServerModelMismatch` when the server's model differs from ``facts``."""
+def check_model(slot, facts: dict[str, Any] | None, lora: tuple[int, int] | None = None) -> None:
+    """Raise :class:`ServerModelMismatch` when the server's model differs from ``facts``, or (``lora``)
+    it cannot serve the run's adapter."""
     from nanogrpo.transfer.worker import differences
 
-    if not facts:
+    if not facts and lora is None:
         return
     try:
         info = slot.client.model_info()
@@ -79,9 +82,34 @@ def check_model(slot, facts: dict[str, Any] | None) -> None:
                     "nanogrpo.transfer.worker.NanoGRPOWorkerExtension, as nanogrpo vllm-serve starts it): "
                     "its model is not checked against the trainer's before the first sync", slot.url)
         return
-    diff = differences(facts, info.get("facts") or {})
+    if lora is not None:
+        check_lora(slot.url, info.get("lora"), *lora)
+    diff = differences(facts or {}, info.get("facts") or {})
     if diff:
         raise ServerModelMismatch(
             f"the vLLM server at {slot.url} serves another model than the trainer's ({'; '.join(diff)}; "
             f"it serves {info.get('model', '?')}): start it with the run's model "
             "(nanogrpo vllm-serve --config <the run's config>)")
+
+
+def check_lora(url: str, got: dict[str, Any] | None, rank: int, held: int) -> None:
+    """A server that serves the run's adapter: LoRA on, its rank at least the adapter's, room for
+    ``held`` adapters at once (the staleness window, plus the one loading), runtime loading allowed."""
+    from nanogrpo.models.lora import vllm_max_lora_rank
+
+    fix = ("start it with nanogrpo vllm-serve (the run's config: LoRA on at its rank), or send merged "
+           "weights: vllm_server.lora_sync=merged")
+    if got is None:
+        raise ServerModelMismatch(f"the vLLM server at {url} has LoRA off, but this LoRA run serves its "
+                                  f"adapter there: {fix}")
+    why = []
+    if got.get("max_lora_rank", 0) < rank:
+        why.append(f"--max-lora-rank {got.get('max_lora_rank')} < the adapter's rank {rank} "
+                   f"(use {vllm_max_lora_rank(rank)})")
+    if got.get("max_loras", 0) < held:
+        why.append(f"--max-loras {got.get('max_loras')} < {held} (max_staleness + 2 adapters at once)")
+    if not got.get("runtime_updating"):
+        why.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING is not set (adapters cannot be loaded at run time)")
+    if why:
+        raise ServerModelMismatch(f"the vLLM server at {url} cannot serve this run's adapter: "
+                                  f"{'; '.join(why)}: {fix}")

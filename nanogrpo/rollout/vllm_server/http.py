@@ -33,7 +33,7 @@ import httpx
 from nanogrpo import http_limits
 from nanogrpo.errors import NanoGRPOError
 
-__all__ = ["ServerClient", "ServerDown", "ServerFault", "ServerRefused", "generate_cap"]
+__all__ = ["ServerClient", "ServerDown", "ServerFault", "ServerMissing", "ServerRefused", "generate_cap"]
 
 
 class ServerFault(NanoGRPOError):
@@ -46,6 +46,10 @@ class ServerDown(ServerFault):
 
 class ServerRefused(ServerDown):
     """Nothing listens at the server's address (the connection was refused)."""
+
+
+class ServerMissing(ServerFault):
+    """The server answered 404: a route it does not serve, or a model (LoRA adapter) it does not hold."""
 
 
 class _Sockets(httpcore.SyncBackend):
@@ -128,7 +132,7 @@ class ServerClient:
         return self._sockets.abort()
 
     def _call(self, method: str, path: str, *, cap: int = http_limits.SMALL, timeout: float | None = None,
-              body: Any = None, params: dict | None = None, counted: bool = True) -> Any:
+              body: Any = None, params: dict | None = None, counted: bool = True, text: bool = False) -> Any:
         url = f"{self.url}{path}"
         self._sockets.begin()
         if counted:
@@ -152,7 +156,10 @@ class ServerClient:
         if r.status_code >= 500:
             raise ServerDown(f"{method} {url}: HTTP {r.status_code}: {_reason(r)}")
         if r.status_code >= 400:
-            raise ServerFault(f"{method} {url}: HTTP {r.status_code}: {_reason(r)}")
+            raise (ServerMissing if r.status_code == 404 else ServerFault)(
+                f"{method} {url}: HTTP {r.status_code}: {_reason(r)}")
+        if text:
+            return r.content.decode("utf-8", "replace")
         try:
             return json.loads(r.content) if r.content else None
         except ValueError:
@@ -229,6 +236,20 @@ class ServerClient:
         self._call("POST", "/finish_weight_update",
                    body=None if weight_version is None else {"weight_version": weight_version},
                    timeout=self.transfer_timeout_s)
+
+    # vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; docs/guides/scaling-out.md)
+    def load_adapter(self, name: str, path: str) -> None:
+        self._call("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path},
+                   timeout=self.transfer_timeout_s, text=True)
+
+    def unload_adapter(self, name: str) -> None:
+        self._call("POST", "/v1/unload_lora_adapter", body={"lora_name": name}, text=True)
+
+    def models(self) -> list[str]:
+        """The names the server serves (``GET /v1/models``): its model and each LoRA adapter loaded."""
+        out = self._call("GET", "/v1/models")
+        data = out.get("data") if isinstance(out, dict) else None
+        return [m.get("id") for m in data or [] if isinstance(m, dict)]
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("POST", "/shutdown_weight_transfer_engine")

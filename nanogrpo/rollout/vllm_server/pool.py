@@ -110,7 +110,9 @@ class ServerPool:
 
     def call(self, fn: Callable[[Any], T]) -> T:
         """``fn(client)`` on the least-loaded usable server; on :class:`ServerDown` the server is taken out
-        and ``fn`` runs again elsewhere (at most ``max_attempts`` tries in all)."""
+        (unless it was a connection lost while the server still answers ``/health``: a keep-alive
+        connection the server closed as the request went out) and ``fn`` runs again elsewhere (at most
+        ``max_attempts`` tries in all)."""
         tried: set[int] = set()
         last: Exception | None = None
         for attempt in range(self.max_attempts):
@@ -121,7 +123,7 @@ class ServerPool:
             except ServerDown as e:
                 last = e
                 tried.add(i)
-                self._release(slot, ok=False, err=e)
+                self._release(slot, ok=False, err=e, transient=self._transient(slot, e))
                 if attempt + 1 < self.max_attempts:
                     with self._cv:
                         self.retries += 1
@@ -135,8 +137,8 @@ class ServerPool:
 
     def _acquire(self, avoid: set[int]) -> Slot:
         deadline = self._clock() + self.wait_s
-        with self._cv:
-            while True:
+        while True:
+            with self._cv:
                 if self._closed is not None:
                     raise NoServer(f"the server pool is closed: {self._closed}")
                 slot = self._pick(avoid) if self._gate else None
@@ -146,15 +148,61 @@ class ServerPool:
                     states = ", ".join(f"{s.url} {s.state}" for s in self.slots)
                     raise NoServer(f"no vLLM server could take a request for {self.wait_s:.0f} s ({states})")
                 self._cv.wait(timeout=0.5)
+                idle = self._gate and not self.usable()
+            if idle:  # no server to send to, none syncing: one out by mistake may hold the weights still
+                self.readmit()
 
-    def _release(self, slot: Slot, ok: bool, err: Exception | None = None) -> None:
+    def readmit(self) -> list[Slot]:
+        """Servers that are out but still serve exactly the weights they were last synced to (they answer,
+        are not paused, and report that version: taken out by a transient fault, not restarted, no sync
+        of theirs failed) are taken back at once; a restarted or half-synced one waits for the next sync.
+        At most every ``probe_s`` per server. Returns the servers taken back."""
+        now = self._clock()
+        back = []
+        for s in self.slots:
+            if s.state != OUT or s.version is None or now - s.last_probe < self.probe_s:
+                continue
+            s.last_probe = now
+            try:
+                same = s.client.health(timeout=self.probe_timeout_s) is None and not s.client.is_paused() \
+                    and s.client.weight_version() == s.version
+            except Exception:  # noqa: BLE001 (it does not answer as it should: it stays out)
+                same = False
+            if same:
+                with self._cv:
+                    if s.state == OUT:
+                        s.state = UP
+                        back.append(s)
+                    self._cv.notify_all()
+                log.warning("vLLM server %s answers again with the weights it was synced to (version %s): "
+                            "serving again", s.url, s.version)
+        return back
+
+    def _release(self, slot: Slot, ok: bool, err: Exception | None = None, transient: bool = False) -> None:
         with self._cv:
             slot.in_flight -= 1
             if ok:
                 slot.served += 1
             self._cv.notify_all()
-        if not ok and slot.state == UP:
+        if not ok and not transient and slot.state == UP:
             self.mark_out(slot, err or "a request failed")
+
+    def _transient(self, slot: Slot, err: Exception) -> bool:
+        """Whether a request's failure on a serving server was its connection's, not the server's: the
+        connection was lost (not refused, not a 5xx, not a stale sample) and the server answers
+        ``/health`` at once. Then the server stays in and the request is sent again."""
+        from nanogrpo.rollout.vllm_server.http import ServerRefused
+
+        text = str(err)
+        lost = not isinstance(err, ServerRefused) and type(err) is ServerDown and "HTTP 5" not in text \
+            and ("RemoteProtocolError" in text or "ReadError" in text or "WriteError" in text)
+        if not lost or slot.state != UP or self._closed is not None:
+            return False
+        health = getattr(slot.client, "health", None)
+        if health is None or health(timeout=self.probe_timeout_s) is not None:
+            return False
+        log.debug("vLLM server %s: a connection lost (%s), the server answers: sent again", slot.url, text)
+        return True
 
     # ------------------------------------------------------------------ the sync driver's side
 

@@ -96,6 +96,9 @@ class WeightSync:
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self.last: dict[str, float] = {}
+        self.after: Callable[[Slot, int], None] | None = None
+        """Called for each server once its weights are in and read back, before it is resumed; raising
+        fails that server's sync (the LoRA path loads the current adapter here)."""
 
     # ------------------------------------------------------------------ one server
 
@@ -151,13 +154,17 @@ class WeightSync:
         got = slot.client.weight_version()
         if got != str(version):
             raise ServerFault(f"{slot.url} reads back weight version {got!r} after a sync to {version}")
+        if self.after is not None:  # what else the server must hold before it serves (a LoRA adapter)
+            self.after(slot, version)
 
     # ------------------------------------------------------------------ the sync
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, back_only: bool = False) -> dict[str, float]:
         """Give every reachable server the trainer's current weights as ``version`` (the module's
         transaction). Every trainer rank calls it. Returns its metrics (``sync/time_s``, ``sync/mb``,
-        ``sync/mb_per_s``, ``sync/servers``)."""
+        ``sync/mb_per_s``, ``sync/servers``). ``back_only``: only the servers waiting for weights
+        (``back``: restarted, or never synced), the others left serving as they are (the LoRA path: their
+        base weights are current); then no server being usable is the caller's to judge."""
         t0 = time.perf_counter()
         if self.rank != 0:
             for _ in range(self.broadcast(None)):
@@ -169,10 +176,11 @@ class WeightSync:
                     self.pool.mark_synced(s, str(version))
                 else:
                     self.pool.mark_out(s, "rank 0's weight sync did not reach it")
-            if not up:
+            if not up and not back_only:
                 raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights")
-            self.version = version
-            self.history.append(version)
+            if not back_only:
+                self.version = version
+                self.history.append(version)
             return {}
         pool = self.pool
         pool.probe(force=True)
@@ -180,7 +188,7 @@ class WeightSync:
         told = False
         done: list[Slot] = []
         try:
-            targets = [s for s in pool.slots if s.state in (UP, BACK)]
+            targets = [s for s in pool.slots if s.state == BACK or (s.state == UP and not back_only)]
             with ThreadPoolExecutor(max_workers=max(1, len(targets))) as exe:
                 for slot, err in zip(targets, exe.map(self._pause, targets), strict=True):
                     if err is not None:
@@ -205,12 +213,13 @@ class WeightSync:
                 if not told:  # rank 0 failed before the passes: the other ranks run none
                     self.broadcast(0)
                 self.broadcast([s.url for s in pool.usable()])
-        if not pool.usable():
+        if not pool.usable() and not back_only:
             raise SyncError(f"weight sync to version {version}: no vLLM server holds the new weights "
                             f"({', '.join(s.url + ' ' + s.state for s in pool.slots)}); not training on "
                             "old ones")
-        self.version = version
-        self.history.append(version)
+        if not back_only:
+            self.version = version
+            self.history.append(version)
         mb = self.source.total_bytes() / 2**20 if hasattr(self.source, "total_bytes") else float("nan")
         send_s = t_send - t_pause
         moved = mb * len(done)
