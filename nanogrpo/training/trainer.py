@@ -119,6 +119,10 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             from nanogrpo.rollout.vllm_engine import import_vllm
 
             import_vllm()  # installed? (a one-line error before any weights are read)
+        if cfg.rollout.engine == "vllm_server":
+            from nanogrpo.rollout.vllm_server.contact import preflight
+
+            preflight(cfg)  # a server answers? (a dead port said before the model loads)
     except Exception:
         rewards.close()
         raise
