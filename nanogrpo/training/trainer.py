@@ -395,6 +395,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                 template=cfg.model.chat_template,
                                 seed=step_seed(cfg.train.seed, step) + rank,
                                 policy_version=version, tools=tools, env=env,
+                                keep_examples=cfg.log.samples_per_step,
                                 reduce=be.all_reduce if world > 1 else None,
                                 more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
         roll = {"metrics": rstats.metrics(), "examples": rstats.examples,
