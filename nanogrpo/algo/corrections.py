@@ -108,7 +108,8 @@ def correction_stats(old: torch.Tensor, behaviour: torch.Tensor, m: torch.Tensor
     return out
 
 
-def logprob_gap_stats(trainer: torch.Tensor, engine: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+def logprob_gap_stats(trainer: torch.Tensor, engine: torch.Tensor,
+                      m: torch.Tensor) -> dict[str, torch.Tensor]:
     """The trainer-vs-engine log-prob gap, measured whatever the correction: the sum and the largest of
     |log pi_trainer - log mu_engine| over the trained tokens ``m`` (N, T) bool (detached, 0-dim). With an
     exact engine on a fresh batch it is rounding (~1e-6); a kernel, precision or weight-sync mismatch

@@ -24,6 +24,7 @@ from nanogrpo.config.rewards import RewardsConfig
 from nanogrpo.config.rollout import RolloutConfig, VllmConfig, VllmServerConfig
 from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
 from nanogrpo.config.tools import ToolsConfig
+from nanogrpo.config.watch import WatchConfig
 from nanogrpo.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -46,6 +47,7 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    watch: WatchConfig = Field(default_factory=WatchConfig)
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:

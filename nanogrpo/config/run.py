@@ -86,7 +86,8 @@ class LogConfig(_Strict):
     """The Weights & Biases run name; None: the run directory's name."""
     samples_every: int = Field(10, ge=0)
     """Log a rollout table every this many steps: sample prompts and completions with each reward
-    component, the total and the advantage (``RUN/samples.jsonl``, TensorBoard text, a W&B table); 0: never."""
+    component, the total and the advantage (``RUN/samples.jsonl``, TensorBoard text, a W&B table); 0:
+    never."""
     samples_per_step: int = Field(8, ge=1)
     """Rows of each rollout table: the first two completions of each group, group after group."""
 
