@@ -77,12 +77,38 @@ def caught(events: list[dict], f: Fault) -> dict:
             "others": sorted({e["rule"] for e in events if e["rule"] != f.rule})}
 
 
+def export_stream(run: Path, path: Path) -> Path:
+    """A run's metrics as the rules read them (:data:`nanogrpo.watch.rules.READS` and ``reward/<name>``),
+    after one line of facts (the run, its steps, the reward weights): what a test replays."""
+    from nanogrpo.config import load_config
+    from nanogrpo.training.metrics import read_metrics
+    from nanogrpo.watch.rules import READS
+
+    cfg = load_config(run / "config.yaml")
+    fns = cfg.rewards.functions
+    made = datetime.date.fromtimestamp((run / "metrics.jsonl").stat().st_mtime)
+    weights = dict(zip(fns, cfg.rewards.weights or [1.0] * len(fns)))
+    meta = {"run": run.name, "steps": cfg.train.steps, "weights": weights,
+            "made": f"{run.name} whole (bench watch --demos), {made}"}
+
+    def read(k: str) -> bool:
+        return k == "step" or k in READS or (k.startswith("reward/") and k.count("/") == 1)
+
+    keep = [{k: v for k, v in r.items() if read(k)} for r in read_metrics(run / "metrics.jsonl")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in [meta, *keep]))
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nanogrpo bench watch", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/watch"), help="directory of the runs and tables")
     p.add_argument("--only", default="", help="comma-separated faults (default: all; 'none': no fault)")
     p.add_argument("--demos", action="store_true", help="also run the shipped demos whole (false alarms)")
     p.add_argument("--threads", type=int, default=1, help="OMP / torch threads of each run (0: unset)")
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="write the demos' metric streams (what the rules read) from OUT into DIR and stop "
+                        "(tests/data/watch: the tests replay them)")
     p.add_argument("--run", help=argparse.SUPPRESS)  # one fault, in this process (what each child runs)
     a = p.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] if a.only else list(FAULTS)
@@ -108,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.run:
         run_fault(a.run, a.out)
+        return 0
+    if a.export:
+        for d in DEMOS:
+            if (a.out / d / "metrics.jsonl").is_file():
+                print(f"[bench watch] {export_stream(a.out / d, a.export / f'{d}.jsonl')}")
         return 0
     from nanogrpo.watch import read_events
 

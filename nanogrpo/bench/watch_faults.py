@@ -4,7 +4,7 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 100 held-out problems every 5 steps) plus one thing broken on purpose, and the rule of
 :mod:`nanogrpo.watch` meant to catch it, within a stated number of steps of the fault's onset:
 
-- ``length_bonus``: a reward that pays 0.1 per sampled token beside correctness and format (what a
+- ``length_bonus``: a reward that pays 0.5 per sampled token beside correctness and format (what a
   reward model that likes long answers pays): completions grow to the token limit;
 - ``tag_format``: a format reward that any tag string satisfies, 0.5 for each ``<...>`` in the completion
   (up to 8), in place of the strict format check: the tags multiply, the answers do not improve;
@@ -34,8 +34,9 @@ _TAG = re.compile(r"<[^<>\s]{1,16}>")
 
 
 def length_bonus(completion: str, sample: dict) -> float:
-    """0.1 per token the model sampled: a reward that pays for length."""
-    return 0.1 * float(sample.get("completion_tokens", len(completion)))
+    """0.5 per token the model sampled: a reward that pays for length (it outweighs correctness and format,
+    +-1 and +1.25 / -1, as a reward model's length bias can)."""
+    return 0.5 * float(sample.get("completion_tokens", len(completion)))
 
 
 def tag_format(completion: str, sample: dict) -> float:

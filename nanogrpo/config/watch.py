@@ -79,10 +79,12 @@ class EntropyCollapseRule(_Strict):
 
 
 class SpikeRule(_Strict):
-    """A metric jumps: this step's value is ``factor`` times the median of the ``window`` before it."""
+    """A metric jumps: ``hold`` steps in a row at ``factor`` x the median of the ``window`` steps before."""
 
     window: int = Field(10, ge=1)
-    """Steps before this one whose median is the reference (the rule waits for them)."""
+    """Steps before the jump whose median is the reference (the rule waits for them)."""
+    hold: int = Field(2, ge=1)
+    """Steps in a row the value must stay up (a single step of a small batch's estimate is noise)."""
     factor: float = Field(10.0, gt=1)
     """How many times the reference the step's value must be."""
     min_value: float = Field(0.1, ge=0)
@@ -90,8 +92,8 @@ class SpikeRule(_Strict):
 
 
 class KlSpikeRule(SpikeRule):
-    """The KL to the reference jumps (the k3 estimate of a small batch is noisy: on the dialogue demo,
-    16 prompts a step, single steps read 3-5x the median of the steps before)."""
+    """The KL to the reference jumps (the k3 estimate of a small batch is noisy: single steps of the dialogue
+    demo read 3-5x the median of the steps before, one of the tool demo's 13x)."""
 
     min_value: float = Field(0.1, ge=0)
     """... and the least KL per token (k3) that counts (small values jump by large factors)."""

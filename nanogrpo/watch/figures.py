@@ -26,13 +26,19 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return xs, ys
 
 
+def _short(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _completion_text(ex: dict[str, Any]) -> str:
     body = textwrap.wrap(str(ex.get("completion", "")).replace("\n", " / "), TEXT_WIDTH) or [""]
     if len(body) > TEXT_LINES:
         body = body[:TEXT_LINES - 1] + [body[TEXT_LINES - 1][:TEXT_WIDTH - 3] + "..."]
-    scores = ", ".join(f"{k} {v:+.2f}" for k, v in ex.items()
+    scores = ", ".join(f"{k.rpartition(':')[2]} {v:+.2f}" for k, v in ex.items()  # file.py:fn -> fn
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "group")
-    return "\n".join(body) + f"\n    [{scores}]"
+    q = f"Q: {_short(ex.get('question', ''), TEXT_WIDTH - 3)}\n" if ex.get("question") else ""
+    return q + "\n".join(body) + f"\n    [{scores}]"
 
 
 def _column(title: str, block: dict[str, Any] | None) -> str:
@@ -44,8 +50,13 @@ def _column(title: str, block: dict[str, Any] | None) -> str:
 def event_figure(plt, rows: list[dict[str, Any]], event: dict[str, Any], path: Path, label: str) -> Path:
     """Draw ``event`` (a ``RUN/watch.jsonl`` line) over the run's ``rows`` into ``path``."""
     keys = [k for k in event.get("metrics", []) if _series(rows, k)[0]][:3] or ["reward_mean"]
-    fig = plt.figure(figsize=(15, 9.5), dpi=90)
-    grid = fig.add_gridspec(2, len(keys), height_ratios=[1, 1.25])
+    ex = event.get("examples") or {}
+    before, now = ex.get("before"), ex.get("now")
+    left = _column(f"earlier: step {before['step']}" if before else "earlier", before)
+    right = _column(f"when it fired: step {now['step']}" if now else "when it fired", now)
+    lines = max(left.count("\n"), right.count("\n")) + 1
+    fig = plt.figure(figsize=(15, 4.6 + 0.16 * lines), dpi=90)
+    grid = fig.add_gridspec(2, len(keys), height_ratios=[4.0, 0.16 * lines + 0.2])
     step, since = event["step"], event["since"]
     for i, key in enumerate(keys):
         ax = fig.add_subplot(grid[0, i])
@@ -63,12 +74,9 @@ def event_figure(plt, rows: list[dict[str, Any]], event: dict[str, Any], path: P
         ax.legend(fontsize=8, loc="best")
     text = fig.add_subplot(grid[1, :])
     text.axis("off")
-    ex = event.get("examples") or {}
-    before, now = ex.get("before"), ex.get("now")
-    text.text(0.0, 1.0, _column(f"earlier: step {before['step']}" if before else "earlier", before),
-              va="top", ha="left", family="monospace", fontsize=8.5, transform=text.transAxes)
-    text.text(0.51, 1.0, _column(f"when it fired: step {now['step']}" if now else "when it fired", now),
-              va="top", ha="left", family="monospace", fontsize=8.5, transform=text.transAxes)
+    for x, column in ((0.0, left), (0.51, right)):
+        text.text(x, 1.0, column, va="top", ha="left", family="monospace", fontsize=8.5,
+                  transform=text.transAxes)
     msg = textwrap.fill(f"{event['rule']} at step {step} (since {since}): {event['message']}", 170)
     fig.suptitle(f"{label}: {msg}", fontsize=10.5, x=0.01, ha="left")
     fig.tight_layout()

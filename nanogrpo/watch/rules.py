@@ -200,16 +200,19 @@ def entropy_collapse(h: History, s: EntropyCollapseRule) -> Finding | None:
 
 def _spike(rule: str, key: str, what: str, h: History, s: SpikeRule) -> Finding | None:
     pts = h.points(key)
-    if len(pts) < s.window + 1:
+    if len(pts) < s.window + s.hold:
         return None
-    ref = median([v for _, v in pts[-s.window - 1:-1]])
-    step, now = pts[-1]
-    if now < s.min_value or now < s.factor * ref:
+    ref = median([v for _, v in pts[-s.window - s.hold:-s.hold]])
+    level = max(s.factor * ref, s.min_value)
+    up = pts[-s.hold:]
+    if any(v < level for _, v in up):
         return None
-    return Finding(rule, step, step,
-                   f"{what} {now:.4f}, {now / ref:.1f}x the median {ref:.4f} of the {s.window} steps before"
-                   if ref > 0 else f"{what} {now:.4f} from 0 over the {s.window} steps before",
-                   [key], {"reference": ref, "now": now}, {key: max(s.factor * ref, s.min_value)})
+    now = min(v for _, v in up)
+    said = f"{now / ref:.1f}x the median {ref:.4f}" if ref > 0 else f"up from {ref:.4f}, the median"
+    return Finding(rule, up[-1][0], up[0][0],
+                   f"{what} at least {now:.4f} for {s.hold} step(s), {said} of the {s.window} steps before "
+                   f"(rule: {s.factor:g}x and at least {s.min_value:g})",
+                   [key], {"reference": ref, "now": now}, {key: level})
 
 
 def kl_spike(h: History, s: KlSpikeRule) -> Finding | None:
@@ -259,6 +262,11 @@ def no_signal(h: History, s: NoSignalRule) -> Finding | None:
                    f"{s.window} steps, unless accuracy >= {s.solved_accuracy:.0%})",
                    ["groups_kept", "reward_std"], {"accuracy": acc})
 
+
+READS = ("reward_mean", "reward_std", "accuracy", "eval/accuracy", "truncated_frac", "completion_len_mean",
+         "distinct_ngrams", "entropy", "kl", "clip_frac", "logprob_gap", "logprob_gap_max", "staleness/max",
+         "staleness", "groups_kept")
+"""The metrics the rules read, besides each reward component's ``reward/<name>``."""
 
 Rule = Callable[[History, Any], "Finding | None"]
 
