@@ -63,14 +63,20 @@ def test_reward_hacking_fires_when_the_reward_climbs_and_the_accuracy_does_not()
     assert R.reward_hacking(history(climb[:2 * s.window - 1]), s) is None
 
 
-def test_reward_hacking_reads_held_out_accuracy_when_the_run_evaluates():
+def test_reward_hacking_reads_held_out_accuracy_too_when_the_run_evaluates():
     s = WatchConfig().reward_hacking
+    rs = [{"step": 0, "eval/accuracy": 0.30}] + rows(12, reward_mean=lambda t: 0.2 * t, accuracy=0.2)
+    rs[10]["eval/accuracy"] = 0.29  # step 10: held-out flat, and train accuracy too
+    f = R.reward_hacking(history(rs), s)
+    assert f is not None and "train accuracy 20.0% -> 20.0% and held-out accuracy 30.0% (step 0) -> 29.0% " \
+                             "(step 10)" in f.message
+    rs[10]["eval/accuracy"] = 0.45  # held-out rose with the reward: no alarm
+    assert R.reward_hacking(history(rs), s) is None
+    # held-out flat while the training prompts' accuracy rose with the reward (the tag_format fault's run,
+    # learning correctness, had held-out 37% at step 5 and 38% at step 25): overfitting at worst, no hack
     rs = [{"step": 0, "eval/accuracy": 0.30}] + rows(12, reward_mean=lambda t: 0.2 * t,
                                                        accuracy=lambda t: 0.1 + 0.05 * t)
-    rs[10]["eval/accuracy"] = 0.29  # step 10: held-out flat while train accuracy (the reward's prompts) rose
-    f = R.reward_hacking(history(rs), s)
-    assert f is not None and "held-out accuracy 30.0% (step 0) -> 29.0% (step 10)" in f.message
-    rs[10]["eval/accuracy"] = 0.45
+    rs[10]["eval/accuracy"] = 0.29
     assert R.reward_hacking(history(rs), s) is None
 
 

@@ -23,9 +23,9 @@ class RewardHackingRule(_Strict):
     spread (the mean of ``reward_std`` over the start window; the windows' means vary by about 0.05 of
     it from noise at 128 completions a step)."""
     max_accuracy_gain: float = Field(0.02, ge=0)
-    """Rise of the accuracy (a share, 0.02 = 2 points) that counts as not climbing: held-out ``eval/accuracy``
-    (its latest evaluation against its first) when the run has evaluated twice since it started, else
-    the training completions' ``accuracy`` (graded by the correctness rule whatever the reward)."""
+    """Rise of the accuracy (a share, 0.02 = 2 points) that counts as not climbing: the training completions'
+    ``accuracy`` (graded by the correctness rule whatever the reward) and, once the run has evaluated twice
+    since it started, held-out ``eval/accuracy`` (latest against first): neither may have risen more."""
     max_drop: float = Field(0.15, gt=0, le=1)
     """Also fires when held-out accuracy falls this far below its best evaluation while the reward rose
     ``min_gain`` start spreads since that evaluation (learned, then exploited)."""

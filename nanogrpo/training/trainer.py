@@ -256,7 +256,10 @@ def train(run: PreparedRun) -> Path:
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
-                logger.log_step({"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)})
+                base = {"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)}
+                if watch is not None:
+                    watch.observe(base)  # the monitor's held-out baseline
+                logger.log_step(base)
         _test_stop("baseline")
         save(0)
         _test_stop("step_0")

@@ -61,17 +61,22 @@ def _spread(h: History, w: int) -> float:
 
 
 def _accuracy_change(h: History, w: int) -> tuple[float, str] | None:
-    """(the accuracy's rise since the start, which accuracy): held-out ``eval/accuracy``, latest against
-    first, once the run has evaluated twice and the latest is past the start; else the training
-    completions' ``accuracy``, last ``w`` steps against the first ``w``."""
+    """(the accuracy's rise since the start, what it was read from): the larger of the training
+    completions' ``accuracy`` (last ``w`` steps against the first ``w``) and, once the run has evaluated
+    twice with the latest past the start, held-out ``eval/accuracy`` (latest against first). The larger:
+    an accuracy that rose with the reward on either says the reward follows the task (held-out alone
+    flat while the training prompts' accuracy rises is overfitting, and held-out is noisy)."""
+    found = []
+    ends = _ends(h, "accuracy", w)
+    if ends is not None:
+        found.append((ends[1] - ends[0], f"train accuracy {ends[0]:.1%} -> {ends[1]:.1%}"))
     ev = h.points("eval/accuracy")
     if len(ev) >= 2 and ev[-1][0] >= 2 * w:
-        return ev[-1][1] - ev[0][1], f"held-out accuracy {ev[0][1]:.1%} (step {ev[0][0]}) -> " \
-                                     f"{ev[-1][1]:.1%} (step {ev[-1][0]})"
-    ends = _ends(h, "accuracy", w)
-    if ends is None:
+        found.append((ev[-1][1] - ev[0][1], f"held-out accuracy {ev[0][1]:.1%} (step {ev[0][0]}) -> "
+                                            f"{ev[-1][1]:.1%} (step {ev[-1][0]})"))
+    if not found:
         return None
-    return ends[1] - ends[0], f"train accuracy {ends[0]:.1%} -> {ends[1]:.1%}"
+    return max(found)[0], " and ".join(text for _, text in found)
 
 
 def reward_hacking(h: History, s: RewardHackingRule) -> Finding | None:
