@@ -47,6 +47,17 @@ class History:
     def values(self, key: str) -> list[float]:
         return [v for _, v in self.series.get(key, [])]
 
+    def first(self, key: str, n: int) -> list[float]:
+        """The first ``n`` values of ``key`` (fewer when it has fewer)."""
+        return [v for _, v in self.series.get(key, [])[:n]]
+
+    def last(self, key: str, n: int) -> list[float]:
+        """The last ``n`` values of ``key`` (fewer when it has fewer): O(n), whatever the run's length."""
+        return [v for _, v in self.series.get(key, [])[-n:]]
+
+    def count(self, key: str) -> int:
+        return len(self.series.get(key, []))
+
     def components(self) -> list[str]:
         """The reward functions with a mean logged (``reward/<name>``; not ``reward/<name>/failures``)."""
         return [k[len("reward/"):] for k in self.series if k.startswith("reward/") and k.count("/") == 1]

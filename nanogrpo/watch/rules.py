@@ -10,6 +10,8 @@ docs/guides/watching-a-run.md.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,13 +53,12 @@ class Finding:
 
 def _ends(h: History, key: str, w: int) -> tuple[float, float] | None:
     """(mean of the first ``w`` values, mean of the last ``w``) of ``key``; None before ``2 w`` values."""
-    xs = h.values(key)
-    return (mean(xs[:w]), mean(xs[-w:])) if len(xs) >= 2 * w else None
+    return (mean(h.first(key, w)), mean(h.last(key, w))) if h.count(key) >= 2 * w else None
 
 
 def _spread(h: History, w: int) -> float:
     """The start's reward spread: the mean within-step standard deviation of the reward (never 0)."""
-    return max(mean(h.values("reward_std")[:w]), 1e-6)
+    return max(mean(h.first("reward_std", w)), 1e-6)
 
 
 def _accuracy_change(h: History, w: int) -> tuple[float, str] | None:
@@ -112,7 +113,8 @@ def _fell_from_best(h: History, s: RewardHackingRule, spread: float) -> Finding 
     if best - now < s.max_drop:
         return None
     rew = h.points("reward_mean")
-    at_best = mean([v for st, v in rew if best_step - s.window < st <= best_step])
+    at = bisect.bisect_right(rew, (best_step, math.inf))  # the reward's points up to the best evaluation
+    at_best = mean([v for _, v in rew[max(at - s.window, 0):at]])
     later = mean([v for _, v in rew[-s.window:]])
     if not (later - at_best) / spread >= s.min_gain:
         return None
@@ -236,12 +238,14 @@ def engine_drift(h: History, s: EngineDriftRule) -> Finding | None:
     """The mean |trainer - engine| log-prob gap per token is above ``max_gap`` (and ``factor`` x the start's):
     the tokens were sampled from a distribution the trainer does not compute (kernels, precision, a
     weight sync that did not land): the run trains off-policy without knowing it."""
-    stale = {step for key in ("staleness/max", "staleness") for step, v in h.points(key) if v > 0}
-    pts = [(st, v) for st, v in h.points("logprob_gap") if st not in stale]
+    recent = 4 * s.window  # the steps looked at (a run's length costs nothing)
+    stale = {step for key in ("staleness/max", "staleness") for step, v in h.points(key)[-recent:] if v > 0}
+    pts = [(st, v) for st, v in h.points("logprob_gap")[-recent:] if st not in stale]
     if len(pts) < s.window:
         return None
     now = mean([v for _, v in pts[-s.window:]])
-    start = mean([v for _, v in pts[:s.window]]) if len(pts) >= 2 * s.window else None
+    first = _fresh_start(h, s.window)
+    start = mean(first) if len(first) == s.window and h.count("logprob_gap") >= 2 * s.window else None
     level = max(s.max_gap, s.factor * start) if start is not None else s.max_gap
     if now <= level:
         return None
@@ -252,6 +256,19 @@ def engine_drift(h: History, s: EngineDriftRule) -> Finding | None:
                    ["logprob_gap", "logprob_gap_max"], {"start": start, "now": now}, {"logprob_gap": level})
 
 
+def _fresh_start(h: History, w: int) -> list[float]:
+    """The first ``w`` gaps of steps without stale samples."""
+    stale = {step for key in ("staleness/max", "staleness") for step, v in h.points(key) if v > 0} \
+        if h.count("staleness/max") or h.count("staleness") else set()
+    out = []
+    for st, v in h.points("logprob_gap"):
+        if st not in stale:
+            out.append(v)
+            if len(out) == w:
+                break
+    return out
+
+
 def no_signal(h: History, s: NoSignalRule) -> Finding | None:
     """No group carried signal (all its rewards equal) for ``window`` steps in a row, the task unsolved:
     every advantage is 0 and the updates do nothing (a reward that no longer tells answers apart, or a
@@ -259,7 +276,7 @@ def no_signal(h: History, s: NoSignalRule) -> Finding | None:
     pts = h.points("groups_kept")
     if len(pts) < s.window or any(v > 0 for _, v in pts[-s.window:]):
         return None
-    acc = mean(h.values("accuracy")[-s.window:])
+    acc = mean(h.last("accuracy", s.window))
     if acc == acc and acc >= s.solved_accuracy:
         return None
     return Finding("no_signal", pts[-1][0], streak_start(pts, lambda v: v == 0),
