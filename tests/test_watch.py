@@ -182,6 +182,11 @@ def test_no_signal_fires_after_window_steps_without_a_group_unless_solved():
 def test_the_watch_config_is_typed_and_checked():
     cfg = Config.load("demo", ["watch.entropy_collapse={fraction: 0.05}", "watch.stop_on=[engine_drift]"])
     assert cfg.watch.entropy_collapse.fraction == 0.05 and cfg.watch.entropy_collapse.window == 3
+    cfg = Config.load("demo", ["watch.entropy_collapse.floor=0.005", "watch.kl_spike.hold=3"])  # one key
+    assert (cfg.watch.entropy_collapse.floor, cfg.watch.entropy_collapse.fraction) == (0.005, 0.1)
+    assert cfg.watch.kl_spike.hold == 3
+    with pytest.raises(ConfigError, match="grpo.beta is not a table"):
+        Config.load("demo", ["grpo.beta.x=1"])
     assert cfg.watch.active() == list(RULE_NAMES)
     assert Config.load("demo", ['watch.off=["kl_spike"]']).watch.active() == \
         [n for n in RULE_NAMES if n != "kl_spike"]

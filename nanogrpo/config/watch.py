@@ -1,7 +1,8 @@
 """``[watch]``: the run monitor's rules, their thresholds and windows (:mod:`nanogrpo.watch`).
 
-Each rule has a table of its own (``[watch.entropy_collapse]`` in a file; on the command line a YAML
-mapping: ``watch.entropy_collapse='{fraction: 0.05}'``, the keys not named keep their defaults).
+Each rule has a table of its own (``[watch.entropy_collapse]`` in a file; on the command line one key,
+``watch.entropy_collapse.floor=0.005``, or a YAML mapping, ``watch.entropy_collapse='{fraction: 0.05}'``;
+the keys not named keep their defaults).
 Windows count training steps; "the start" is the run's first ``window`` steps. Why each rule signals
 what it signals: docs/guides/watching-a-run.md.
 """
