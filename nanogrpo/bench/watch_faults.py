@@ -4,18 +4,22 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 100 held-out problems every 5 steps) plus one thing broken on purpose, and the rule of
 :mod:`nanogrpo.watch` meant to catch it, within a stated number of steps of the fault's onset:
 
-- ``length_bonus``: a reward that pays 0.5 per sampled token beside correctness and format (what a
-  reward model that likes long answers pays): completions grow to the token limit;
-- ``tag_format``: a format reward that any tag string satisfies, 0.5 for each ``<...>`` in the completion
-  (up to 8), in place of the strict format check: the tags multiply, the answers do not improve;
 - ``echo_judge``: a judge with a taste for a phrase (a local function standing in for an LLM judge): it
   prefers answers that echo the question's first number, which the warm start's careless habit writes
-  half of the time; it is the only reward;
-- ``high_lr``: the demo's learning rate x 40: the policy's entropy collapses;
+  half of the time; it is the only reward. The reward climbs, the accuracy falls: ``reward_hacking``;
+- ``length_bonus``: a reward that pays 0.5 per sampled token beside correctness and format (what a reward
+  model that likes long answers pays), sampled at temperature 1.5 with a 48-token limit and twice the
+  demo's learning rate: the warm start ends its answers at EOS with probability ~0.999, so at the demo's
+  own settings it never tries a longer one in 30 steps (measured); at these, the control run (the same
+  without the bonus) keeps 5-9% of its completions at the limit, the faulty one grows to all of them:
+  ``length_limit``;
+- ``high_lr``: the demo's learning rate x 40: one update scrambles the policy (on these models a high
+  learning rate raises the entropy, 0.04 -> 0.59 nats here, rather than collapsing it), every completion
+  is wrong from step 3 on and no group carries signal: ``no_signal``;
 - ``perturbed_engine``: the fast engine behind :class:`PerturbedLogprobs`, which from its 6th sampling
   call adds Gaussian noise (sigma 0.3 nats) to the log-probs it reports: the fault injection of the
   engine-drift test (the tokens are the engine's own; only the reported log-probs are off, as with a
-  kernel or precision mismatch).
+  kernel or precision mismatch): ``engine_drift``.
 """
 
 from __future__ import annotations
@@ -30,19 +34,10 @@ SMALL = ["rollout.prompts_per_step=16", "eval.every=5", "eval.n=100", "train.sav
          "log.samples_every=5"]
 """The demo made smaller, for every fault."""
 
-_TAG = re.compile(r"<[^<>\s]{1,16}>")
-
-
 def length_bonus(completion: str, sample: dict) -> float:
     """0.5 per token the model sampled: a reward that pays for length (it outweighs correctness and format,
     +-1 and +1.25 / -1, as a reward model's length bias can)."""
     return 0.5 * float(sample.get("completion_tokens", len(completion)))
-
-
-def tag_format(completion: str, sample: dict) -> float:
-    """0.5 per tag string (``<think>``, ``</answer>``, ``<x>``: any), up to 8: a format check any tag
-    satisfies."""
-    return 0.5 * min(len(_TAG.findall(completion)), 8)
 
 
 def _answer(completion: str) -> str:
@@ -98,13 +93,13 @@ class Fault:
 
 _HERE = "nanogrpo.bench.watch_faults"
 FAULTS: dict[str, Fault] = {
-    "length_bonus": Fault([f'rewards.functions=["correctness", "format", "{_HERE}:length_bonus"]'],
-                          "length_limit", onset=1, within=20),
-    "tag_format": Fault([f'rewards.functions=["correctness", "{_HERE}:tag_format"]'],
-                        "one_component", onset=1, within=20),
-    "echo_judge": Fault([f'rewards.functions=["{_HERE}:echo_judge"]'], "reward_hacking", onset=1, within=20),
-    "high_lr": Fault(["train.lr=6e-3"], "entropy_collapse", onset=1, within=20),
-    "perturbed_engine": Fault([], "engine_drift", onset=6, within=3, steps=12,
+    "echo_judge": Fault([f'rewards.functions=["{_HERE}:echo_judge"]'], "reward_hacking", onset=1, within=14,
+                        steps=20),
+    "length_bonus": Fault([f'rewards.functions=["correctness", "format", "{_HERE}:length_bonus"]',
+                           "rollout.temperature=1.5", "rollout.max_new_tokens=48", "train.lr=3e-4"],
+                          "length_limit", onset=1, within=19, steps=25),
+    "high_lr": Fault(["train.lr=6e-3"], "no_signal", onset=1, within=6, steps=12),
+    "perturbed_engine": Fault([], "engine_drift", onset=6, within=2, steps=12,
                               perturb={"sigma": 0.3, "after": 6}),
 }
 """Fault name -> how it is made and what should catch it (the ``within`` bounds are what the tests hold
