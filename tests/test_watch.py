@@ -136,6 +136,9 @@ def test_entropy_collapse_needs_both_the_fraction_and_the_floor():
     assert R.entropy_collapse(history(rows(10, entropy=[2.0] * 6 + [0.15] * 4)), s) is None
     # a policy that started sure of itself and stays so
     assert R.entropy_collapse(history(rows(10, entropy=0.005)), s) is None
+    # sure of answers that are right: converged, not collapsed
+    solved = rows(10, entropy=[0.5] * 6 + [0.02, 0.004, 0.002, 0.001], accuracy=0.97)
+    assert R.entropy_collapse(history(solved), s) is None
 
 
 def test_spikes_compare_a_step_with_the_median_of_the_steps_before():

@@ -76,7 +76,10 @@ class EntropyCollapseRule(_Strict):
     fraction: float = Field(0.1, gt=0, lt=1)
     """Fires when the mean per-token entropy falls below this fraction of its value at the start ..."""
     floor: float = Field(0.01, ge=0)
-    """... and below this many nats per token."""
+    """... and below this many nats per token ..."""
+    solved_accuracy: float = Field(0.95, ge=0, le=1)
+    """... unless the training accuracy (over the window) is at least this: a policy sure of answers that are
+    right has converged (the vision demo ends at 10-15% of its start's entropy, 94-99% right)."""
 
 
 class SpikeRule(_Strict):

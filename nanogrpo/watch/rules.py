@@ -190,13 +190,14 @@ def template_collapse(h: History, s: TemplateCollapseRule) -> Finding | None:
 
 
 def entropy_collapse(h: History, s: EntropyCollapseRule) -> Finding | None:
-    """The mean per-token entropy fell below ``fraction`` of the start's and below ``floor``: the policy
-    samples one answer; its groups stop differing and exploration ends."""
+    """The mean per-token entropy fell below ``fraction`` of the start's and below ``floor``, the task not
+    solved: the policy samples one answer; its groups stop differing and exploration ends."""
     ends = _ends(h, "entropy", s.window)
     if ends is None:
         return None
     level = min(s.fraction * ends[0], s.floor)
-    if ends[1] >= level:
+    acc = mean(h.last("accuracy", s.window))
+    if ends[1] >= level or (acc == acc and acc >= s.solved_accuracy):
         return None
     pts = h.points("entropy")
     return Finding("entropy_collapse", pts[-1][0], streak_start(pts, lambda v: v < level),
