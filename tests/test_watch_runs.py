@@ -49,11 +49,11 @@ def test_each_fault_is_caught_by_its_rule_and_stops_the_run(name, tmp_path):
 
 
 def test_a_healthy_demo_run_raises_no_alarm(tmp_path):
-    """20 steps of the demo, held-out evaluation every 5: the monitor says nothing (the full runs of every
-    demo: tests/test_watch.py replays their metric streams)."""
+    """12 steps of the demo (every rule past its start window), held-out evaluation every 4: the monitor
+    says nothing (the full runs of every demo: tests/test_watch.py replays their metric streams)."""
     from nanogrpo.config import Config
 
-    cfg = Config.load("demo", ["rollout.prompts_per_step=16", "train.steps=20", "eval.every=5", "eval.n=100",
+    cfg = Config.load("demo", ["rollout.prompts_per_step=16", "train.steps=12", "eval.every=4", "eval.n=50",
                                "train.save_every=0", f"train.out={tmp_path / 'demo'}"])
     root = train(prepare(cfg))
     assert read_events(root) == []
