@@ -148,6 +148,9 @@ def test_spikes_compare_a_step_with_the_median_of_the_steps_before():
     assert f is not None and (f.since, f.step) == (11, 12) and "107.7x the median 0.0065" in f.message
     # one step up, then back: a small batch's noisy estimate (the tool demo had a step at 13x)
     assert R.kl_spike(history(rows(12, kl=kl[:-1] + [0.01])), w.kl_spike) is None
+    one = WatchConfig(kl_spike={"hold": 1}).kl_spike  # watch.kl_spike.hold=1: a single step is enough
+    f = R.kl_spike(history(rows(11, kl=kl[:-1])), one)
+    assert f is not None and (f.since, f.step) == (11, 11) and "for 1 step(s)" in f.message
     high = [3 * x for x in kl[:-2]] + [0.15, 0.15]
     assert R.kl_spike(history(rows(12, kl=high)), w.kl_spike) is None   # 7.7x the median: not a jump
     assert R.kl_spike(history(rows(12, kl=[0.0] * 10 + [0.05] * 2)), w.kl_spike) is None  # from 0, small
