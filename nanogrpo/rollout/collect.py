@@ -48,6 +48,12 @@ class RolloutStats:
     groups_surplus: int | None = None
     """``grpo.dynamic_sampling``: informative groups generated beyond the batch, dropped."""
     stop_rate: float = float("nan")
+    truncated_frac: float = float("nan")
+    """Share of the completions the token limit cut off (``finish_reason == "length"``)."""
+    distinct_ngrams: float = float("nan")
+    """Distinct token 4-grams over the step's completions / all their 4-grams, each group's repeats of one
+    completion counted once (:func:`distinct_ngrams`): near 1 when prompts get their own answers, falling
+    towards 1 / prompts when every prompt gets the same text."""
     reward_failures: int = 0
     reward_timeouts: int = 0
     reward_non_finite: int = 0
@@ -93,6 +99,18 @@ def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], leng
         extra = [{"completion_tokens": n, "max_new_tokens": max_new_tokens} for n in lengths]
     return [dict(row, finish_reason=finish_reasons[i * g + j], **extra[i * g + j])
             for i, row in enumerate(rows) for j in range(g)]
+
+
+def distinct_ngrams(completions: list[list[int]], group_size: int, n: int = 4) -> float:
+    """Distinct ``n``-grams of token ids over ``completions`` (``group_size`` per prompt, in order) divided by
+    their total count, after dropping each group's duplicate completions (a policy sure of its answer to
+    one prompt repeats it G times: that is not a template). 1.0: no n-gram shared between completions;
+    1 / prompts: every prompt got the same completion. NaN when no completion has ``n`` tokens."""
+    grams: list[tuple[int, ...]] = []
+    for start in range(0, len(completions), group_size):
+        for c in {tuple(c) for c in completions[start:start + group_size]}:
+            grams += [c[i:i + n] for i in range(len(c) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
 
 
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
@@ -305,6 +323,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.completion_tokens = sum(lens)
     stats.num_completions = len(lens)
     stats.stop_rate = sum(f in ("stop", "done") for f in reasons) / len(lens)  # done: an episode's end
+    stats.truncated_frac = sum(f == "length" for f in reasons) / len(lens)
+    stats.distinct_ngrams = distinct_ngrams(comp, g)
     stats.reward_failures = sum(x.scored.failures for x in live)
     stats.reward_timeouts = sum(x.scored.timeouts for x in live)
     stats.reward_non_finite = sum(x.scored.non_finite for x in live)
@@ -315,9 +335,10 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             fails[k] = fails.get(k, 0) + v
     stats.reward_failures_by_function = fails
     stats.reward_model_metrics = dict(live[-1].scored.metrics)
+    shown = example_rows(len(texts), g, keep_examples)
     stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
                        **{k: v[i] for k, v in per_function.items()}, **_example_images(samples[i], data)}
-                      for i in range(min(keep_examples, len(texts)))]
+                      for i in shown]
 
     groups = len(kept_rows)
     stats.groups_total = groups
@@ -326,6 +347,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     trained = [sum(m) for m in loss_masks] if multi else lens                    # (N,)
     adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
                                   reduce)                                          # (N,) each
+    for ex, i in zip(stats.examples, shown):  # the rollout table: each row's advantage and group
+        ex.update(advantage=float(adv[i]), group=i // g, finish_reason=reasons[i])
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
     if dynamic:
         stats.groups_no_signal = int((~keep).sum())
@@ -375,6 +398,14 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                          truncated=torch.tensor(cut_b),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
+
+
+def example_rows(n: int, group_size: int, count: int) -> list[int]:
+    """Which of a step's ``n`` completions its rollout table shows: the first two of each group, group after
+    group, ``count`` in all (two of one group show its advantages' contrast; several groups, several
+    prompts)."""
+    per = min(2, group_size)
+    return [i * group_size + j for i in range(n // group_size) for j in range(per)][:count]
 
 
 def _example_images(sample: dict, data: DataConfig) -> dict:
