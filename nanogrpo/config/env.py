@@ -35,5 +35,9 @@ class EnvConfig(_Strict):
     """The episode reward of an episode the environment broke: it raised (``env_error``), hung
     (``env_timeout``), answered a non-finite reward or not a step result (``env_error``), or an
     observation over ``max_observation_tokens`` (``too_long``). A failure in ``reset`` drops the group."""
+    server: str = ""
+    """verifiers 0.4 environments (``verifiers:...``): where episodes run. Empty: in this process;
+    ``"start"``: in a verifiers environment server nanogrpo starts (and restarts if it dies); an address
+    ``tcp://HOST:PORT``: a running ``vf.EnvServer`` (``nanogrpo.envs.adapters.verifiers_v1.server``)."""
     workers: int = Field(32, ge=1)
     """Threads running sync environment calls at once (``async def`` methods share one event loop)."""

@@ -157,10 +157,10 @@ class _Round:
 
 def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
                     cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools,
-                    env=None) -> _Round:
+                    env=None, version: int = 0) -> _Round:
     """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
     if env is not None:
-        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env)
+        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env, version)
     spec = getattr(engine, "vision", None)
     images = None
     if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
@@ -190,7 +190,7 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
 
 
 def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, cfg: RolloutConfig,
-                   grpo: GrpoConfig, seed: int | None, env) -> _Round:
+                   grpo: GrpoConfig, seed: int | None, env, version: int = 0) -> _Round:
     """``grpo.group_size`` episodes per row with the environment (``env``: an
     :class:`~nanogrpo.rollout.episodes.Episodes`), scored."""
     if not rows:
@@ -199,7 +199,7 @@ def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardR
                             top_k=cfg.top_k, n=grpo.group_size, seed=seed,
                             logprob_temperature=cfg.logprob_temperature(),
                             support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
-    gen = env.generate(engine, tokenizer, rows, params)
+    gen = env.generate(engine, tokenizer, rows, params, version=version)
     kept_rows = [rows[i] for i in gen.kept]
     if not kept_rows:
         return _Round([], [], None, [], [], None, len(rows))
@@ -246,7 +246,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     g = grpo.group_size
     stats = RolloutStats()
     target = len(rows)
-    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env)]
+    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env,
+                              policy_version)]
     dynamic = grpo.dynamic_sampling and more is not None
     if dynamic:
         informative = [_informative(rounds[0], rewards, grpo)]
@@ -259,7 +260,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
             r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
             rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
-                                  grpo, template, r_seed, tools, env)
+                                  grpo, template, r_seed, tools, env, policy_version)
             rounds.append(rnd)
             informative.append(_informative(rnd, rewards, grpo))
         stats.refills = len(rounds) - 1
