@@ -18,6 +18,27 @@ def need(module: str):
     return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[envs]')")
 
 
+def verifiers_api() -> str:
+    """``"v1"`` (verifiers 0.4 or later), ``"classic"`` (0.3) or ``""`` (none), from its metadata."""
+    from nanogrpo.envs.adapters.verifiers_v1.source import installed
+
+    return installed()
+
+
+def need_verifiers(api: str):
+    """``import verifiers`` when the installed one is ``api`` (``"v1"``: 0.4, ``"classic"``: 0.3; the two
+    cannot share an environment), else skip the test, unless the environment is meant to have it:
+    ``NANOGRPO_REQUIRE_ENVS=1`` (the envs extra: v1) or ``NANOGRPO_REQUIRE_CLASSIC=1`` (verifiers 0.3,
+    ``.ci/run`` installs it in place for the classic tests)."""
+    required = os.environ.get("NANOGRPO_REQUIRE_ENVS" if api == "v1" else "NANOGRPO_REQUIRE_CLASSIC") == "1"
+    have = verifiers_api() or "none"
+    if have != api:
+        if required:
+            pytest.fail(f"verifiers ({api}) is required here, the installed one is {have}")
+        pytest.skip(f"needs verifiers {'>=0.4' if api == 'v1' else '0.3'} (installed: {have})")
+    return importlib.import_module("verifiers")
+
+
 def answer_of(text: str) -> str | None:
     m = re.findall(r"<answer>(.*?)</answer>", text)
     return m[-1].strip() if m else None

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanogrpo.envs.adapters.verifiers_v1.program import V1Program
-from nanogrpo.envs.adapters.verifiers_v1.source import installed, resolve, spec_of
+from nanogrpo.envs.adapters.verifiers_v1.source import installed, pin, resolve, spec_of
 
 
 def load(rest: str, kwargs: dict, server: str = ""):
@@ -38,6 +38,8 @@ def load(rest: str, kwargs: dict, server: str = ""):
     from nanogrpo.errors import ConfigError
 
     spec, options = resolve(rest, kwargs)
+    if isinstance(spec, dict):
+        pin(spec, 0, 0)  # verifiers resolves the config now: an unknown id or key is a ConfigError at start
     if server:
         check_address(server)
         if server == "start" and not isinstance(spec, dict):

@@ -6,8 +6,8 @@ imports ``my_env``) whose ``__all__`` exports one ``vf.Taskset`` subclass (and o
 ``vf.Env``); an env id and a harness id likewise. A class named by ``verifiers:module:Class`` lives in
 a module verifiers may not find that way (a dotted module, a file, one exporting several): it is
 given the id :func:`plugin_id` makes and a module of that name holding just that class is registered
-(``sys.modules``), in this process and in an environment server nanogrpo starts (which resolves the
-source the same way).
+(``sys.modules``; with the Env its module pairs it with, :func:`partner_env`), in this process and in
+an environment server nanogrpo starts (which resolves the source the same way).
 
 Pinned for a local run, unless ``env.kwargs`` says otherwise: each agent seat (role) of the env with
 no harness gets the ``null`` harness (a plain chat loop; a taskset that bundles its own harness keeps
@@ -71,17 +71,30 @@ def plugin_id(cls: type, kind: str) -> str:
     return f"nanogrpo_{kind}_{name}_{tag}"
 
 
-def register(cls: type, kind: str) -> str:
-    """Make ``cls`` (a ``vf.Taskset``, ``vf.Env`` or ``vf.Harness`` subclass) a verifiers plugin: a module
-    of its :func:`plugin_id` exporting only it; the id."""
+def register(cls: type, kind: str, partner: type | None = None) -> str:
+    """Make ``cls`` (a ``vf.Taskset`` or ``vf.Env`` subclass) a verifiers plugin: a module of its
+    :func:`plugin_id` exporting only it (and ``partner``: a taskset's own Env); the id."""
     ident = plugin_id(cls, kind)
     mod = sys.modules.get(ident)
     if mod is None or getattr(mod, cls.__name__, None) is not cls:
         mod = types.ModuleType(ident, f"nanogrpo's registration of {cls.__module__}.{cls.__qualname__}")
-        setattr(mod, cls.__name__, cls)
-        mod.__all__ = [cls.__name__]
+        mod.__all__ = []
+        for c in (cls, partner) if partner is not None else (cls,):
+            setattr(mod, c.__name__, c)
+            mod.__all__.append(c.__name__)
         sys.modules[ident] = mod
     return ident
+
+
+def partner_env(cls: type, v1) -> type | None:
+    """The Env a Taskset subclass comes with: its module exports it and exactly one Env subclass through
+    ``__all__`` (verifiers' convention for an environment package); None otherwise."""
+    mod = sys.modules.get(cls.__module__)
+    names = getattr(mod, "__all__", None) or []
+    objs = [getattr(mod, n, None) for n in names]
+    sets = [o for o in objs if inspect.isclass(o) and issubclass(o, v1.Taskset) and o is not v1.Taskset]
+    envs = [o for o in objs if inspect.isclass(o) and issubclass(o, v1.Env) and o is not v1.Env]
+    return envs[0] if sets == [cls] and len(envs) == 1 else None
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -126,9 +139,10 @@ def spec_of(obj: Any, kw: dict, what: str, v1=None) -> dict | Any:
         return obj
     if isinstance(obj, v1.Taskset):
         cfg = obj.config.model_dump(exclude={"id"})
-        return _merge(kw, {"taskset": {**cfg, "id": register(type(obj), "taskset")}})
+        cls = type(obj)
+        return _merge(kw, {"taskset": {**cfg, "id": register(cls, "taskset", partner_env(cls, v1))}})
     if inspect.isclass(obj) and issubclass(obj, v1.Taskset):
-        return _merge(kw, {"taskset": {"id": register(obj, "taskset")}})
+        return _merge(kw, {"taskset": {"id": register(obj, "taskset", partner_env(obj, v1))}})
     if inspect.isclass(obj) and issubclass(obj, v1.Env):
         if not (kw.get("taskset") or {}).get("id"):
             raise ConfigError(f"{what}: an Env class needs its seed taskset: env.kwargs.taskset.id")

@@ -1,0 +1,192 @@
+"""``nanogrpo train`` with verifiers 0.4 (v1) environments, on the in-process engine (slow: real training
+steps, real harness programs): a taskset written by hand with ``@vf.reward`` (the ``null`` harness, a uv
+script, in the ``subprocess`` runtime), verifiers' own TextArena environment on GuessTheNumber (no
+downloaded data), its OpenEnv environment against an OpenEnv server started here, through an environment
+server nanogrpo starts; and environments that break (raise, hang, hand back a trace that is not what was
+sampled, kill their server): each such episode ends counted, trains nothing, the run goes on.
+
+Every trained row is checked three ways: it is a branch of one of the episode's traces (its ids exactly,
+the trained tokens exactly the trace's sampled mask), every sampled span in it is a request the endpoint
+answered (that request's prompt exactly before it, its log-probs exactly), and its reward is the trace's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import nanogrpo
+from nanogrpo.config import Config
+from nanogrpo.demos.game.task import make_split
+from tests.adapter_fixtures import need, need_verifiers
+from tests.test_adapters import openenv_server  # noqa: F401 - the fixture
+from tests.test_adapters_train import captured, row_of  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.slow
+QUICK = {"train.steps": 1, "rollout.prompts_per_step": 2, "grpo.group_size": 2, "train.save_every": 0,
+         "rewards.workers": 0, "grpo.min_reward_spread": 0.0, "eval.every": 0, "rewards.functions": ["env"],
+         "env.timeout_s": 300}
+"""One step of 2 rows x 2 episodes on the game demo's model, every group kept, the episode's reward only."""
+CHAT = {"harness": {"id": "nanogrpo-chat"}}
+
+
+@pytest.fixture(autouse=True)
+def v1(monkeypatch):
+    need_verifiers("v1")
+    # the null and bash harnesses are uv scripts: uv comes with the envs extra, beside this python
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The episodes verifiers handed back and the endpoint's record of every session, kept as they pass."""
+    from nanogrpo.envs.adapters.verifiers_v1 import program, server
+    from nanogrpo.rollout.endpoint.server import Endpoint
+
+    out = {"episodes": [], "logs": []}
+    real_result, real_close = program.result_of, Endpoint.close_session
+
+    def result_of(episode):
+        out["episodes"].append(episode)
+        return real_result(episode)
+
+    def close_session(self, sid):
+        log = real_close(self, sid)
+        if log is not None:
+            out["logs"].append(log)
+        return log
+    monkeypatch.setattr(program, "result_of", result_of)
+    monkeypatch.setattr(server, "result_of", result_of)
+    monkeypatch.setattr(Endpoint, "close_session", close_session)
+    return out
+
+
+def train(tmp_path, overrides: dict, rows: list[dict], steps: int = 1):
+    cfg = Config.load("demo-game", {**QUICK, "train.steps": steps, "train.out": str(tmp_path / "run"),
+                                    **overrides})
+    return nanogrpo.train(cfg, dataset=rows)
+
+
+def check_trained(batch, seen, n: int) -> list:
+    """Each of the ``n`` episode rows (and any extra rows) is a branch of a trace of its row's task, what
+    the endpoint sampled, rewarded as its trace; the traces, one per row (None: nothing trained)."""
+    records = [r for log in seen["logs"] for r in log.records]
+    traces = [t for e in seen["episodes"] for t in e.traces]
+    used: set[str] = set()
+    out = []
+    for j in range(batch.num_seqs):
+        prompt, comp, mask, lps = row_of(batch, j)
+        if not comp:  # a broken episode's row: nothing trained
+            out.append(None)
+            continue
+        ids = prompt + comp
+        task = batch.meta["ids"][int(batch.group_ids[j])]
+        hits = [(t, b) for t in traces for b in t.branches
+                if b.token_ids == ids and task in (t.task.data.id, t.task.key)]
+        assert hits, f"row {j} is no branch of any trace of its task"
+        fresh = [h for h in hits if h[0].id not in used] if j < n else hits  # episodes: one trace each
+        trace, branch = (fresh or hits)[0]
+        used.add(trace.id)
+        assert branch.sampled_mask == [False] * len(prompt) + mask
+        assert lps == pytest.approx(branch.logprobs[len(prompt):], abs=1e-6)
+        k = 0
+        while k < len(comp):  # every sampled span: a request the endpoint answered, exactly
+            if not mask[k]:
+                k += 1
+                continue
+            at = len(prompt) + k
+            rec = [r for r in records
+                   if r.prompt_ids == ids[:at] and r.completion_ids == ids[at:at + len(r.completion_ids)]]
+            assert rec, f"row {j}: the sampled tokens at {at} are no request the endpoint answered"
+            span = rec[0].completion_ids
+            assert mask[k:k + len(span)] == [True] * len(span)
+            assert lps[k:k + len(span)] == pytest.approx(rec[0].logprobs, abs=1e-6)
+            k += len(span)
+        if j < n:
+            assert batch.rewards[j] == pytest.approx(trace.reward)
+        out.append(trace)
+    return out
+
+
+def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured, seen):  # noqa: F811
+    from tests.v1_fixtures import guessed
+
+    rows = make_split("train", 2)
+    r = train(tmp_path, {"env.source": "verifiers:tests.v1_fixtures:GuessTaskset"}, rows)
+    (batch,), (gen,) = captured
+    m = r.metrics[-1]
+    assert m["env/episodes"] == 4 and m["env/finish/done"] == 4 and m["agent/mismatched_sequences"] == 0
+    assert m["agent/unclaimed_requests"] == 0 and m["agent/requests"] == 4
+    traces = check_trained(batch, seen, 4)
+    by_id = {row["id"]: row for row in rows}
+    for j, trace in enumerate(traces[:4]):
+        assert trace.agent.config.harness.id == "null" and trace.agent.config.runtime.type == "subprocess"
+        secret = by_id[batch.meta["ids"][j // 2]]["secret"]
+        assert trace.task.data.secret == secret  # the dataset row became the task
+        g = guessed(trace.last_reply)
+        assert batch.rewards[j] == (0.0 if g is None else max(0.0, 1.0 - abs(g - secret) / 15))  # @vf.reward
+        assert gen.infos[j]["success"] == (g == secret)  # the task's success metric
+
+
+def test_verifiers_textarena_env_plays_guess_the_number(tmp_path, captured, seen):  # noqa: F811
+    need("textarena")
+    from nanogrpo.envs.adapters.verifiers_v1.tasks import taskset_rows
+
+    rows = taskset_rows("tests.v1_textarena:GameTaskset", n=2)  # the taskset's own tasks: seeded games
+    r = train(tmp_path, {"env.source": "verifiers:tests.v1_textarena:GameTaskset", "env.max_turns": 2,
+                         "env.kwargs": {"player": CHAT}, "data.max_prompt_tokens": 1200,
+                         "env.max_observation_tokens": 300}, rows)
+    (batch,), _ = captured
+    m = r.metrics[-1]
+    assert m["env/episodes"] == 4 and m["agent/mismatched_sequences"] == 0
+    traces = check_trained(batch, seen, 4)
+    by_id = {row["id"]: row for row in rows}
+    for j, trace in enumerate(traces[:4]):
+        row = by_id[batch.meta["ids"][j // 2]]
+        assert "Guess The Number" in trace.task.data.prompt and trace.task.data.info == row["task"]["info"]
+        assert trace.task.key == row["id"]
+        assert trace.num_turns <= 2 and trace.agent.name == "player"
+        # the game engine answered each move that did not end the game (verifiers' TextArenaEnv)
+        users = [m for m in trace.messages if m.role == "user"]
+        assert len(users) == trace.num_turns
+        assert "game_reward" in trace.rewards
+
+
+def test_verifiers_openenv_env_through_an_env_server(tmp_path, captured, seen, openenv_server):  # noqa: F811
+    kwargs = {"taskset": {"base_url": openenv_server, "resets": [{"seed": 0}, {"seed": 1}]}, "player": CHAT}
+    from nanogrpo.envs.adapters.verifiers_v1.tasks import taskset_rows
+
+    rows = taskset_rows("openenv", kwargs, n=2)
+    r = train(tmp_path, {"env.source": "verifiers:openenv", "env.kwargs": kwargs, "env.max_turns": 2,
+                         "env.server": "start", "rollout.max_new_tokens": 40, "data.max_prompt_tokens": 1200,
+                         "env.max_observation_tokens": 1200}, rows)
+    (batch,), _ = captured
+    m = r.metrics[-1]
+    assert m["env/episodes"] == 4 and m["agent/mismatched_sequences"] == 0
+    traces = check_trained(batch, seen, 4)
+    for trace in traces[:4]:
+        first = trace.messages[0]
+        assert "Say a number from 1 to 9." in first.content  # the OpenEnv server's observation
+        assert "openenv_reward" in trace.rewards
+
+
+def test_environments_that_break_end_their_episode_and_the_run_goes_on(tmp_path, captured, seen):  # noqa: F811
+    rows = [{"question": "Tom picks a number, 1-15. Guess it.", "answer": str(s), "secret": s, "id": f"t{s}"}
+            for s in (1, 2, 3, 9)]
+    r = train(tmp_path, {"env.source": "verifiers:tests.v1_troubled:TroubledTaskset", "env.timeout_s": 20,
+                         "env.kwargs": {"agent": CHAT}, "rollout.prompts_per_step": 4,
+                         "env.error_penalty": -0.5}, rows, steps=2)
+    assert len(r.metrics) == 2
+    for m, batch in zip(r.metrics, captured[0]):
+        assert m["env/finish/env_error"] == 2 and m["env/finish/env_timeout"] == 2
+        assert m["env/finish/mismatch"] == 2 and m["agent/mismatched_sequences"] == 2
+        assert m["env/finish/done"] == 2
+        traces = check_trained(batch, seen, 8)
+        for j in range(8):
+            secret = int(batch.meta["ids"][j // 2][1:])
+            if secret in (1, 2, 3):  # raised, hung, tampered with: nothing trained, the penalty
+                assert traces[j] is None and batch.rewards[j] == -0.5
+            else:
+                assert traces[j].task.data.secret == secret == 9
