@@ -351,6 +351,9 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                 cut_b.append(sq.finish_reason == "length")
                 rows_b.append(i)
         size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
+    if not any(comp_b):  # every episode kept broke before the model wrote a token: nothing to train
+        stats.groups_kept = 0
+        return None, stats
     rows_t = torch.tensor(rows_b, dtype=torch.int64)
     ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in rows_b], dtype=torch.int64)

@@ -30,7 +30,7 @@ def taskset_rows(rest: str, kwargs: dict | None = None, start: int = 0, n: int =
         taskset = spec.taskset
     rows = []
     for task in itertools.islice(iter(taskset), start, start + n):
-        data = task.data.model_dump(mode="json", exclude_none=True)
+        data = task.data.model_dump(mode="json")
         answer = data.get("answer")
         rows.append({"question": task.data.prompt_text, "answer": NO_ANSWER if answer is None else str(answer),
                      "id": str(task.data.id or task.key), "task": data})
