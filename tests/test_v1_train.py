@@ -30,6 +30,8 @@ QUICK = {"train.steps": 1, "rollout.prompts_per_step": 2, "grpo.group_size": 2, 
          "env.timeout_s": 300}
 """One step of 2 rows x 2 episodes on the game demo's model, every group kept, the episode's reward only."""
 CHAT = {"harness": {"id": "nanogrpo-chat"}}
+BASH = {"id": "bash", "edit": False, "compaction": None}
+"""verifiers' coding agent, its shell only (compaction asks the model's context window of /v1/models)."""
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +113,8 @@ def check_trained(batch, seen, n: int) -> list:
 
 
 def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured, seen):  # noqa: F811
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.models.source import resolve_model_path
     from tests.v1_fixtures import guessed
 
     rows = make_split("train", 2)
@@ -121,8 +125,14 @@ def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured,
     assert m["agent/unclaimed_requests"] == 0 and m["agent/requests"] == 4
     traces = check_trained(batch, seen, 4)
     by_id = {row["id"]: row for row in rows}
+    tok = load_tokenizer(str(resolve_model_path("embedded-game")))
     for j, trace in enumerate(traces[:4]):
         assert trace.agent.config.harness.id == "null" and trace.agent.config.runtime.type == "subprocess"
+        # verifiers rendered the prompt with the very tokenizer the engine uses (ids as nanogrpo's own)
+        chat = tok.apply_chat_template([{"role": "user", "content": trace.task.data.prompt}],
+                                       add_generation_prompt=True, tokenize=False)
+        prompt = row_of(batch, j)[0]
+        assert prompt == tok(chat, add_special_tokens=False)["input_ids"]
         secret = by_id[batch.meta["ids"][j // 2]]["secret"]
         assert trace.task.data.secret == secret  # the dataset row became the task
         g = guessed(trace.last_reply)
@@ -190,3 +200,60 @@ def test_environments_that_break_end_their_episode_and_the_run_goes_on(tmp_path,
                 assert traces[j] is None and batch.rewards[j] == -0.5
             else:
                 assert traces[j].task.data.secret == secret == 9
+
+
+def test_an_env_server_that_dies_ends_its_episodes_and_is_started_again(tmp_path, captured, seen):  # noqa: F811
+    marker = tmp_path / "killed"
+    rows = [{"question": "Tom picks a number, 1-15. Guess it.", "answer": str(s), "secret": s, "id": f"t{s}"}
+            for s in (13, 9)]
+    kwargs = {"agent": CHAT, "taskset": {"kill_marker": str(marker)}}
+    r = train(tmp_path, {"env.source": "verifiers:tests.v1_troubled:TroubledTaskset", "env.server": "start",
+                         "env.kwargs": kwargs}, rows, steps=2)
+    first, second = r.metrics
+    # the secret-13 episode killed the server (SIGKILL) with every episode it was playing: counted, the
+    # run went on; the next step's episodes ran on a server started again
+    assert marker.exists() and first["env/finish/env_error"] >= 2 and first["env/finish/done"] <= 2
+    assert second["env/finish/done"] == 4 and second["env/finish/env_error"] == 0
+    check_trained(captured[0][-1], seen, 4)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """The tiny tool-calling model: shipped in tests/data (344 KB, ``python -m tests.v1_tools OUT`` rebuilds
+    it: ten minutes of a loaded 2-core CPU), built here when missing."""
+    need_verifiers("v1")
+    from tests.v1_tools import SHIPPED, build_tool_model
+
+    if (SHIPPED / "model.safetensors").is_file():
+        return str(SHIPPED)
+    return str(build_tool_model(tmp_path_factory.mktemp("tool-model") / "model"))
+
+
+def test_the_bash_harness_runs_the_models_command_in_the_subprocess_runtime(tmp_path, captured, seen,  # noqa: F811
+                                                                             tool_model):
+    from tests.v1_tools import CALL, COMMAND
+
+    rows = [{"question": "Write 42 to answer.txt.", "answer": "42", "id": "answer"}]
+    r = train(tmp_path, {"env.source": "verifiers:tests.v1_tools:AnswerTaskset", "model.path": tool_model,
+                         "rollout.prompts_per_step": 1, "rollout.max_new_tokens": 120, "env.max_turns": 3,
+                         "data.max_prompt_tokens": 300, "env.max_observation_tokens": 100,
+                         "rollout.temperature": 0.1,  # the tiny model's habit, not its second guesses
+                         "env.kwargs": {"agent": {"harness": BASH},
+                                        "renderer": {"name": "default", "tool_parser": "qwen3"}}}, rows)
+    (batch,), _ = captured
+    m = r.metrics[-1]
+    assert m["env/episodes"] == 2 and m["env/finish/done"] == 2 and m["agent/mismatched_sequences"] == 0
+    traces = check_trained(batch, seen, 2)
+    for trace in traces[:2]:
+        assert trace.agent.config.harness.id == "bash" and trace.agent.config.runtime.type == "subprocess"
+        calls = [c for a in trace.assistant_messages for c in (a.tool_calls or [])]
+        # the model's call, parsed from its tokens; the command ran where the harness runs it (the
+        # runtime's working directory), and the reward read its file back from there
+        assert [(c.name, c.arguments) for c in calls] == [("bash", '{"command": "' + COMMAND + '"}')]
+        assert [t.content for t in trace.tool_messages] == ["42\n"]
+        assert trace.rewards["wrote_42"].score == 1.0 and trace.reward == 1.0
+    from nanogrpo.models.load import load_tokenizer
+
+    tok = load_tokenizer(tool_model)
+    said = [tok.decode([t for t, k in zip(*row_of(batch, j)[1:3]) if k]) for j in range(batch.num_seqs)]
+    assert any(CALL in s for s in said)  # the call was sampled by the model and trained

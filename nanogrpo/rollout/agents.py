@@ -100,6 +100,7 @@ class AgentEpisodes:
         self.settings = settings
         self.endpoint: Endpoint | None = None
         self.probe: Any = None
+        self.tokenizer_dir: str | None = None
 
     @classmethod
     def from_runner(cls, runner, cfg) -> AgentEpisodes | None:
@@ -127,6 +128,27 @@ class AgentEpisodes:
             self.runner.close_envs([self.probe])
             self.probe = None
         self.runner.close()
+        if self.tokenizer_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
+            self.tokenizer_dir = None
+
+    def _tokenizer_source(self, tokenizer) -> str:
+        """Where a program loads the engine's tokenizer from (``ModelClient.tokenizer``): its name or
+        directory; a generic fast tokenizer (the embedded char-level one) saved alone in a directory of
+        the run's (``AutoTokenizer`` would take the model's family class from a ``config.json`` beside it
+        and replace its pre-tokenizer: the same text, other ids)."""
+        from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES
+
+        if type(tokenizer).__name__ not in GENERIC_TOKENIZER_CLASSES:
+            return str(getattr(tokenizer, "name_or_path", "") or "")
+        if self.tokenizer_dir is None:
+            import tempfile
+
+            self.tokenizer_dir = tempfile.mkdtemp(prefix="nanogrpo-tokenizer-")
+            tokenizer.save_pretrained(self.tokenizer_dir)
+        return self.tokenizer_dir
 
     def _endpoint(self, engine: Engine, tokenizer, params: SamplingParams) -> Endpoint:
         s = self.settings
@@ -152,10 +174,10 @@ class AgentEpisodes:
         ep.open_sessions()
         fns, is_async = [], []
         live = _Live()
+        source = self._tokenizer_source(tokenizer)
         for i, (o, key) in enumerate(zip(made, keys, strict=True)):
-            client = ModelClient(ep.url, key, self.settings.model_name, ep.session_key,
-                                 str(getattr(tokenizer, "name_or_path", "") or ""), self.settings.max_turns,
-                                 params.max_new_tokens)
+            client = ModelClient(ep.url, key, self.settings.model_name, ep.session_key, source,
+                                 self.settings.max_turns, params.max_new_tokens)
             if o.ok and is_program(o.value):
                 run = o.value.run
                 asy = inspect.iscoroutinefunction(run)

@@ -32,8 +32,8 @@ def taskset_rows(rest: str, kwargs: dict | None = None, start: int = 0, n: int =
     for task in itertools.islice(iter(taskset), start, start + n):
         data = task.data.model_dump(mode="json")
         answer = data.get("answer")
-        rows.append({"question": task.data.prompt_text, "answer": NO_ANSWER if answer is None else str(answer),
-                     "id": str(task.data.id or task.key), "task": data})
+        rows.append({"question": task.data.prompt_text, "id": str(task.data.id or task.key), "task": data,
+                     "answer": NO_ANSWER if answer is None else str(answer)})
     if not rows:
         raise DataError(f"data.source 'verifiers:{rest}': the taskset has no task from position {start}")
     return rows
