@@ -257,3 +257,30 @@ def test_the_bash_harness_runs_the_models_command_in_the_subprocess_runtime(tmp_
     tok = load_tokenizer(tool_model)
     said = [tok.decode([t for t, k in zip(*row_of(batch, j)[1:3]) if k]) for j in range(batch.num_seqs)]
     assert any(CALL in s for s in said)  # the call was sampled by the model and trained
+
+
+def test_nanogrpo_eval_plays_a_v1_environment(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from tests.v1_fixtures import guessed
+
+    root = Path(__file__).resolve().parents[1]
+    source = "verifiers:tests.v1_fixtures:GuessTaskset"
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "nanogrpo.cli", "eval", "--model", "embedded-game", "--config", "demo-game",
+           "--data", source, "--split", "train", "--n", "4", "--out", str(out), f"env.source={source}",
+           "env.kwargs=" + json.dumps({"agent": CHAT}), 'rewards.functions=["env"]']
+    res = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    records = [json.loads(x) for x in out.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert summary["n"] == len(records) == 4 and summary["k"] == 1  # greedy, one episode per task
+    correct = []
+    for rec in records:  # the taskset's own tasks (secret 1, 2, 3, 4); success is its metric
+        secret = int(rec["id"].split("-")[1])
+        assert rec["correct"] == [guessed(rec["completions"][0]) == secret]
+        correct += rec["correct"]
+    assert summary["accuracy"] == sum(correct) / 4 and summary["finish/done"] == 4

@@ -34,8 +34,8 @@ class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
 
     def load(self):
         for secret in range(1, 16):
-            yield GuessTask(GuessData(prompt="Tom picks a number, 1-15. Guess it.", secret=secret),
-                            self.config.task)
+            yield GuessTask(GuessData(id=f"secret-{secret}", prompt="Tom picks a number, 1-15. Guess it.",
+                                      secret=secret), self.config.task)
 
 
 __all__ = ["GuessTaskset"]
