@@ -86,13 +86,13 @@ def check_trained(batch, seen, n: int) -> list:
         ids = prompt + comp
         task = batch.meta["ids"][int(batch.group_ids[j])]
         hits = [(t, b) for t in traces for b in t.branches
-                if b.token_ids == ids and task in (t.task.data.id, t.task.key)]
-        assert hits, f"row {j} is no branch of any trace of its task"
+                if b.token_ids == ids and task in (t.task.data.id, t.task.key)
+                and b.sampled_mask == [False] * len(prompt) + mask  # the trained tokens: the sampled ones
+                and max((abs(x - y) for x, y in zip(lps, b.logprobs[len(prompt):])), default=0) <= 1e-6]
+        assert hits, f"row {j} is no branch (ids, mask, log-probs) of any trace of its task"
         fresh = [h for h in hits if h[0].id not in used] if j < n else hits  # episodes: one trace each
         trace, branch = (fresh or hits)[0]
         used.add(trace.id)
-        assert branch.sampled_mask == [False] * len(prompt) + mask
-        assert lps == pytest.approx(branch.logprobs[len(prompt):], abs=1e-6)
         k = 0
         while k < len(comp):  # every sampled span: a request the endpoint answered, exactly
             if not mask[k]:
