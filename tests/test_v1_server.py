@@ -37,7 +37,10 @@ def server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    overrides = {"rollout.engine": "vllm_server", "rollout.servers": [url], "vllm_server.probe": True}
+    # the server's context: the TextArena episodes' (two turns of a long game prompt); nanogrpo.launch sizes
+    # it from the prompt and completion lengths alone, not an environment's turns
+    overrides = {"rollout.engine": "vllm_server", "rollout.servers": [url], "vllm_server.probe": True,
+                 "vllm.max_model_len": 2048}
     os.environ.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
     proc = start(Config.load("demo-game", overrides), port, state_dir=tmp, log=tmp / "server.log")
     try:
@@ -92,7 +95,7 @@ def test_verifiers_train_client_cannot_read_vllm_032_directly(server):
         client = AsyncOpenAI(base_url=server["rollout.servers"][0] + "/v1", api_key="none")
         try:
             return await generate(client=client, renderer=DefaultRenderer(tok), messages=[
-                {"role": "user", "content": "Guess."}], model="m", sampling_params={"max_tokens": 4})
+                {"role": "user", "content": "Guess."}], model="policy", sampling_params={"max_tokens": 4})
         finally:
             await client.close()
 
