@@ -49,8 +49,8 @@ def _classes():
             elif prompt is not None:
                 messages += [message_to_wire(m) for m in prompt]
             url = endpoint.rstrip("/") + "/chat/completions"
-            try:
-                async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+            try:  # loopback HTTP: no TLS context to build (0.16 s of CPU a client), no proxy from the env
+                async with httpx.AsyncClient(timeout=None, verify=False, trust_env=False) as client:
                     r = await client.post(url, headers={"Authorization": f"Bearer {secret}"},
                                           json={"model": ctx.model, "messages": messages})
             except httpx.HTTPError as e:
