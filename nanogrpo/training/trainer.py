@@ -112,10 +112,17 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         if model_path is None:
             model_path = check_model_source(cfg.model)
+        from nanogrpo.models.vision import check_run_images
+
+        check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
         if cfg.rollout.engine in ("vllm", "vllm_server"):
             from nanogrpo.rollout.vllm_engine import import_vllm
 
             import_vllm()  # installed? (a one-line error before any weights are read)
+        if cfg.rollout.engine == "vllm_server":
+            from nanogrpo.rollout.vllm_server.contact import preflight
+
+            preflight(cfg)  # a server answers? (a dead port said before the model loads)
     except Exception:
         rewards.close()
         raise
@@ -134,6 +141,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def train(run: PreparedRun) -> Path:
+    t_start = time.perf_counter()  # the end line says the whole time, loading and evaluations included
     cfg = run.cfg
     root = run.root
     root.mkdir(parents=True, exist_ok=True)
@@ -240,7 +248,7 @@ def train(run: PreparedRun) -> Path:
                      rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
         _test_stop(f"step_{step}_update_{sched.done}")
 
-    tier = ServerTier(cfg, engine, backend, weights_dtype, tok) if servers else None
+    tier = ServerTier(cfg, engine, backend, weights_dtype, tok, run_dir=root) if servers else None
     if tier is not None:  # the servers get the run's (resumed) weights before any rollout
         first_sync = tier.sync(version)
         if backend.is_main:
@@ -306,10 +314,10 @@ def train(run: PreparedRun) -> Path:
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
+        if tier is not None:  # first: a producer waiting on a server ends at once
+            tier.close()
         if pipe is not None:
             pipe.close()
-        if tier is not None:
-            tier.close()
         bar.close()
         if logger is not None:
             logger.close()
@@ -319,7 +327,7 @@ def train(run: PreparedRun) -> Path:
         if run.env is not None:
             run.env.close()
     if backend.is_main:
-        log.info(run_summary(root))
+        log.info(run_summary(root, wall_s=time.perf_counter() - t_start, start_step=start_step))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
     # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).
