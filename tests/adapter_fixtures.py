@@ -79,14 +79,21 @@ def openenv_app(target: int = 7):
     """An OpenEnv server app (``openenv.core``'s own ``create_app``) for a counting game: the model says
     a number; the server answers "higher" / "lower" and rewards 1 with done when it says ``target``
     (which the reset seed shifts: ``target + seed % 3``); the episode also ends after 3 moves. The move
-    ``flood`` is answered with a 10 MiB hint."""
+    ``flood`` is answered with a 10 MiB hint. A move sent as a JSON number is read as its text: verifiers
+    0.4's OpenEnv taskset sends a reply that parses as JSON as what it parses to (``"7"``: the number 7),
+    which a string field alone refuses (the step a validation error, the episode lost)."""
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
-    from pydantic import Field
+    from pydantic import Field, field_validator
 
     class GuessAction(Action):
         guess: str = Field(..., description="the model's move")
+
+        @field_validator("guess", mode="before")
+        @classmethod
+        def number_as_text(cls, v):
+            return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
     class GuessObservation(Observation):
         hint: str = Field(default="", description="what the game says")

@@ -32,6 +32,23 @@ from nanogrpo.envs.adapters.verifiers_v1.traces import result_of, task_of
 from nanogrpo.envs.program import AgentResult, ModelClient
 
 
+def unbind_renderers_lock() -> None:
+    """A fresh ``renderers.client._max_prompt_len_lock`` when the one there is bound to another event loop.
+
+    renderers 0.1 keeps that ``asyncio.Lock`` once per process (it guards the first ``GET /v1/models``
+    of each endpoint); contended once, it belongs to that loop, and every contended model call from another
+    loop (the next run in the process: ``nanogrpo.train`` called twice, a notebook, the tests) fails with
+    "bound to a different event loop" (a 502 to the harness, the episode lost)."""
+    try:
+        from renderers import client as rc
+    except ImportError:
+        return
+    lock = getattr(rc, "_max_prompt_len_lock", None)
+    bound = getattr(lock, "_loop", None)
+    if isinstance(lock, asyncio.Lock) and bound is not None and bound is not asyncio.get_running_loop():
+        rc._max_prompt_len_lock = asyncio.Lock()
+
+
 class V1Program:
     """One verifiers environment for every episode of a run (the adapters' programs are shared)."""
 
@@ -94,6 +111,7 @@ class V1Program:
 
     async def run(self, row: dict[str, Any], client: ModelClient) -> AgentResult:
         self.episodes += 1
+        unbind_renderers_lock()
         if self.server:
             from nanogrpo.envs.adapters.verifiers_v1.server import remote
 
