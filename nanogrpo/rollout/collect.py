@@ -175,10 +175,10 @@ class _Round:
 
 def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
                     cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools,
-                    env=None) -> _Round:
+                    env=None, version: int = 0) -> _Round:
     """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
     if env is not None:
-        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env)
+        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env, version)
     spec = getattr(engine, "vision", None)
     images = None
     if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
@@ -208,7 +208,7 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
 
 
 def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, cfg: RolloutConfig,
-                   grpo: GrpoConfig, seed: int | None, env) -> _Round:
+                   grpo: GrpoConfig, seed: int | None, env, version: int = 0) -> _Round:
     """``grpo.group_size`` episodes per row with the environment (``env``: an
     :class:`~nanogrpo.rollout.episodes.Episodes`), scored."""
     if not rows:
@@ -217,7 +217,7 @@ def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardR
                             top_k=cfg.top_k, n=grpo.group_size, seed=seed,
                             logprob_temperature=cfg.logprob_temperature(),
                             support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
-    gen = env.generate(engine, tokenizer, rows, params)
+    gen = env.generate(engine, tokenizer, rows, params, version=version)
     kept_rows = [rows[i] for i in gen.kept]
     if not kept_rows:  # every group dropped: the generation stays for its env/… counts
         return _Round([], [], gen, [], [], None, len(rows))
@@ -264,7 +264,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     g = grpo.group_size
     stats = RolloutStats()
     target = len(rows)
-    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env)]
+    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env,
+                              policy_version)]
     dynamic = grpo.dynamic_sampling and more is not None
     if dynamic:
         informative = [_informative(rounds[0], rewards, grpo)]
@@ -277,7 +278,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
             r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
             rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
-                                  grpo, template, r_seed, tools, env)
+                                  grpo, template, r_seed, tools, env, policy_version)
             rounds.append(rnd)
             informative.append(_informative(rnd, rewards, grpo))
         stats.refills = len(rounds) - 1
@@ -376,6 +377,9 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                 cut_b.append(sq.finish_reason == "length")
                 rows_b.append(i)
         size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
+    if not any(comp_b):  # every episode kept broke before the model wrote a token: nothing to train
+        stats.groups_kept = 0
+        return None, stats
     rows_t = torch.tensor(rows_b, dtype=torch.int64)
     ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in rows_b], dtype=torch.int64)
