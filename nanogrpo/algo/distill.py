@@ -188,10 +188,9 @@ def chunked_divergence(fn, h: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     h: (T, H); extra: tensors (T, ...) aligned with h."""
     from torch.utils.checkpoint import checkpoint
 
-    from nanogrpo.algo.logprobs import _mm_dtype, acc_dtype
-
-    dt = _mm_dtype(h)
-    acc = acc_dtype(dt)
+    dev = h.device.type  # the matmul in autocast's dtype when on; log-softmax in float32 (float64: 64)
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    acc = torch.float64 if dt == torch.float64 else torch.float32
 
     def part(hc, tc, *ec):
         with torch.autocast(hc.device.type, enabled=False):
