@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.algo.distill import DistillSpec, distill_metrics, distill_terms, divergence_fn, generalized_jsd
+from nanogrpo.algo.distill import DistillSpec, distill_metrics, distill_terms, generalized_jsd
 from nanogrpo.algo.losses import BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import ConfigError, load_config
@@ -107,9 +107,7 @@ def _batch() -> RolloutBatch:
 
 def _update(model, teacher, batch, overrides, lora: bool = False):
     cfg = load_config(overrides=["grpo.group_size=3", "grpo.beta=0", "distill.teacher=x", *overrides])
-    spec = DistillSpec.from_config(cfg.distill, cfg.rollout)
-    d = Distill(spec, teacher, spec.temperature if spec.signal == "jsd" else 1.0, None,
-                divergence_fn(spec, teacher.head() if spec.needs == "full" else None))
+    d = Distill.with_teacher(cfg, teacher, model)
     d.annotate(batch, cfg.train, cfg.train.share_prefix)
     if lora:
         from nanogrpo.models.lora import apply_lora

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                        cfg.grpo, template=cfg.model.chat_template,
                                        seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
                                        more=sampler.next_batch,  # grpo.dynamic_sampling's refill rounds
-                                       env=episodes)
+                                       env=episodes, keep_all=bool(cfg.distill.teacher))
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)

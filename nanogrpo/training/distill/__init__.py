@@ -71,7 +71,6 @@ class Distill:
         d = cfg.distill
         if not d.teacher:
             return None
-        spec = DistillSpec.from_config(d, cfg.rollout)
         if d.teacher.startswith(("http://", "https://")):
             from nanogrpo.training.distill.server import ServerTeacher
 
@@ -82,9 +81,17 @@ class Distill:
             dtype = next(student.parameters()).dtype
             teacher = LocalTeacher.load(d.teacher, tokenizer, dtype, device, cfg.model.attn_implementation,
                                         cfg.model.trust_remote_code, cfg.model.cpu_linear)
+        return cls.with_teacher(cfg, teacher, student)
+
+    @classmethod
+    def with_teacher(cls, cfg, teacher, student: torch.nn.Module | None = None) -> Distill:
+        """The run's distillation with ``teacher`` (a :class:`LocalTeacher` or a server's client) given;
+        ``student``: checked against the teacher's head where the signal compares whole distributions."""
+        spec = DistillSpec.from_config(cfg.distill, cfg.rollout)
         head = None
         if spec.needs == "full":
-            teacher.check_vocab_size(student)
+            if student is not None:
+                teacher.check_vocab_size(student)
             head = teacher.head()
         elif spec.signal == "jsd" and not teacher.remote:
             teacher.head()  # a soft-capped head: refused now, not at the first step

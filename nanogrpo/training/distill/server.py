@@ -167,8 +167,9 @@ class ServerTeacher:
                     if isinstance(r, int) and 1 <= r <= k:
                         ranked.append((r, key, v))
                 ranked.sort(key=lambda x: x[0])
-                if len(ranked) < k:
-                    self._garbage(f"{len(ranked)} of the top {k} at position {start + t}")
+                if [r for r, _, _ in ranked] != list(range(1, k + 1)):
+                    ranks = [r for r, _, _ in ranked][:8]
+                    self._garbage(f"ranks {ranks} for the top {k} at position {start + t}")
                 for j, (_, key, v) in enumerate(ranked[:k]):
                     tid = int(key) if key.lstrip("-").isdigit() else -1
                     if not 0 <= tid < self.vocab_size:
