@@ -163,7 +163,7 @@ def test_two_ranks_match_single_process_with_a_teacher(tmp_path, monkeypatch, ba
     distill = {"teacher": "tiny-seed-7", "signal": signal, **({"beta": 0.5} if signal == "jsd" else {})}
     monkeypatch.setenv("NANOGRPO_TEST_ALGO", json.dumps({"distill": distill, "grpo": {"beta": 0.0}}))
     res = _launch(tmp_path, backend)
-    assert res["metrics"]["distill/reverse_kl"] > 0
+    assert abs(res["metrics"]["distill/reverse_kl"]) > 1e-4  # the teacher differs (tokens not sampled)
     _check(tmp_path, res)
 
 

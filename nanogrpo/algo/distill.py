@@ -295,13 +295,15 @@ DISTILL_STAT_OPS: dict[str, str] = {
 def distill_metrics(tot: dict[str, float], spec: DistillSpec) -> dict[str, float]:
     """The logged ``distill/*`` metrics from the whole-batch stat totals: ``reverse_kl`` (the per-token
     reverse KL to the teacher, estimated on the student's samples: mean of log p_s - log p_t), the same on
-    correct and on wrong completions, and the ``jsd`` divergence's per-token mean."""
+    correct and on wrong completions (those with tokens in the batch), and the ``jsd`` divergence's per-token
+    mean."""
     out = {}
     if tot.get("distill_tokens", 0) > 0:
         out["distill/reverse_kl"] = tot["distill_rkl_sum"] / tot["distill_tokens"]
         if SIGNALS[spec.signal].uses_divergence:
             out["distill/divergence"] = tot["distill_div_sum"] / tot["distill_tokens"]
-    for k in ("correct", "wrong"):
+    for k in ("correct", "wrong"):  # where the task says which completions are right and some are
         n = tot.get(f"distill_tokens_{k}", 0)
-        out[f"distill/reverse_kl_{k}"] = tot[f"distill_rkl_{k}_sum"] / n if n else math.nan
+        if n:
+            out[f"distill/reverse_kl_{k}"] = tot[f"distill_rkl_{k}_sum"] / n
     return out
