@@ -106,6 +106,11 @@ class Distill:
     def annotate(self, batch: RolloutBatch, train, share_prefix: bool) -> None:
         """Put the teacher's tensors the signal needs on ``batch`` (nothing for ``jsd`` over the vocabulary:
         the update runs the teacher); raises (one line) when the teacher cannot give them."""
+        if batch.has_images:
+            from nanogrpo.errors import ConfigError
+
+            raise ConfigError("distill.teacher with images in the prompts is not supported yet: the teacher "
+                              "would score the tokens without the pictures")
         if self.spec.needs == "full":
             return
         k = self.spec.top_k if self.spec.needs == "topk" else 0
