@@ -47,9 +47,10 @@ class DistillConfig(_Strict):
     with ``eval.every`` > 0), so the student's curve has its target beside it."""
     timeout_s: float = Field(120.0, gt=0)
     """A server teacher: the time limit of one scoring request."""
-    retry_for_s: float = Field(60.0, ge=0)
+    retry_for_s: float = Field(300.0, ge=0)
     """A server teacher: how long a server that does not answer (refused, timed out, 5xx) is retried from
-    the first failure before the run stops with one line; an answer that is not log-probs stops it at once."""
+    the first failure before the run stops with one line (a vLLM server restarting a large teacher takes
+    minutes); an answer that is not log-probs stops it at once."""
 
     @model_validator(mode="after")
     def _combinations(self) -> DistillConfig:

@@ -54,7 +54,7 @@ class ServerTeacher:
 
     remote = True
 
-    def __init__(self, url: str, student_tok, timeout_s: float = 120.0, retry_for_s: float = 60.0,
+    def __init__(self, url: str, student_tok, timeout_s: float = 120.0, retry_for_s: float = 300.0,
                  token: str | None = None, vocab_size: int | None = None):
         self.url, self.name = url.rstrip("/"), url
         self.retry_for_s = retry_for_s
@@ -212,9 +212,10 @@ class ServerTeacher:
             now = time.monotonic()
             first = now if first is None else first
             if now - first >= self.retry_for_s:
+                what = ("is it running at that address?" if path == "/v1/models" else "the run stops here: "
+                        "restart the server and continue with nanogrpo train --resume RUN")
                 raise TeacherError(f"the teacher server {self.name} did not answer {path} for "
-                                   f"{self.retry_for_s:.0f} s ({last}); the run stops here: restart the "
-                                   "server and continue with nanogrpo train --resume RUN")
+                                   f"{self.retry_for_s:.0f} s ({last}); {what}")
             log.warning("teacher server %s: %s; retrying", self.name, last)
             time.sleep(min(wait * (1 + random.random() * 0.25), max(0.0, self.retry_for_s - (now - first))))
             wait = min(wait * 2, 8.0)
