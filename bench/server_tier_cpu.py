@@ -5,6 +5,8 @@ model (two servers synced at once, and one after another, A B A B), and the demo
     python bench/server_tier_cpu.py sync --shape demo              # the demo model (0.8M parameters)
     python bench/server_tier_cpu.py sync --shape qwen2.5-0.5b      # Qwen2.5-0.5B's shape, random init
     python bench/server_tier_cpu.py staleness --steps 40           # the demo, k = 0, 1, 2 (same servers)
+    python bench/server_tier_cpu.py sync-ab --other ../old-checkout  # this checkout's sync vs another's
+    python bench/server_tier_cpu.py lora --shape qwen2.5-0.5b --r 16   # LoRA: adapter-only sync vs merged
 
 Run in the vLLM environment (docs/guides/scaling-out.md). ``sync``: two ``vllm serve`` processes of the
 model (started by ``nanogrpo.launch``, gloo transfer), ``--repeats`` syncs of the trainer's weights to both
@@ -12,7 +14,13 @@ model (started by ``nanogrpo.launch``, gloo transfer), ``--repeats`` syncs of th
 the relay of the same weights: one publish (trainer -> relay) and two concurrent fetches (relay -> each of
 two workers, as two split-mode workers would download them), decoded and checked. ``staleness``: the demo
 preset trained ``--steps`` steps with each ``max_staleness`` (``correction=token_truncate`` for k > 0) on the
-same two servers: wall time, staleness, held-out accuracy. One JSON line per measurement on stdout.
+same two servers: wall time, staleness, held-out accuracy. ``sync-ab``: this checkout's weight sync beside
+another checkout's (``--other``, e.g. a git worktree of an earlier commit), each trainer in a process of its
+own with two servers of its own (started from its own checkout: its launcher and vLLM plugin), syncs taken
+in turn A B A B, the ratio pair by pair. ``lora``: a LoRA policy of rank ``--r`` on every linear layer, two
+servers started for it (LoRA on): the adapter-only sync (``vllm_server.lora_sync=adapter``) and the merged
+sync (``merged``) in turn A B A B on the same servers, MB and seconds per sync, and, with ``--steps``, the
+training step of ``nanogrpo train`` on each path. One JSON line per measurement on stdout.
 """
 
 from __future__ import annotations
@@ -70,10 +78,10 @@ def _servers(model: str, tmp: Path, n: int = 2, extra: list[str] = ()):
 
 
 def _stop(procs) -> None:
+    from nanogrpo.launch import end
+
     for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(timeout=60)
+        end(p)
 
 
 def bench_sync(shape: str, repeats: int, parts: str = "tier,relay") -> None:
@@ -207,6 +215,159 @@ def bench_staleness(steps: int, ks: list[int]) -> None:
         _stop(procs)
 
 
+_SYNC_WORKER = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+from nanogrpo.rollout.vllm_server import state_source
+from nanogrpo.rollout.vllm_server.http import ServerClient
+from nanogrpo.rollout.vllm_server.pool import ServerPool
+from nanogrpo.rollout.vllm_server.sync import WeightSync
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+pool = ServerPool([ServerClient(u) for u in json.loads(sys.argv[2])])
+sync = WeightSync(pool, state_source(model, torch.float32))
+sync.sync(0)  # the transfer groups built
+print("ready", flush=True)
+for line in sys.stdin:
+    v = int(line)
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+    t0 = time.perf_counter()
+    out = sync.sync(v)
+    print(json.dumps({"wall_s": time.perf_counter() - t0, "servers": out["sync/servers"]}), flush=True)
+"""
+
+
+def bench_sync_ab(other: Path, shape: str, repeats: int) -> None:
+    """This checkout (B) against ``other`` (A): two servers each, started by each checkout's launcher; one
+    trainer process each; syncs in turn A B A B; median seconds and the A/B ratio pair by pair."""
+    tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-ab-"))
+    model_dir = _model_dir(shape, tmp)
+    sides = {"A": Path(other).resolve(), "B": ROOT}
+    launchers, workers = {}, {}
+    try:
+        for name, root in sides.items():
+            base = _port()
+            while True:  # two consecutive free ports
+                try:
+                    with socket.socket() as s2:
+                        s2.bind(("127.0.0.1", base + 1))
+                    break
+                except OSError:
+                    base = _port()
+            urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+            env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+            launchers[name] = subprocess.Popen(
+                [sys.executable, "-m", "nanogrpo.cli", "vllm-serve", "--count", "2", "--port", str(base),
+                 "--state-dir", str(tmp / name), f"model.path={model_dir}", "rollout.engine=vllm_server",
+                 "rollout.servers=" + json.dumps(urls)], cwd=root, env=env,
+                stdout=open(tmp / f"{name}-launcher.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+            from nanogrpo.launch import wait_healthy
+
+            for u in urls:
+                wait_healthy(u, launchers[name])
+            workers[name] = subprocess.Popen([sys.executable, "-c", _SYNC_WORKER, model_dir,
+                                              json.dumps(urls)], cwd=root, env=env, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True)
+            assert workers[name].stdout.readline().strip() == "ready"
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        for v in range(1, repeats + 1):
+            for name in ("A", "B"):
+                w = workers[name]
+                w.stdin.write(f"{v}\n")
+                w.stdin.flush()
+                got = json.loads(w.stdout.readline())
+                assert got["servers"] == 2, got
+                times[name].append(got["wall_s"])
+        ratio = sorted(a / b for a, b in zip(times["A"], times["B"], strict=True))
+        med = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+        print(json.dumps({"bench": "server_tier_sync_ab", "shape": shape, "a": str(sides["A"]),
+                          "b": str(sides["B"]), "a_sync_s_median": round(med["A"], 4),
+                          "b_sync_s_median": round(med["B"], 4),
+                          "a_over_b_median": round(ratio[len(ratio) // 2], 3),
+                          "pairs_min_max": [round(ratio[0], 3), round(ratio[-1], 3)], "repeats": repeats}),
+              flush=True)
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait(timeout=60)
+        for launcher in launchers.values():
+            launcher.send_signal(2)  # SIGINT: the launcher ends its servers
+            launcher.wait(timeout=120)
+
+
+def bench_lora(shape: str, r: int, repeats: int, steps: int) -> None:
+    """Adapter-only vs merged LoRA sync to two LoRA-enabled servers, A B A B; then (``steps``) the step."""
+    from transformers import AutoModelForCausalLM
+
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.lora import apply_lora
+    from nanogrpo.rollout.vllm_server import base_source, state_source
+    from nanogrpo.rollout.vllm_server.adapters import AdapterSync
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.rollout.vllm_server.pool import ServerPool
+    from nanogrpo.rollout.vllm_server.sync import WeightSync
+
+    tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-lora-"))
+    model_dir = _model_dir(shape, tmp)
+    lora = [f"model.lora_r={r}", f"model.lora_alpha={2 * r}"]
+    urls, procs, over, up = _servers(model_dir, tmp, extra=lora)
+    try:
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           ModelConfig(lora_r=r, lora_alpha=2.0 * r)).eval()
+        pool = ServerPool([ServerClient(u, transfer_timeout_s=1800) for u in urls])
+        adapter = AdapterSync(WeightSync(pool, base_source(model, torch.float32), timeout_s=1800), model,
+                              tmp / "adapters", keep=2)
+        merged = WeightSync(pool, state_source(model, torch.float32), timeout_s=1800)
+        v = 1
+        adapter.sync(v)  # the base weights once, the groups built
+        merged.sync(v + 1)
+        times: dict[str, list[dict]] = {"adapter": [], "merged": []}
+        for _ in range(repeats):
+            for name, driver in (("adapter", adapter), ("merged", merged)):
+                v += 2 if name == "adapter" else 0
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if "lora_B" in n:
+                            p.add_(1e-3)
+                t0 = time.perf_counter()
+                out = driver.sync(v if name == "adapter" else v + 1)
+                out["wall_s"] = time.perf_counter() - t0
+                times[name].append(out)
+        for name, ts in times.items():
+            med = sorted(t["wall_s"] for t in ts)[len(ts) // 2]
+            print(json.dumps({"bench": "lora_sync", "path": name, "shape": shape, "r": r, "servers": 2,
+                              "mb_per_server": round(ts[0]["sync/mb"] / 2, 2),
+                              "sync_s_median": round(med, 3), "repeats": repeats,
+                              "servers_up_s": round(up, 1)}), flush=True)
+        pairs = zip(times["adapter"], times["merged"], strict=True)
+        ratio = sorted(m["wall_s"] / a["wall_s"] for a, m in pairs)
+        print(json.dumps({"bench": "lora_sync_ratio", "shape": shape,
+                          "merged_over_adapter_median": round(ratio[len(ratio) // 2], 1),
+                          "pairs": [round(x, 1) for x in ratio]}), flush=True)
+        pool.close()
+        adapter.close()
+        merged.close()
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        for how in ("adapter", "merged") if steps else ():
+            out = tmp / f"run-{how}"
+            cmd = [sys.executable, "-m", "nanogrpo.cli", "train", "--out", str(out), "--steps", str(steps),
+                   *over, *lora, f"vllm_server.lora_sync={how}", "rollout.prompts_per_step=2",
+                   "grpo.group_size=4", "rollout.max_new_tokens=16", "eval.every=0", "train.save_every=0"]
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            train = [x for x in rows if "loss" in x]
+            def med(key: str, train=train) -> float:
+                return sorted(x[key] for x in train)[len(train) // 2]
+
+            print(json.dumps({"bench": "lora_step", "path": how, "shape": shape, "steps": len(train),
+                              "step_s_median": round(med("step_time_s"), 2),
+                              "sync_s_median": round(med("sync/time_s"), 3),
+                              "mb_per_sync": round(train[-1]["sync/mb"], 2)}), flush=True)
+    finally:
+        _stop(procs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -214,12 +375,25 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shape", default="demo", help="demo, or a shape of nanogrpo.models.tiny (qwen2.5-0.5b)")
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--parts", default="tier,relay", help="tier (vLLM servers), relay (nanogrpo serve)")
+    ab = sub.add_parser("sync-ab")
+    ab.add_argument("--other", type=Path, required=True, help="the other checkout (side A)")
+    ab.add_argument("--shape", default="demo")
+    ab.add_argument("--repeats", type=int, default=15)
+    lo = sub.add_parser("lora")
+    lo.add_argument("--shape", default="qwen2.5-0.5b")
+    lo.add_argument("--r", type=int, default=16)
+    lo.add_argument("--repeats", type=int, default=5)
+    lo.add_argument("--steps", type=int, default=0, help="also train this many steps on each path")
     k = sub.add_parser("staleness")
     k.add_argument("--steps", type=int, default=40)
     k.add_argument("--ks", default="0,1,2")
     a = ap.parse_args(argv)
     if a.what == "sync":
         bench_sync(a.shape, a.repeats, a.parts)
+    elif a.what == "sync-ab":
+        bench_sync_ab(a.other, a.shape, a.repeats)
+    elif a.what == "lora":
+        bench_lora(a.shape, a.r, a.repeats, a.steps)
     else:
         bench_staleness(a.steps, [int(x) for x in a.ks.split(",")])
     return 0

@@ -178,17 +178,53 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> int:
-    """The ``nanogrpo`` command: :func:`main`, then the process's end. A weight-transfer group dropped
-    for a dead vLLM server may still be tearing down (up to its timeout, in C++): the process then ends
-    with ``os._exit`` once its output is flushed, since a normal exit would abort in that teardown."""
-    rc = main()
+    """The ``nanogrpo`` command: :func:`main`, then the process's end, bounded. After an error (the one
+    line printed) the threads still running are given ``LINGER_S`` seconds; any still alive then (a
+    generation request, a weight-transfer group tearing down in C++, a library's worker) would hold the
+    interpreter's exit for as long as its own timeout, so the process ends with ``os._exit`` once its
+    output is flushed. A weight-transfer group dropped for a dead vLLM server may also still be tearing
+    down after a run that succeeded: a normal exit would abort in that teardown, so it ends the same way."""
+    try:
+        rc = main()
+    except SystemExit as e:  # argparse, a test stop: exit as Python would, but bounded
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except BaseException:  # noqa: BLE001 (a bug: its traceback, then the same bounded end)
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
     gloo = sys.modules.get("nanogrpo.transfer.gloo")  # loaded only by the server tier's gloo transfer
-    if gloo is not None and gloo.groups_still_ending():
+    lingering = gloo is not None and gloo.groups_still_ending() > 0
+    if rc != 0:
+        lingering = lingering or bool(_lingering_threads(LINGER_S))
+    if lingering:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
         os._exit(rc)
     return rc
+
+
+LINGER_S = 10.0
+"""After an error, how long threads still running are waited for before the process ends regardless."""
+
+
+def _lingering_threads(wait_s: float) -> list[str]:
+    """Names of the non-daemon threads (those that hold the interpreter's exit) still alive after
+    waiting up to ``wait_s`` seconds in all for them to end."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + wait_s
+    main_thread = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main_thread and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate() if t is not main_thread and not t.daemon and t.is_alive()]
 
 
 if __name__ == "__main__":

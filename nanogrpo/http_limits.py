@@ -19,7 +19,9 @@ Rules, the same for every client:
   :class:`BodyError` (``str``: ``reply over CAP bytes from URL``); a ``Content-Length`` above the cap
   raises before any of the body is read. The connection is closed, not returned to the pool;
 - any other answer (an error page: the caller wants its status and first line) is read up to
-  :data:`ERROR_BODY` bytes and cut there, without an error;
+  :data:`ERROR_BODY` bytes and cut there, without an error; the connection of a 5xx answer is not
+  reused (a server whose handler raised closes it right after answering, and a request sent on it in
+  that moment reads a reset: a healthy server taken for a dead one);
 - the request asks for ``Accept-Encoding: identity``. A body compressed anyway (gzip, deflate) is
   decoded here with the cap on the *decoded* bytes, 64 KiB at a time (a 64 KiB gzip of zeros
   decodes to 64 MiB: httpx's own decoder would hold it all); another encoding is a :class:`BodyError`;
@@ -64,6 +66,7 @@ A new client reads through this module, with a bound that fits what it reads, an
 
 from __future__ import annotations
 
+import socket
 import zlib
 from typing import Any
 
@@ -122,6 +125,8 @@ def read_capped(resp: Any, cap: int, sink: Any = None) -> bytes:
     finally:
         if body.cut:
             resp.close()
+        elif resp.status_code >= 500:
+            _not_reused(resp)
 
 
 async def aread_capped(resp: Any, cap: int) -> bytes:
@@ -142,6 +147,8 @@ async def aread_capped(resp: Any, cap: int) -> bytes:
     finally:
         if body.cut:
             await resp.aclose()
+        elif resp.status_code >= 500:
+            _not_reused(resp)
 
 
 # ---------------------------------------------------------------------- internals
@@ -152,6 +159,17 @@ def _identity(headers: Any) -> Any:
     if headers:
         out.update(headers)
     return out
+
+
+def _not_reused(resp: Any) -> None:
+    """Shut the connection of ``resp`` down, so that the client's pool drops it instead of reusing it."""
+    stream = (getattr(resp, "extensions", None) or {}).get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed
+            pass
 
 
 def _with_body(resp: Any, data: bytes) -> Any:

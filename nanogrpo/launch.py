@@ -1,4 +1,4 @@
-"""``nanogrpo vllm-serve``: start the vLLM servers of a run (``rollout.engine=vllm_server``).
+"""``nanogrpo vllm-serve``: start the vLLM servers of a run (``rollout.engine=vllm_server``) and keep them up.
 
     nanogrpo vllm-serve --config run.toml --count 2                  # two servers, ports 8100, 8101
     nanogrpo vllm-serve --config run.toml --count 2 --devices 0,1 2,3  # GPUs: TP 2 each (vllm_server.*)
@@ -12,6 +12,11 @@ what the trainer needs from it:
   the ``gloo`` backend is nanogrpo's, found by vLLM through the ``vllm.general_plugins`` entry point
   (``nanogrpo.transfer.plugin``: nanogrpo must be installed in the servers' environment);
   ``ipc`` also sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the CUDA IPC handles travel pickled);
+- ``--worker-extension-cls nanogrpo.transfer.worker.NanoGRPOWorkerExtension``: the server can tell the
+  trainer its model's shape, so a server with another model is refused before any weights move;
+- a LoRA run serving its adapter (``model.lora_r > 0``, ``vllm_server.lora_sync=adapter``): ``--enable-lora``
+  at the rank vLLM needs for the adapter, ``--max-loras`` / ``--max-cpu-loras`` ``max_staleness + 2``, and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (each update's adapter is loaded by name);
 - ``--enable-scale-out`` (the token-in-token-out route ``/inference/v1/generate``);
 - ``--logprobs-mode`` ``raw_logprobs`` (untempered: the seed's convention) or ``processed_logprobs``
   (``rollout.tempered_logprobs``), so the behaviour log-probs are in the run's convention;
@@ -21,8 +26,13 @@ what the trainer needs from it:
   seeded request whose prefill was split) and a KV cache sized for one rollout (``vllm_server.kv_cache_gib``);
   on GPUs ``--tensor-parallel-size`` and ``--gpu-memory-utilization``; ``vllm_server.serve_args`` last.
 
-The servers run in the foreground until Ctrl-C (or one exits); the line to give the trainer,
-``rollout.servers=[...]``, is printed once they all answer.
+The servers run in the foreground until Ctrl-C; the line to give the trainer, ``rollout.servers=[...]``,
+is printed once they all answer. **A server that exits is restarted** (its log appended), at most
+``--restarts`` times (default 3), while the others keep serving: the trainer takes a restarted server
+back once it has synced it. ``--no-restart`` leaves a dead server down, the others still running. Each
+server runs in a process group of its own, ended whole (vLLM's engine process outlives a killed API
+server otherwise, holding its memory). ``--print`` prints command lines that run as printed: what they
+need (the tokenizer folder) is written first, paths are absolute.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -62,7 +74,7 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     v = cfg.vllm_server
     cuda = torch.cuda.is_available() if cuda is None else cuda
     model = _model_dir(cfg)
-    tok_dir = Path(state_dir) / "tokenizer"
+    tok_dir = (Path(state_dir) / "tokenizer").resolve()
     tok = load_tokenizer(model, cfg.model.trust_remote_code)
     if save and not (tok_dir / "tokenizer_config.json").is_file():
         tok.save_pretrained(tok_dir)  # alone (no config.json beside it): a generic tokenizer stays one
@@ -73,6 +85,7 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
            "--tokenizer", str(tok_dir), "--served-model-name", "policy", "--dtype", dtype,
            "--max-model-len", str(max_len), "--host", host, "--port", str(port),
            "--weight-transfer-config", json.dumps({"backend": v.transfer}), "--enable-scale-out",
+           "--worker-extension-cls", "nanogrpo.transfer.worker.NanoGRPOWorkerExtension",
            "--logprobs-mode", "processed_logprobs" if cfg.rollout.tempered_logprobs else "raw_logprobs",
            "--seed", str(cfg.train.seed)]
     if cfg.model.trust_remote_code:
@@ -89,8 +102,15 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
                                                   * max_len * seqs)
         cmd += ["--enforce-eager", "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(kv),
                 "--max-num-seqs", str(min(256, seqs))]
-    cmd += list(v.serve_args)
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.model.lora_r > 0 and v.lora_sync == "adapter":  # the servers serve the run's adapter
+        from nanogrpo.models.lora import vllm_max_lora_rank
+
+        held = str(cfg.rollout.max_staleness + 2)
+        cmd += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(cfg.model.lora_r)),
+                "--max-loras", held, "--max-cpu-loras", held]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    cmd += list(v.serve_args)
     if v.transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return cmd, env
@@ -116,19 +136,41 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 
 
 def start(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir: Path = DEFAULT_STATE,
-          devices: str | None = None, log: Path | None = None) -> subprocess.Popen:
-    """One server, started (not waited for); its output goes to ``log`` (else this process's)."""
+          devices: str | None = None, log: Path | None = None, append: bool = False) -> subprocess.Popen:
+    """One server, started (not waited for) in a process group of its own; its output goes to ``log``
+    (else this process's), appended with ``append``."""
     cmd, extra = serve_command(cfg, port, host=host, state_dir=state_dir)
     env = {**os.environ, **extra}
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    out = open(log, "w") if log is not None else None  # noqa: SIM115 (the child's stdout for its life)
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+    out = open(log, "a" if append else "w") if log is not None else None  # noqa: SIM115 (the child's)
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def end(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+    """End a server started by :func:`start` and everything in its process group (SIGTERM, then SIGKILL
+    after ``wait_s``)."""
+    for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGTERM:
+                os.killpg(proc.pid, signal.SIGKILL)  # what outlived the API server (its engine)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except (ProcessLookupError, PermissionError):
+            return
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanogrpo vllm-serve", description=(
-        "Start the vLLM servers of a run with rollout.engine=vllm_server (docs/guides/scaling-out.md)."))
+        "Start the vLLM servers of a run with rollout.engine=vllm_server and keep them up "
+        "(docs/guides/scaling-out.md)."))
     p.add_argument("--config", help="the run's config (file or preset); default: the demo")
     p.add_argument("--count", type=int, default=1, help="servers to start (consecutive ports)")
     p.add_argument("--port", type=int, help="the first server's port (vllm_server.port)")
@@ -136,52 +178,136 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", nargs="*", metavar="GPUS",
                    help="CUDA_VISIBLE_DEVICES of each server, e.g. 0,1 2,3")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE, help="where the tokenizer and logs go")
-    p.add_argument("--print", action="store_true", help="print the command lines and start nothing")
+    p.add_argument("--restarts", type=int, default=3,
+                   help="how many times a server that exits is restarted (default 3); the others keep "
+                        "serving")
+    p.add_argument("--no-restart", action="store_true",
+                   help="leave a server that exits down (the others keep serving)")
+    p.add_argument("--print", action="store_true",
+                   help="print the command lines (runnable as printed) and start nothing")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for train")
     return p
 
 
+def _load(a: argparse.Namespace) -> tuple[Config, list[str]]:
+    """The run's config and the servers' URLs. A config that names no ``rollout.servers`` yet (they are
+    the ones being started) gets these."""
+    try:
+        cfg = Config.load(a.config, a.overrides)
+    except ConfigError as e:
+        if "needs rollout.servers" not in str(e):
+            raise
+        cfg = Config.load(a.config, [*a.overrides, 'rollout.servers=["http://127.0.0.1:1"]'])
+    port = a.port or cfg.vllm_server.port
+    return cfg, [f"http://{a.host}:{port + i}" for i in range(a.count)]
+
+
+class _Server:
+    """One managed server: its process, log and restarts."""
+
+    def __init__(self, i: int, port: int, url: str, log: Path):
+        self.i, self.port, self.url, self.log = i, port, url, log
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.up = False
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    cfg = Config.load(a.config, a.overrides)
     if a.count < 1:
         raise ConfigError("--count must be at least 1")
+    if a.restarts < 0:
+        raise ConfigError("--restarts must be at least 0")
     if a.devices and len(a.devices) != a.count:
         raise ConfigError(f"--devices lists {len(a.devices)} device sets for --count {a.count} servers")
+    cfg, urls = _load(a)
     port = a.port or cfg.vllm_server.port
-    urls = [f"http://{a.host}:{port + i}" for i in range(a.count)]
+    if cfg.vllm_server.transfer == "gloo":
+        check_plugin()
+    a.state_dir.mkdir(parents=True, exist_ok=True)
     if a.print:
+        print(f"# the tokenizer the servers read is written to {(a.state_dir / 'tokenizer').resolve()}")
         for i in range(a.count):
-            cmd, env = serve_command(cfg, port + i, host=a.host, state_dir=a.state_dir, save=False)
+            cmd, env = serve_command(cfg, port + i, host=a.host, state_dir=a.state_dir)
             dev = {"CUDA_VISIBLE_DEVICES": a.devices[i]} if a.devices else {}
-            print(" ".join(f"{k}={v}" for k, v in {**env, **dev}.items()), " ".join(
-                c if " " not in c and '"' not in c else f"'{c}'" for c in cmd))
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in {**env, **dev}.items()),
+                  " ".join(shlex.quote(c) for c in cmd))
         print("rollout.servers='" + json.dumps(urls) + "'")
         return 0
-    a.state_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
+    limit = 0 if a.no_restart else a.restarts
+    servers = [_Server(i, port + i, urls[i], a.state_dir / f"server-{port + i}.log") for i in range(a.count)]
+
+    def launch(s: _Server) -> None:
+        s.proc = start(cfg, s.port, host=a.host, state_dir=a.state_dir,
+                       devices=a.devices[s.i] if a.devices else None, log=s.log, append=s.restarts > 0)
+        s.up = False
+
+    announced = False
     try:
-        for i in range(a.count):
-            log = a.state_dir / f"server-{port + i}.log"
-            procs.append((start(cfg, port + i, host=a.host, state_dir=a.state_dir,
-                                devices=a.devices[i] if a.devices else None, log=log), urls[i], log))
-            print(f"starting vllm serve at {urls[i]} (log: {log})", flush=True)
-        for proc, url, log in procs:
-            print(f"{url} up in {wait_healthy(url, proc, log=log):.0f} s", flush=True)
-        print("train with: rollout.engine=vllm_server rollout.servers='" + json.dumps(urls) + "'", flush=True)
-        while all(p.poll() is None for p, _, _ in procs):
-            time.sleep(2.0)
-        dead = [u for p, u, _ in procs if p.poll() is not None]
-        print(f"vllm serve at {', '.join(dead)} exited; stopping the others", file=sys.stderr)
-        return 1
+        for s in servers:
+            launch(s)
+            print(f"starting vllm serve at {s.url} (log: {s.log})", flush=True)
+        while True:
+            for s in servers:
+                if s.proc is None:
+                    continue
+                if s.proc.poll() is not None:
+                    rc = s.proc.returncode
+                    end(s.proc, wait_s=5.0)  # what is left of its process group
+                    if s.restarts < limit:
+                        s.restarts += 1
+                        print(f"vllm serve at {s.url} exited ({rc}); restarting it ({s.restarts} of "
+                              f"{limit}); the others keep serving", file=sys.stderr, flush=True)
+                        launch(s)
+                    else:
+                        why = "--no-restart" if a.no_restart else f"restarted {s.restarts} times already"
+                        print(f"vllm serve at {s.url} exited ({rc}); left down ({why}; log: {s.log}); the "
+                              "others keep serving", file=sys.stderr, flush=True)
+                        s.proc = None
+                    continue
+                if not s.up and _answers(s.url):
+                    s.up = True
+                    again = f" again (restart {s.restarts})" if s.restarts else ""
+                    print(f"{s.url} up{again}", flush=True)
+            if not announced and all(s.up or s.proc is None for s in servers) and any(s.up for s in servers):
+                live = [s.url for s in servers if s.up]
+                print("train with: rollout.engine=vllm_server rollout.servers='" + json.dumps(live) + "'",
+                      flush=True)
+                announced = True
+            if all(s.proc is None for s in servers):
+                print("every vllm serve has exited", file=sys.stderr)
+                return 1
+            time.sleep(1.0)
     except KeyboardInterrupt:
         return 0
     finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for s in servers:
+            if s.proc is not None and s.proc.poll() is None:
+                try:
+                    os.killpg(s.proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for s in servers:
+            if s.proc is not None:
+                end(s.proc)
+
+
+def check_plugin() -> None:
+    """The ``gloo`` transfer is nanogrpo's vLLM plugin, found by vLLM through the ``vllm.general_plugins``
+    entry point that installing nanogrpo registers: without it every server would refuse the trainer's
+    first sync. Said at once instead."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.value.startswith("nanogrpo.transfer.plugin") for ep in
+               entry_points(group="vllm.general_plugins")):
+        raise ConfigError("nanogrpo's vLLM plugin (the gloo weight transfer) is not registered in this "
+                          "environment: install nanogrpo in the servers' environment (pip install -e . "
+                          "in the repository, or pip install nanogrpo), or use vllm_server.transfer=nccl")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -17,3 +17,12 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _hub_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    """Two real ``vllm serve`` processes for the server-tier tests (tests/vllm_fixtures.py), one session's
+    worth: started on first use only (the vLLM environment)."""
+    from tests.vllm_fixtures import two_servers
+
+    yield from two_servers(tmp_path_factory.mktemp("vllm-servers"))

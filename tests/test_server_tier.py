@@ -41,13 +41,34 @@ class Fake(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _stall(self) -> None:
+        """A stalled server (SIGSTOP-like): nothing answers and the connection stays open, until the test
+        clears ``stalled``."""
+        while self.server.stalled.is_set():
+            time.sleep(0.02)
+
     def do_GET(self):
-        self._send(200, {}) if self.path == "/health" else self._send(404, {"detail": "no"})
+        self._stall()
+        srv = self.server
+        if self.path == "/health":
+            return self._send(200, {})
+        if self.path == "/weight_info":
+            return self._send(200, {"weight_version": srv.version})
+        if self.path == "/is_paused":
+            return self._send(200, {"is_paused": srv.paused})
+        self._send(404, {"detail": "no"})
 
     def do_POST(self):
         srv = self.server
         req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self._stall()
+        if self.path == "/collective_rpc":  # nanogrpo's worker extension, as vLLM relays it
+            return self._send(200, {"results": [{"facts": srv.facts, "model": "/models/served"}]})
         srv.hits += 1
+        if srv.drop > 0:  # the connection closed with no answer (a keep-alive the server just ended)
+            srv.drop -= 1
+            self.close_connection = True
+            return
         time.sleep(srv.delay)
         n = req["sampling_params"]["max_tokens"]
         if srv.huge:
@@ -62,6 +83,9 @@ class Fake(BaseHTTPRequestHandler):
 def serve(port: int = 0, version: str = "3", delay: float = 0.0):
     srv = ThreadingHTTPServer(("127.0.0.1", port), Fake)
     srv.hits, srv.version, srv.delay, srv.huge = 0, version, delay, False
+    srv.stalled = threading.Event()
+    srv.drop, srv.paused = 0, False
+    srv.facts = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2}
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return srv
 
@@ -80,6 +104,7 @@ def two():
     a, b = serve(), serve()
     yield a, b
     for s in (a, b):
+        s.stalled.clear()
         try:
             stop(s)
         except OSError:
@@ -331,3 +356,154 @@ def test_two_ranks_producers_reduce_beside_the_trainers_collectives():
         # rank 0: one sample 0 behind; rank 1: two samples 1 behind, spanning two versions
         assert row["staleness"] == {"staleness/min": 0.0, "staleness/mean": pytest.approx(2 / 3),
                                     "staleness/max": 1.0, "staleness/spanning": 2.0}
+
+
+# ---------------------------------------------------------------------- faults seen in seconds
+
+
+def test_a_stalled_server_is_taken_out_by_the_watch_and_its_requests_go_elsewhere(two):
+    a, b = two
+    eng = engine_over(a, b, wait_s=10.0)
+    eng.pool.watch(every_s=0.1, timeout_s=0.5)
+    a.stalled.set()  # every request to it, /health included, hangs (SIGSTOP-like)
+    t0 = time.monotonic()
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=8, seed=0))
+    took = time.monotonic() - t0
+    assert len(g.completion_ids) == 8 and took < 5, took  # not the request timeout (10 s)
+    assert [s.state for s in eng.pool.slots] == [OUT, UP] and eng.pool.retries >= 1
+    eng.pool.close()
+
+
+def test_closing_the_pool_ends_waiting_and_in_flight_requests_at_once(two):
+    a, b = two
+    eng = engine_over(a, b, wait_s=60.0)
+    a.stalled.set()
+    b.stalled.set()
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=4, seed=0))
+        except Exception as e:  # noqa: BLE001
+            done["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)  # in flight on the stalled servers, then waiting for a usable one
+    t0 = time.monotonic()
+    eng.pool.close("the run is stopping")
+    t.join(timeout=10)
+    assert not t.is_alive() and time.monotonic() - t0 < 3
+    assert isinstance(done.get("error"), (NoServer, ServerDown)), done
+    a.stalled.clear()
+    b.stalled.clear()
+
+
+def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
+    from nanogrpo.rollout.vllm_server.contact import ServerUnreachable, connect
+    from nanogrpo.rollout.vllm_server.http import ServerRefused
+
+    srv = serve()
+    dead = url(srv)
+    stop(srv)  # nothing listens there now
+    with pytest.raises(ServerRefused):
+        ServerClient(dead).pause()
+    pool = ServerPool([ServerClient(dead)])
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachable) as err:
+        connect(pool, wait_s=1.0)
+    msg = str(err.value)
+    assert "\n" not in msg and dead in msg and "connection refused" in msg, msg
+    assert time.monotonic() - t0 < 4
+
+
+def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
+    from nanogrpo.rollout.vllm_server.contact import connect
+
+    a, _ = two
+    srv = serve()
+    dead = url(srv)
+    stop(srv)
+    pool = ServerPool([ServerClient(url(a)), ServerClient(dead)])
+    assert connect(pool, wait_s=0.5) == [dead]
+    assert [s.state for s in pool.slots] == [BACK, OUT]
+
+
+def test_a_server_with_another_model_is_refused_before_any_weights_move(two):
+    from nanogrpo.rollout.vllm_server.contact import ServerModelMismatch, connect
+
+    a, b = two
+    pool = ServerPool([ServerClient(url(a)), ServerClient(url(b))])
+    same = dict(a.facts)
+    connect(pool, wait_s=1.0, facts=same)  # the same model: nothing said
+    b.facts = {**same, "num_hidden_layers": 3, "vocab_size": 151936}
+    with pytest.raises(ServerModelMismatch) as err:
+        connect(pool, wait_s=1.0, facts=same)
+    msg = str(err.value)
+    assert "\n" not in msg and url(b) in msg and "num_hidden_layers 2 here, 3 there" in msg, msg
+    assert "vocab_size 96 here, 151936 there" in msg and a.hits == b.hits == 0  # nothing sent
+
+
+def test_model_facts_of_a_text_and_a_vision_language_config():
+    from transformers import AutoConfig
+
+    from nanogrpo.transfer.worker import differences, model_facts
+
+    text = AutoConfig.for_model("qwen2", vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    facts = model_facts(text)
+    assert facts["vocab_size"] == 100 and facts["num_hidden_layers"] == 2
+    assert facts["num_key_value_heads"] == 2
+    assert differences(facts, {**facts, "hidden_size": 64}) == ["hidden_size 32 here, 64 there"]
+    assert differences(facts, {"vocab_size": 100}) == []  # what one side does not state is not compared
+
+
+def test_a_fatal_error_ends_the_process_whatever_its_threads_are_doing():
+    """The CLI's end (nanogrpo.cli.run): after an error's one line, a thread that would hold the exit for
+    minutes (a request waiting out its timeout) does not; the exit code is the error's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, time\n"
+        "from nanogrpo import cli\n"
+        "from nanogrpo.errors import NanoGRPOError\n"
+        "cli.LINGER_S = 1.0\n"
+        "threading.Thread(target=time.sleep, args=(600,), name='a request waiting').start()\n"
+        "def boom(argv=None):\n"
+        "    raise NanoGRPOError('weight sync to version 4: no vLLM server holds the new weights')\n"
+        "cli.build_parser = lambda: type('P', (), {'parse_args': lambda self, a: type('A', (), "
+        "{'verbose': False, 'command': 'train'})()})()\n"
+        "cli.cmd_train = boom\n"
+        "raise SystemExit(cli.run())\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code, "train"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and time.monotonic() - t0 < 30, (out.returncode, out.stderr)
+    assert out.stderr.strip().splitlines()[-1] == ("nanogrpo: error: weight sync to version 4: no vLLM "
+                                                   "server holds the new weights")
+
+
+def test_a_lost_connection_to_a_server_that_answers_is_sent_again_not_a_server_out(two):
+    a, b = two
+    eng = engine_over(a)
+    a.drop = 1  # the first request's connection ends without an answer; /health answers
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=1, seed=0))
+    assert len(g.completion_ids) == 1 and eng.pool.slots[0].state == UP
+    assert eng.pool.retries == 1 and eng.pool.taken_out == 0
+
+
+def test_a_server_out_by_mistake_that_holds_its_weights_is_taken_back_when_none_serves(two):
+    a, b = two
+    eng = engine_over(a, b, wait_s=10.0)
+    for slot in eng.pool.slots:
+        eng.pool.mark_out(slot, "a transient fault")  # both out, both still serving version 3
+    b.paused = True  # b: a sync of it failed (left paused): it must wait for the next sync
+    t0 = time.monotonic()
+    g = eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=2, seed=0))
+    assert len(g.completion_ids) == 2 and time.monotonic() - t0 < 5
+    assert [s.state for s in eng.pool.slots] == [UP, OUT]
+    a.version = "default"  # a restarted server (its launch weights): never taken back this way
+    eng.pool.mark_out(eng.pool.slots[0], "killed and restarted")
+    eng.pool.wait_s = 1.0
+    with pytest.raises(NoServer):
+        eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=1, seed=0))

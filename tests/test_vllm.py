@@ -242,7 +242,7 @@ def test_lora_policy_reaches_vllm_merged():
     from nanogrpo.models.lora import apply_lora
 
     model = apply_lora(qwen(4), ModelConfig(lora_r=8))
-    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8)
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=8, lora_sync="merged")
     before = engine.generate(PROMPTS, GREEDY).completion_ids
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -252,6 +252,43 @@ def test_lora_policy_reaches_vllm_merged():
     engine.load_from(model)
     got = engine.generate(PROMPTS, GREEDY).completion_ids
     assert got != before and got == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+
+
+def test_lora_adapter_sync_serves_the_adapter_on_the_base_and_moves_only_the_adapter():
+    """lora_sync=adapter: vLLM holds the base weights and serves each update's adapter through its LoRA
+    kernels; after every load, sampled log-probs equal the PEFT model's own (and greedy its generate),
+    and a load moves the adapter's bytes, not the model's."""
+    pytest.importorskip("peft")
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.lora import apply_lora
+    from nanogrpo.rollout.vllm_engine import policy_state_dict
+
+    model = apply_lora(qwen(5), ModelConfig(lora_r=8))
+    engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=16)
+    assert engine.adapter
+    merged_bytes = sum(v.numel() * v.element_size() for v in policy_state_dict(model).values())
+    sampled = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=7)
+    outs = []
+    for step in range(3):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.add_(torch.randn_like(p) * 0.2)                   # an update of the adapter only
+        model.eval()
+        engine.load_from(model)
+        assert 0 < engine.last_sync_bytes < merged_bytes / 5       # (this tiny model: 1/8.6; 0.5B: 1/57)
+        gen = engine.generate(PROMPTS, sampled)
+        ours, theirs, cm = trainer_logprobs(model, PROMPTS, gen, 2)
+        assert float(((ours - theirs).abs() * cm).max()) < 1e-4, step
+        greedy = engine.generate(PROMPTS, GREEDY).completion_ids
+        assert greedy == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens), step
+        outs.append(greedy)
+    assert outs[0] != outs[-1]                                     # the adapter moved the policy
+    assert engine.llm.llm_engine.list_loras() == {4}               # one adapter held at a time (the 4th)
+    with model.disable_adapter():                                  # the base stayed the base
+        base = hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    engine._lora = None
+    assert engine.generate(PROMPTS, GREEDY).completion_ids == base
 
 
 def test_multiturn_greedy_equals_turn_by_turn_generate():

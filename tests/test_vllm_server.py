@@ -13,21 +13,19 @@ weight-transfer engine, shared by the module's tests.
   resumed weights before any new rollout;
 - a 2-rank FSDP2 trainer (gloo) with the server tier; 2 DDP / FSDP2 ranks with the asynchronous pipeline.
 
-Needs vLLM (``pip install -e ".[vllm]"``, then ``pip install -e . --no-deps`` once more so that vLLM finds
-nanogrpo's plugin); skipped without it unless ``NANOGRPO_REQUIRE_VLLM=1`` (``.ci/run``). About 4-6
+The servers are tests/vllm_fixtures.py's (shared with tests/test_vllm_server_faults.py). Needs vLLM
+(``pip install -e ".[vllm]"``, which also registers nanogrpo's vLLM plugin); skipped without it unless
+``NANOGRPO_REQUIRE_VLLM=1`` (``.ci/run``). About 4-6
 minutes on a 2-core CPU (the servers take 30-60 s to start; one is restarted twice).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,144 +35,14 @@ if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from nanogrpo.config import Config  # noqa: E402
-from nanogrpo.launch import start, wait_healthy  # noqa: E402
+from tests.vllm_fixtures import demo_model as _model  # noqa: E402
+from tests.vllm_fixtures import free_port as _port  # noqa: E402
+from tests.vllm_fixtures import probe_diff as _probe_diff  # noqa: E402
+from tests.vllm_fixtures import rows as _rows  # noqa: E402
+from tests.vllm_fixtures import tier as _tier  # noqa: E402
+from tests.vllm_fixtures import train as _train  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-RUN = ["rollout.prompts_per_step=8", "grpo.group_size=4", "eval.every=0", "train.save_every=2",
-       "vllm_server.probe=true", "rewards.workers=0"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-class Servers:
-    """The module's two servers; :meth:`kill` and :meth:`restart` one of them."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.ports = [_port(), _port()]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.cfg = Config.load(None, self.overrides() + RUN)
-        self.procs: list[subprocess.Popen | None] = [None, None]
-
-    def overrides(self) -> list[str]:
-        return ["rollout.engine=vllm_server", "rollout.servers=" + json.dumps(self.urls)]
-
-    def start(self, i: int) -> None:
-        os.environ.update({k: v for k, v in _env().items() if k != "PYTHONPATH"})
-        self.procs[i] = start(self.cfg, self.ports[i], state_dir=self.tmp, log=self.tmp / f"server{i}.log")
-
-    def wait(self, i: int) -> float:
-        return wait_healthy(self.urls[i], self.procs[i], log=self.tmp / f"server{i}.log")
-
-    def kill(self, i: int) -> None:
-        """SIGKILL the server and its engine processes (vLLM's EngineCore outlives a killed API server,
-        busy, as an orphan): the whole server gone, as when its machine fails."""
-        import psutil
-
-        kids = psutil.Process(self.procs[i].pid).children(recursive=True)
-        self.procs[i].send_signal(signal.SIGKILL)
-        for k in kids:
-            try:
-                k.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.procs[i].wait()
-
-    def restart(self, i: int) -> None:
-        self.start(i)
-        self.wait(i)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            if p is not None:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    s = Servers(tmp_path_factory.mktemp("vllm-servers"))
-    try:
-        s.start(0)
-        s.start(1)
-        print(f"vllm serve x2 up in {max(s.wait(0), s.wait(1)):.0f} s")
-        yield s
-    finally:
-        s.stop()
-
-
-def _train(servers: Servers, out: Path, *args: str, resume: bool = False, launch: list[str] | None = None,
-           background: bool = False):
-    cmd = (launch or [sys.executable, "-m", "nanogrpo.cli"]) + ["train"]
-    cmd += ["--resume", str(out)] if resume else ["--out", str(out)]
-    cmd += servers.overrides() + RUN + list(args)
-    log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    if background:
-        return proc
-    rc = proc.wait(timeout=900)
-    assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
-    return proc
-
-
-def _rows(out: Path) -> list[dict]:
-    f = out / "metrics.jsonl"
-    return [json.loads(line) for line in f.read_text().splitlines()] if f.is_file() else []
-
-
-def _model(seed: int | None = None):
-    from transformers import AutoModelForCausalLM
-
-    from nanogrpo.demos.arithmetic.build import embedded_path
-
-    m = AutoModelForCausalLM.from_pretrained(str(embedded_path()), dtype=torch.float32).eval()
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return m
-
-
-def _tier(servers: Servers, model, clients=None):
-    """A pool, engine and weight sync over the servers, for ``model`` (in this process)."""
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
-
-    pool = ServerPool(clients or [ServerClient(u) for u in servers.urls], wait_s=20.0)
-    return ServerEngine(pool, [2]), WeightSync(pool, state_source(model, torch.float32), timeout_s=60)
-
-
-def _probe_diff(engine, model, prompt: list[int]) -> dict[str, float]:
-    from nanogrpo.rollout.engine import SamplingParams
-
-    out = {}
-    for slot in engine.pool.usable():
-        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
-        ids, lps = engine.sample_on_server(slot, prompt, params)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
-        mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        out[slot.url] = float((mine - torch.tensor(lps)).abs().max())
-    return out
 
 
 def test_every_sync_gives_both_servers_the_trainers_weights(servers, tmp_path):

@@ -112,6 +112,10 @@ class VllmConfig(_Strict):
     """Reuse the keys and values of a prompt across its samples (reset at every weight load); in
     multi-turn (tool) rollouts each turn re-sends the trajectory's whole context, and the cache makes
     that cost the new tokens only."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA run (``model.lora_r > 0``): ``adapter`` keeps the frozen base weights in vLLM and loads only
+    the adapter after each update (megabytes, vLLM's LoRA kernels apply it); ``merged`` sends every weight
+    with the adapter merged in (``W + scale * B @ A``), as before."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
 
@@ -154,6 +158,15 @@ class VllmServerConfig(_Strict):
     elsewhere)."""
     wait_s: float = Field(300.0, gt=0)
     """How long a request waits for a usable server before the run stops with one line."""
+    connect_wait_s: float = Field(15.0, ge=0)
+    """At the start of the run, how long to wait for the servers to answer ``/health``; then none
+    answering stops the run with one line naming each URL and why (``connection refused``: nothing listens
+    there), some answering starts on those (the others are taken back once they answer). Servers loading
+    a large model take minutes: 900, or start the trainer when ``nanogrpo vllm-serve`` prints its
+    ``train with:`` line."""
+    stall_timeout_s: float = Field(10.0, gt=0)
+    """A server with requests (or a sync's calls) in flight whose ``/health`` does not answer in this long
+    is stalled: taken out, its requests ended and sent elsewhere (asked every 2 s)."""
     port: int = Field(8100, ge=1, le=65535)
     """``nanogrpo vllm-serve``: the first server's port (``--count`` servers take consecutive ports)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -163,6 +176,15 @@ class VllmServerConfig(_Strict):
     kv_cache_gib: float = Field(0.0, ge=0)
     """``nanogrpo vllm-serve``: the KV cache size (``--kv-cache-memory-bytes``); 0: on the CPU room for one
     rollout's sequences, on a GPU vLLM's sizing."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """A LoRA run (``model.lora_r > 0``): ``adapter`` (the servers keep the frozen base weights and load each
+    update's adapter by name, megabytes per sync; ``nanogrpo vllm-serve`` starts them with LoRA enabled at
+    the run's rank) or ``merged`` (every weight with the adapter merged in, through the weight transfer,
+    as for a full model)."""
+    adapter_dir: str = ""
+    """``lora_sync=adapter``: where each adapter version is written for the servers to load (vLLM reads
+    adapters from disk): a directory the servers can read, on a filesystem shared with them when they run
+    on other machines. Empty: ``RUN/vllm-adapters``."""
     probe: bool = False
     """After every sync, sample a fixed probe prompt on each server and compare its log-probs with the
     trainer's forward (``sync/probe_diff``: the largest difference, over servers and tokens; float32

@@ -116,3 +116,64 @@ def save_merged(model: torch.nn.Module, out: Path) -> None:
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     del merged
+
+
+# ---------------------------------------------------------------------- adapters for vLLM
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM serves (``--max-lora-rank``): an adapter of rank r needs the smallest one >= r."""
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """The ``max_lora_rank`` vLLM must be started with to serve an adapter of rank ``r``."""
+    for allowed in VLLM_LORA_RANKS:
+        if r <= allowed:
+            return allowed
+    raise ConfigError(f"model.lora_r={r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; use "
+                      "lora_sync=merged ([vllm] or [vllm_server]) to send merged weights instead")
+
+
+def check_adapter_servable(model) -> None:
+    """vLLM serves a plain LoRA adapter: one adapter, no DoRA, no bias, no ``modules_to_save``. Anything
+    else is refused in one line (the merged sync takes it)."""
+    cfg = model.peft_config[model.active_adapter]
+    bad = [what for what, on in (("DoRA", getattr(cfg, "use_dora", False)),
+                                 (f"bias={cfg.bias!r}", getattr(cfg, "bias", "none") != "none"),
+                                 ("modules_to_save", bool(getattr(cfg, "modules_to_save", None))),
+                                 ("several adapters", len(model.peft_config) > 1)) if on]
+    if bad:
+        raise ConfigError(f"vLLM cannot serve this LoRA adapter as one ({', '.join(bad)}): use "
+                          "lora_sync=merged")
+
+
+def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT model's frozen base weights under their plain HF names (the adapters left out, nothing
+    merged): what a vLLM engine serving the adapter on top holds."""
+    base = model.get_base_model()
+    return {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+
+
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The active adapter's tensors under PEFT's saved names (``...q_proj.lora_A.weight``), full tensors
+    (an FSDP2 shard is gathered: every rank must call it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    peft = _peft()
+    out = {}
+    for k, v in peft.get_peft_model_state_dict(model).items():
+        v = v.detach()
+        out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+    return out
+
+
+def write_adapter(model: torch.nn.Module, out: Path, tensors: dict[str, torch.Tensor] | None = None) -> int:
+    """Write the active adapter to ``out`` as PEFT saves it (``adapter_model.safetensors``,
+    ``adapter_config.json``: what vLLM loads); returns its bytes. ``tensors``: already gathered."""
+    from safetensors.torch import save_file
+
+    tensors = adapter_state_dict(model) if tensors is None else tensors
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    model.peft_config[model.active_adapter].save_pretrained(str(out))
+    return sum(v.numel() * v.element_size() for v in tensors.values())

@@ -192,7 +192,7 @@ def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
                 tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=v.enable_prefix_caching,
                 sleep_mode=v.sleep_mode, seed=cfg.train.seed, stop_strings=cfg.tools.enabled,
-                llm_kwargs=dict(v.llm_kwargs))
+                lora_sync=v.lora_sync, llm_kwargs=dict(v.llm_kwargs))
 
 
 def check_convention(params: SamplingParams, tempered: bool) -> None:
@@ -272,6 +272,10 @@ class VLLMEngine:
             sleep_mode, seed: as the ``[vllm]`` config keys.
         stop_strings: give vLLM the tokenizer so that it stops at ``SamplingParams.stop`` (multi-turn
             runs); without it stop strings are left to the caller (vLLM samples on to EOS).
+        lora_sync: for a PEFT LoRA ``model``: ``adapter`` (vLLM holds the frozen base weights, loaded
+            once, and serves the adapter through its LoRA kernels: each :meth:`load_from` writes the
+            adapter, megabytes, and the next rollouts name it) or ``merged`` (every weight, the adapter
+            merged in). Ignored for a plain model.
         llm_kwargs: further ``vllm.LLM`` arguments, passed as given.
     """
 
@@ -287,8 +291,8 @@ class VLLMEngine:
                  kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                  enforce_eager: bool | None = None, max_num_seqs: int = 0, enable_prefix_caching: bool = True,
                  sleep_mode: bool = False, seed: int = 0, stop_strings: bool = False,
-                 llm_kwargs: dict[str, Any] | None = None):
-        from nanogrpo.models.lora import is_peft
+                 lora_sync: str = "adapter", llm_kwargs: dict[str, Any] | None = None):
+        from nanogrpo.models.lora import check_adapter_servable, is_peft, vllm_max_lora_rank
 
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -345,6 +349,21 @@ class VLLMEngine:
             kw["max_num_batched_tokens"] = max(4096, self.max_model_len)
         if sleep_mode:
             kw["enable_sleep_mode"] = True
+        self.adapter = lora_sync == "adapter" and is_peft(model)
+        """Serve the LoRA adapter on the frozen base weights (see ``lora_sync``)."""
+        self._lora = None
+        self._lora_version = 0
+        self._base_loaded = False
+        self.last_sync_bytes = 0
+        if self.adapter:
+            check_adapter_servable(model)
+            kw.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                      max_lora_rank=vllm_max_lora_rank(model.peft_config[model.active_adapter].r))
+            self._adapter_root = Path(tempfile.mkdtemp(prefix="nanogrpo-vllm-lora-"))
+            import shutil
+            import weakref
+
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)  # the adapters' files
         kw.update(llm_kwargs or {})
         self._keys = set(policy_state_dict(model))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -369,8 +388,30 @@ class VLLMEngine:
     # ------------------------------------------------------------ weights
 
     def load_from(self, model: torch.nn.Module) -> None:
-        """Push ``model``'s current weights (LoRA adapters merged) into vLLM, in place."""
-        self.update_weights(policy_state_dict(model))
+        """Push ``model``'s current weights into vLLM: in place (LoRA adapters merged), or, serving the
+        adapter (``lora_sync=adapter``), the base weights once and the adapter as a new LoRA request."""
+        if not self.adapter:
+            sd = policy_state_dict(model)
+            self.update_weights(sd)
+            self.last_sync_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+            return
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        from nanogrpo.models.lora import base_state_dict, write_adapter
+
+        if not self._base_loaded:
+            self.update_weights(base_state_dict(model))
+            self._base_loaded = True
+        self._lora_version += 1
+        path = self._adapter_root / f"v{self._lora_version}"
+        self.last_sync_bytes = write_adapter(model, path)
+        old, self._lora = self._lora, LoRARequest(f"nanogrpo-v{self._lora_version}", self._lora_version,
+                                                  str(path))
+        if old is not None:  # one adapter at a time: the previous one leaves the engine and the disk
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -423,7 +464,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         try:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
-                                     use_tqdm=False)
+                                     use_tqdm=False, lora_request=self._lora)
         finally:
             gen_s = time.perf_counter() - t0
             if self.sleep_mode:

@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,21 +63,36 @@ def step_seed(seed: int, step: int) -> int:
 class ServerTier:
     """The run's vLLM servers: its engine's pool and the weight sync from this trainer (every rank)."""
 
-    def __init__(self, cfg, engine, backend, dtype: torch.dtype, tokenizer=None):
-        from nanogrpo.rollout.vllm_server import state_source
+    def __init__(self, cfg, engine, backend, dtype: torch.dtype, tokenizer=None, run_dir: Path | None = None):
+        from nanogrpo.rollout.vllm_server import base_source, serves_adapter, state_source
         from nanogrpo.rollout.vllm_server.sync import WeightSync
 
         self.cfg, self.engine, self.backend = cfg, engine, backend
         v = cfg.vllm_server
         broadcast = _broadcaster() if backend.world_size > 1 else None
-        self.source = state_source(backend.module, dtype)
+        adapter = serves_adapter(cfg)
+        self.source = (base_source if adapter else state_source)(backend.module, dtype)
         self.sync_driver = WeightSync(engine.pool, self.source, transfer=v.transfer,
                                       master_address=v.master_address, bucket_bytes=int(v.bucket_mb * 2**20),
                                       server_world=v.server_world, timeout_s=v.transfer_timeout_s,
                                       rank=backend.rank, broadcast=broadcast, parallel=v.parallel_sync)
         self.k = cfg.rollout.max_staleness
+        if adapter:  # LoRA: the base once per server, then the adapter alone (vllm_server/adapters.py)
+            from nanogrpo.rollout.vllm_server.adapters import AdapterSync
+
+            where = Path(v.adapter_dir) if v.adapter_dir else Path(run_dir or cfg.train.out) / "vllm-adapters"
+            self.sync_driver = AdapterSync(self.sync_driver, backend.module, where.resolve(), keep=self.k + 1,
+                                           rank=backend.rank, broadcast=broadcast)
         self.probe_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"] \
             if tokenizer is not None and cfg.vllm_server.probe else None
+        if backend.rank == 0:  # first contact: reachable, serving the trainer's model; then the watch
+            from nanogrpo.rollout.vllm_server.contact import connect
+            from nanogrpo.transfer.worker import model_facts
+
+            config = getattr(backend.module, "config", None)
+            lora = (cfg.model.lora_r, self.k + 2) if adapter else None
+            connect(engine.pool, v.connect_wait_s, model_facts(config) if config is not None else None, lora)
+            engine.pool.watch(timeout_s=v.stall_timeout_s)
 
     def sync(self, version: int) -> dict[str, float]:
         """Every rank: the servers get the current weights as ``version``; the engine's version window
@@ -127,6 +143,9 @@ class ServerTier:
         return worst
 
     def close(self) -> None:
+        """End every request to the servers now (a producer waiting on one raises at once), then the
+        transfer groups."""
+        self.engine.pool.close()
         self.sync_driver.close()
         self.engine.close()
 
@@ -296,8 +315,11 @@ class Pipeline:
             w, self.producer_wait_s = self.producer_wait_s, 0.0
         return w
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30.0) -> None:
+        """Stop the producer; wait for it up to ``wait_s`` seconds (close the servers' pool first: a
+        producer inside a rollout then ends at once). It is a daemon: one still running does not hold
+        the process."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=wait_s)

@@ -247,7 +247,7 @@ def train(run: PreparedRun) -> Path:
                      rank_files=lambda d: write_pending(d, backend.rank, batch, sched, roll))
         _test_stop(f"step_{step}_update_{sched.done}")
 
-    tier = ServerTier(cfg, engine, backend, weights_dtype, tok) if servers else None
+    tier = ServerTier(cfg, engine, backend, weights_dtype, tok, run_dir=root) if servers else None
     if tier is not None:  # the servers get the run's (resumed) weights before any rollout
         first_sync = tier.sync(version)
         if backend.is_main:
@@ -316,10 +316,10 @@ def train(run: PreparedRun) -> Path:
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                 save(step)
     finally:
+        if tier is not None:  # first: a producer waiting on a server ends at once
+            tier.close()
         if pipe is not None:
             pipe.close()
-        if tier is not None:
-            tier.close()
         bar.close()
         if logger is not None:
             logger.close()

@@ -28,7 +28,7 @@ import datetime
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -142,8 +142,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
                                             init_info.world_size, init_info.timeout_s, is_master=False)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
+        if any(get_layerwise_info(m).can_load() for m in self.model.modules()):
+            # An earlier update never finished (its transfer broke): vLLM cleared its "update active"
+            # flag but left the layers it had begun on the meta device, their buffered tensors kept. A
+            # new update over that state would count those tensors twice and could process a layer
+            # with a piece missing. Finish the old one first (layers not loaded get their old tensors
+            # back), then begin afresh: every tensor comes again in this update.
+            finalize_layerwise_reload(self.model, self.model_config)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -162,7 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
         sizes = [_nbytes(s, d) for s, d in zip(update_info.shapes, dtypes, strict=True)]
         for bucket in plan_buckets(sizes, self.bucket_bytes):
             buf = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
-            self.group.broadcast(buf, 0).wait()
+            self._receive(buf)
             weights, off = [], 0
             for i in bucket:
                 t = buf[off:off + sizes[i]].view(dtypes[i]).view(update_info.shapes[i])
@@ -171,10 +182,55 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
             self.model.load_weights(weights)
             del buf, weights
 
+    def _receive(self, buf: torch.Tensor) -> None:
+        """One bucket. A trainer that gave this update up (its send failed: it set :data:`ABANDONED` in
+        its store) or is gone (the store does not answer) ends the wait within :data:`CHECK_S`, not at
+        the group's timeout: until then the worker, and with it the whole engine, would be held."""
+        work = self.group.broadcast(buf, 0)
+        checked = time.monotonic()
+        while not work.is_completed():
+            if time.monotonic() - checked > CHECK_S:
+                checked = time.monotonic()
+                if _abandoned(self.store):
+                    raise RuntimeError("the trainer gave this weight update up (its side of the transfer "
+                                       "failed or ended)")
+            time.sleep(0.0005)
+        work.wait()
+
     def shutdown(self) -> None:
         _abort(self.group)
         self.group = None
         self.store = None
+
+
+ABANDONED = "nanogrpo-abandoned"
+"""The key a trainer sets in its transfer store when it gives an update up."""
+CHECK_S = 0.25
+"""How often a receiving server looks for it."""
+
+
+def _abandoned(store) -> bool:
+    try:
+        return store is None or store.check([ABANDONED])
+    except Exception:  # noqa: BLE001 (the store is gone with the trainer)
+        return True
+
+
+def _in_thread(fn, *args) -> Future:
+    """``fn(*args)`` in a daemon thread: a call that hangs (its server stalled) neither holds the caller,
+    which watches the future, nor the interpreter's exit (an executor's threads are joined at exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (handed to the caller through the future)
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="nanogrpo-transfer-call", daemon=True).start()
+    return fut
 
 
 def _abort(group) -> None:
@@ -254,15 +310,33 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                               is_master=True, timeout=datetime.timedelta(seconds=init_info.timeout_s),
                               wait_for_workers=False)
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            fut = exe.submit(engine.client.init_weight_transfer_engine, asdict(worker))
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = datetime.timedelta(seconds=init_info.timeout_s)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=init_info.master_address)]
-            engine.group = dist.ProcessGroupGloo(dist.PrefixStore("nanogrpo-weights", store), 0,
-                                                 init_info.world_size, opts)
-            engine.store = store
-            fut.result()
+        fut = _in_thread(engine.client.init_weight_transfer_engine, asdict(worker))
+        # The group is built once the server's workers have joined the store (each writes its key there
+        # as it starts building its side), not before: building ours blocks until they come or the
+        # timeout passes, while a server that refused /init_weight_transfer_engine never comes. So its
+        # answer is watched meanwhile and an error is raised at once (a refused connection is known in
+        # milliseconds).
+        deadline = time.monotonic() + init_info.timeout_s
+        while store.num_keys() < 1:
+            if fut.done():
+                fut.result()  # the server's error
+                raise RuntimeError("the server answered /init_weight_transfer_engine without joining the "
+                                   "transfer group")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not join the transfer group within "
+                                   f"{init_info.timeout_s:.0f} s")
+            time.sleep(0.005)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=init_info.master_address)]
+        engine.group = dist.ProcessGroupGloo(dist.PrefixStore("nanogrpo-weights", store), 0,
+                                             init_info.world_size, opts)
+        engine.store = store
+        try:
+            fut.result(timeout=init_info.timeout_s)
+        except BaseException:
+            engine.shutdown()  # the group formed, but the server's side failed: drop ours at once
+            raise
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
@@ -275,17 +349,25 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GlooWeightTransferUpdateInfo([m.name for m in meta], [dtype_name(m.dtype) for m in meta],
                                             [list(m.shape) for m in meta])
         self.client.start_weight_update()
-        exe = ThreadPoolExecutor(max_workers=1)
+        fut = _in_thread(self.client.update_weights, asdict(info))
         try:
-            fut = exe.submit(self.client.update_weights, asdict(info))
             sent = 0
             for buf in self._buckets(meta):
+                if self.group is None:  # shut down meanwhile: its server was taken out (stalled)
+                    raise RuntimeError("the transfer was given up: its server was taken out")
+                if fut.done():  # before this bucket went out: the server cannot have received it
+                    fut.result()  # its error, if it failed
+                    raise RuntimeError("the server finished /update_weights before receiving every "
+                                       "bucket (its bucket plan differs from the trainer's)")
                 work = self.group.broadcast(buf, 0)
-                while not work.is_completed():  # a server that failed answers its /update_weights: say why
-                    if fut.done():
+                # The server may answer /update_weights before this side's broadcast reports complete
+                # (its last receive returns first): a success answer is not a failure; only an error
+                # answer ends the wait early, with the server's reason.
+                while not work.is_completed():
+                    if fut.done() and fut.exception() is not None:
                         fut.result()
-                        raise RuntimeError("the server finished /update_weights before receiving every "
-                                           "bucket")
+                    if self.group is None:  # shut down meanwhile: its server was taken out (stalled)
+                        raise RuntimeError("the transfer was given up: its server was taken out")
                     time.sleep(0.001)
                 work.wait()
                 sent += buf.numel()
@@ -293,8 +375,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self.shutdown()  # abort the group: a pending broadcast would hold its teardown to the timeout
             raise
-        finally:
-            exe.shutdown(wait=False)  # a broken broadcast leaves the server's call hanging: do not join it
         self.bytes_sent = sent
         self.client.finish_weight_update(weight_version)
 
@@ -318,6 +398,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             yield buf
 
     def shutdown(self) -> None:
+        if self.store is not None:  # a server still receiving stops waiting (:meth:`_receive`)
+            try:
+                self.store.set(ABANDONED, "1")
+            except Exception:  # noqa: BLE001 (nothing more to tell)
+                pass
         _abort(self.group)
         self.group = None
         self.store = None

@@ -3,7 +3,9 @@
 - :mod:`~nanogrpo.rollout.vllm_server.http`: one server's client (generation, the RL routes), bounded reads;
 - :mod:`~nanogrpo.rollout.vllm_server.pool`: the servers as one pool (load, failover, taking back);
 - :mod:`~nanogrpo.rollout.vllm_server.engine`: the :class:`~nanogrpo.rollout.engine.Engine` over the pool;
-- :mod:`~nanogrpo.rollout.vllm_server.sync`: the weight sync through vLLM's weight-transfer protocol.
+- :mod:`~nanogrpo.rollout.vllm_server.sync`: the weight sync through vLLM's weight-transfer protocol;
+- :mod:`~nanogrpo.rollout.vllm_server.adapters`: LoRA runs, the adapter alone after each update;
+- :mod:`~nanogrpo.rollout.vllm_server.contact`: first contact (reachable, the trainer's model).
 
 docs/guides/scaling-out.md is the manual.
 """
@@ -30,7 +32,13 @@ def server_engine(cfg, model, tokenizer):
     pool = ServerPool(clients, max_attempts=v.max_attempts, wait_s=v.wait_s)
     eos, _ = resolve_special_ids(model, tokenizer)
     return ServerEngine(pool, eos, tokenizer=tokenizer, tempered_logprobs=cfg.rollout.tempered_logprobs,
-                        stop_strings=cfg.tools.enabled, concurrency=v.concurrency)
+                        stop_strings=cfg.tools.enabled, concurrency=v.concurrency,
+                        adapters=serves_adapter(cfg))
+
+
+def serves_adapter(cfg) -> bool:
+    """Whether the servers serve the run's LoRA adapter on its frozen base (only the adapter moves)."""
+    return cfg.model.lora_r > 0 and cfg.vllm_server.lora_sync == "adapter"
 
 
 def state_source(module: torch.nn.Module, dtype: torch.dtype):
@@ -40,11 +48,24 @@ def state_source(module: torch.nn.Module, dtype: torch.dtype):
     from nanogrpo.rollout.vllm_engine import policy_state_dict
     from nanogrpo.transfer.source import StateSource
 
+    return StateSource(_hf_names(policy_state_dict, module), dtype)
+
+
+def base_source(module: torch.nn.Module, dtype: torch.dtype):
+    """A PEFT policy's frozen base weights (adapters left out, nothing merged) as a ``WeightSource``: what
+    a server serving the adapter holds (:mod:`~nanogrpo.rollout.vllm_server.adapters`)."""
+    from nanogrpo.models.lora import base_state_dict
+    from nanogrpo.transfer.source import StateSource
+
+    return StateSource(_hf_names(base_state_dict, module), dtype)
+
+
+def _hf_names(take, module):
     def state() -> dict[str, torch.Tensor]:
-        sd = policy_state_dict(module)
+        sd = take(module)
         sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
         if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         return sd
 
-    return StateSource(state, dtype)
+    return state

@@ -38,7 +38,7 @@ from nanogrpo.rollout.engine import Generation, SamplingParams
 from nanogrpo.rollout.hf import check_request
 from nanogrpo.rollout.stops import StopStrings
 from nanogrpo.rollout.vllm_engine import check_convention, request_seeds, sample_on
-from nanogrpo.rollout.vllm_server.http import ServerDown, ServerFault
+from nanogrpo.rollout.vllm_server.http import ServerDown, ServerFault, ServerMissing
 from nanogrpo.rollout.vllm_server.pool import ServerPool
 
 log = logging.getLogger("nanogrpo.rollout.vllm_server")
@@ -60,8 +60,11 @@ class ServerEngine:
 
     def __init__(self, pool: ServerPool, eos_ids: list[int], *, tokenizer=None,
                  tempered_logprobs: bool = False, stop_strings: bool = False, concurrency: int = 64,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, adapters: bool = False):
         self.pool = pool
+        self.adapters = adapters
+        """LoRA served as an adapter (:mod:`~nanogrpo.rollout.vllm_server.adapters`): each request names the
+        newest version's adapter, and a sample's version is the adapter that served it."""
         self.eos_ids = list(eos_ids)
         self.tempered, self.ignore_eos = tempered_logprobs, ignore_eos
         self.tokenizer = tokenizer if stop_strings else None
@@ -82,7 +85,15 @@ class ServerEngine:
         finally:
             self._local.rec = None
 
-    def _versions(self, choice: dict, url: str) -> tuple[int, int]:
+    def _versions(self, choice: dict, url: str, served: Any = None) -> tuple[int, int]:
+        if self.adapters:
+            from nanogrpo.rollout.vllm_server.adapters import adapter_version
+
+            v = adapter_version(served)
+            if v is None or not self.min_version <= v <= self.max_version:
+                raise StaleSample(f"{url} served adapter {served!r}, outside versions [{self.min_version}, "
+                                  f"{self.max_version}]: out of sync")
+            return v, v
         spans = choice.get("weight_versions") or []
         try:
             vs = [int(s["version"]) for s in spans]
@@ -112,7 +123,18 @@ class ServerEngine:
         return {"token_ids": list(prompt), "sampling_params": sp}
 
     def _one(self, body: dict, max_tokens: int) -> tuple[list[int], list[float], str, tuple[int, int]]:
-        return self.pool.call(lambda client: self._parse(client, client.generate(body, max_tokens)))
+        return self.pool.call(lambda client: self._parse(client, self._ask(client, body, max_tokens)))
+
+    def _ask(self, client, body: dict, max_tokens: int) -> dict:
+        if not self.adapters:
+            return client.generate(body, max_tokens)
+        from nanogrpo.rollout.vllm_server.adapters import adapter_name
+
+        body = {**body, "model": adapter_name(self.max_version)}  # the newest adapter, named now
+        try:
+            return client.generate(body, max_tokens)
+        except ServerMissing as e:  # it does not hold that adapter: out of sync, like a stale sample
+            raise StaleSample(f"{client.url} does not serve {body['model']}: {e}") from None
 
     def _parse(self, client, out: dict) -> tuple[list[int], list[float], str, tuple[int, int]]:
         """One sample's token ids, log-probs, finish reason and (first, last) weight version."""
@@ -123,7 +145,7 @@ class ServerEngine:
                 any(int(e["token_id"]) != t for e, t in zip(content, ids, strict=True)):
             raise ServerFault(f"{client.url}: log-probs do not match the sampled tokens")
         lps = [float(e["logprob"]) for e in content]
-        ver = self._versions(c, client.url)
+        ver = self._versions(c, client.url, out.get("model"))
         why = c.get("finish_reason")
         reason = "stop_string" if isinstance(c.get("stop_reason"), str) else \
             "stop" if why == "stop" and not self.ignore_eos else "length"
@@ -163,7 +185,7 @@ class ServerEngine:
                          params: SamplingParams) -> tuple[list[int], list[float]]:
         """One sample of ``prompt`` on that server (``slot`` of the pool), not spread: the sync's probe."""
         body = self._body(prompt, params, request_seeds(params, 1)[0], None)
-        ids, lps, _, _ = self._parse(slot.client, slot.client.generate(body, params.max_new_tokens))
+        ids, lps, _, _ = self._parse(slot.client, self._ask(slot.client, body, params.max_new_tokens))
         return ids, lps
 
     def close(self) -> None:
