@@ -229,8 +229,9 @@ def test_jsd_over_the_vocabulary_refuses_a_head_of_another_size():
 
 @pytest.mark.parametrize("overrides,match", [
     (["distill.teachr=x"], "did you mean 'teacher'"),
-    (["distill.teacher=x", "distill.beta=0.5"], "setting of distill.signal=jsd"),
-    (["distill.teacher=http://h:1", "distill.signal=jsd"], "needs the teacher in the process"),
+    (["distill.teacher=x", "distill.signal=sampled", "distill.beta=0.5"], "setting of distill.signal=jsd"),
+    (["distill.teacher=http://h:1", "distill.top_k=0"], "needs the teacher in the process"),
+    (["distill.teacher=http://h:1", "distill.beta=0", "distill.add_tail=false"], "the loss is 0"),
     (["distill.teacher=x", "distill.signal=jsd", "distill.top_k=1", "distill.beta=0",
       "distill.add_tail=false"],
      "the loss is 0"),
@@ -241,6 +242,16 @@ def test_jsd_over_the_vocabulary_refuses_a_head_of_another_size():
 def test_config_refuses_what_means_nothing(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=overrides)
+
+
+def test_top_k_defaults_as_trl_does():
+    """Unset: the whole vocabulary for a teacher in the process (DistillationTrainer), the top-1 for a server
+    (ServerDistillationTrainer's ``loss_top_k``); jsd with beta 1 (reverse KL) by default, as TRL."""
+    local = load_config(overrides=["distill.teacher=x"]).distill
+    remote = load_config(overrides=["distill.teacher=http://h:1"]).distill
+    assert (local.signal, local.beta, local.support_size(), remote.support_size()) == ("jsd", 1.0, 0, 1)
+    sampled = load_config(overrides=["distill.teacher=http://h:1", "distill.signal=sampled"]).distill
+    assert sampled.support_size() == 0
 
 
 def test_the_full_divergence_has_gradient_through_the_chunks_only():

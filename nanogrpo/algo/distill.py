@@ -62,7 +62,7 @@ class DistillSpec:
         TRL's one temperature for both)."""
         t = rollout.temperature if distill.temperature is None else distill.temperature
         return cls(signal=distill.signal, weight=distill.weight, beta=distill.beta,
-                   temperature=t if t > 0 else 1.0, top_k=distill.top_k, add_tail=distill.add_tail)
+                   temperature=t if t > 0 else 1.0, top_k=distill.support_size(), add_tail=distill.add_tail)
 
     @property
     def needs(self) -> str:

@@ -21,10 +21,11 @@ class DistillConfig(_Strict):
     (same device and dtype), or the ``http(s)://`` address of a server that scores prompts (a vLLM server's
     ``/v1/completions`` with ``prompt_logprobs``, or ``nanogrpo serve --teacher MODEL``). Its tokenizer
     must map tokens to the student's ids. Empty: no distillation."""
-    signal: Literal["sampled", "jsd"] = "sampled"
-    """sampled: the per-token reverse KL on the sampled tokens as a per-token advantage (teacher log-prob
-    minus student log-prob); jsd: TRL's generalised JSD between the two next-token distributions, a
-    per-token loss (``beta``, ``temperature``, ``top_k``)."""
+    signal: Literal["jsd", "sampled"] = "jsd"
+    """jsd (TRL's ``DistillationTrainer``): the generalised JSD between the two next-token distributions, a
+    per-token loss (``beta``, ``temperature``, ``top_k``); sampled: the per-token reverse KL on the sampled
+    tokens as a per-token advantage (teacher log-prob minus student log-prob; any server that scores a
+    prompt can be its teacher)."""
     weight: float = Field(1.0, gt=0, le=1)
     """The teacher's share of the signal: 1 the teacher alone (the rewards then only report), below 1 the
     advantage mixes (1 - weight) x the GRPO advantage with weight x the teacher's signal."""
@@ -35,10 +36,11 @@ class DistillConfig(_Strict):
     """jsd: both distributions at this temperature (TRL's ``temperature``). None: ``rollout.temperature``,
     as TRL's one temperature for sampling and loss. (sampled takes the run's log-prob convention,
     ``rollout.tempered_logprobs``, for teacher and student alike.)"""
-    top_k: int = Field(0, ge=0, le=1000)
+    top_k: int | None = Field(None, ge=0, le=1000)
     """jsd: 0 over the whole vocabulary (a teacher in the process); k > 0 over a sparse support from the
     teacher's top-k (what a server returns; TRL's ``loss_top_k``): beta 0 the top-k, beta 1 the sampled
-    token, between them both."""
+    token, between them both. None: 0 for a teacher in the process (TRL's ``DistillationTrainer``), 1 for a
+    server (``ServerDistillationTrainer``'s default)."""
     add_tail: bool = True
     """jsd with ``top_k`` > 0: one more bucket holds the probability outside the support (TRL's
     ``loss_add_tail``); false: both distributions renormalised on the support."""
@@ -56,13 +58,13 @@ class DistillConfig(_Strict):
     def _combinations(self) -> DistillConfig:
         if not self.teacher:
             return self
-        remote = self.teacher.startswith(("http://", "https://"))
-        if self.signal == "jsd" and self.top_k == 0 and remote:
+        remote = self.remote
+        k = self.support_size()
+        if self.signal == "jsd" and k == 0 and remote:
             raise ValueError(f"distill.signal=jsd over the whole vocabulary (distill.top_k=0) needs the "
                              f"teacher in the process; {self.teacher} returns its top-k: set distill.top_k "
                              "(e.g. 20) or load the teacher by path")
-        if self.signal == "jsd" and self.top_k and not self.add_tail and (self.beta == 1 or self.beta == 0
-                                                                          and self.top_k == 1):
+        if self.signal == "jsd" and k and not self.add_tail and (self.beta == 1 or self.beta == 0 and k == 1):
             what = ", top_k=1" if self.beta == 0 else ": the sampled token"
             raise ValueError(f"distill.add_tail=false with a support of one token (distill.beta={self.beta:g}"
                              f"{what}): renormalised on it the two distributions are both certain and the "
@@ -75,3 +77,15 @@ class DistillConfig(_Strict):
                 raise ValueError(f"distill.{changed[0]} is a setting of distill.signal=jsd; the sampled "
                                  "signal takes the teacher's log-prob of each sampled token")
         return self
+
+    @property
+    def remote(self) -> bool:
+        """The teacher is a server (an ``http(s)://`` address)."""
+        return self.teacher.startswith(("http://", "https://"))
+
+    def support_size(self) -> int:
+        """``top_k`` resolved: 0 (the whole vocabulary) or k; unset, 0 for a teacher in the process and 1 for
+        a server (TRL's defaults)."""
+        if self.top_k is not None:
+            return self.top_k
+        return 1 if self.remote and self.signal == "jsd" else 0
