@@ -35,7 +35,11 @@ def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="run GRPO (single process, or consuming a server with --server)",
                        description="Run GRPO. With no --config, the embedded CPU demo preset is the base; "
                                    "flags and key=value overrides apply on top.")
-    p.add_argument("--config", help="TOML/YAML config file, or the name of a shipped preset (demo)")
+    from nanogrpo import demos  # finds the demo folders only (no config, no torch)
+
+    presets = ", ".join(demos.preset_name(n) for n in demos.names())
+    p.add_argument("--config", help=f"TOML/YAML config file (e.g. configs/gsm8k-qwen2.5-0.5b.toml), or a "
+                                    f"shipped preset: {presets}")
     p.add_argument("--model", help="local HF model directory or hub id (model.path)")
     p.add_argument("--data", help="dataset file, preset (gsm8k, math, arithmetic, ...) or hf:NAME "
                                   "(data.source)")

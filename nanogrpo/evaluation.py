@@ -29,7 +29,8 @@ Summary fields:
   from the same chunked pass the trainer uses (:func:`nanogrpo.algo.logprobs.token_stats`).
 
 Generation goes through the rollout engine (``make_engine``: the fast engine for the
-families it implements, else ``hf``), ``eval.batch_size`` prompts per call.
+families it implements, else ``hf``), ``eval.batch_size`` prompts per call; ``nanogrpo eval`` shows a
+progress bar over the problems (with the accuracy so far), the held-out evaluation inside training none.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from nanogrpo.config import Config
 from nanogrpo.data import encode_prompts, load_eval_rows
@@ -117,17 +119,42 @@ def completion_entropy(model, prompts: list[list[int]], completions: list[list[i
     return total, count
 
 
+def _bar(rows: list[dict], k: int, progress: bool) -> tqdm:
+    return tqdm(total=len(rows), desc=f"eval (k={k})" if k > 1 else "eval", unit="problem",
+                dynamic_ncols=True, disable=not progress)
+
+
+def _advance(bar: tqdm, n: int, records: list[dict[str, Any]]) -> None:
+    flat = [c for x in records for c in x["correct"]]
+    if flat:
+        bar.set_postfix_str(f"acc {sum(flat) / len(flat):.3f}", refresh=False)
+    bar.update(n)
+
+
 def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                   max_new_tokens: int, batch_size: int, k: int = 1, temperature: float | None = None,
-                  seed: int = 0, tools=None, policy=None,
-                  env=None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  seed: int = 0, tools=None, policy=None, env=None,
+                  progress: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
     ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None.
     ``policy``: the model whose entropy over the completions is reported (``entropy``), or None.
-    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes`: the rows start episodes, scored by success."""
-    if env is not None:
-        return _evaluate_episodes(engine, tokenizer, rows, cfg, rewards, max_new_tokens, batch_size, k,
-                                  temperature, seed, env, policy)
+    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes`: the rows start episodes, scored by success.
+    ``progress``: a progress bar over the problems on stderr (``nanogrpo eval``)."""
+    bar = _bar(rows, k, progress)
+    try:
+        if env is not None:
+            return _evaluate_episodes(engine, tokenizer, rows, cfg, rewards, max_new_tokens, batch_size, k,
+                                      temperature, seed, env, policy, bar)
+        return _evaluate_completions(engine, tokenizer, rows, cfg, rewards, max_new_tokens, batch_size, k,
+                                     temperature, seed, tools, policy, bar)
+    finally:
+        bar.close()
+
+
+def _evaluate_completions(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
+                          max_new_tokens: int, batch_size: int, k: int, temperature: float | None, seed: int,
+                          tools, policy, bar: tqdm) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:func:`evaluate_rows` of plain (or tool-calling) completions."""
     records: list[dict[str, Any]] = []
     skipped = 0
     ent_sum, ent_n = 0.0, 0
@@ -145,6 +172,7 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
         skipped += len(skip)
         kept = [r for j, r in enumerate(chunk) if j not in set(skip)]
         if not kept:
+            bar.update(len(chunk))
             continue
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, n=k,
                                 top_p=cfg.rollout.top_p if k > 1 else 1.0,
@@ -183,6 +211,7 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                 "majority_correct": bool(maj is not None and correct[maj]),
                 "tool_calls": calls[sl],
             })
+        _advance(bar, len(chunk), records)
     n = len(records)
     flat = [c for x in records for c in x["correct"]]
     fmt = [f for x in records for f in x["formatted"]]
@@ -211,7 +240,7 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
 
 def _evaluate_episodes(engine, tokenizer, rows: list[dict], cfg: Config, rewards: RewardRunner,
                        max_new_tokens: int, batch_size: int, k: int, temperature: float | None, seed: int,
-                       env, policy) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                       env, policy, bar: tqdm) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """:func:`evaluate_rows` with an environment: ``k`` episodes per row (greedy when ``k == 1``)."""
     records: list[dict[str, Any]] = []
     skipped, ent_sum, ent_n = 0, 0.0, 0
@@ -229,6 +258,7 @@ def _evaluate_episodes(engine, tokenizer, rows: list[dict], cfg: Config, rewards
         kept = [chunk[j] for j in gen.kept]
         skipped += len(chunk) - len(kept)
         if not kept:
+            bar.update(len(chunk))
             continue
         if policy is not None:
             s_, n_ = completion_entropy(policy, gen.prompt_ids, gen.completion_ids, gen.loss_masks,
@@ -254,6 +284,7 @@ def _evaluate_episodes(engine, tokenizer, rows: list[dict], cfg: Config, rewards
                 "turns": [s["num_turns"] for s in samples[sl]], "finish_reasons": gen.finish_reasons[sl],
                 "transcripts": [s["turns"] for s in samples[sl]],
             })
+        _advance(bar, len(chunk), records)
     n = len(records)
     nan = float("nan")
     flat = [c for x in records for c in x["correct"]]
@@ -286,17 +317,22 @@ def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 
 def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None = None, k: int | None = None,
              engine=None, rows: list[dict] | None = None,
-             rewards: RewardRunner | None = None, env=None) -> dict[str, Any]:
+             rewards: RewardRunner | None = None, env=None, progress: bool = True) -> dict[str, Any]:
     """Evaluate ``model`` on the first ``n`` problems of ``split`` (``k`` defaults to ``eval.k``; the
     problems come from ``data.eval_source``, else ``data.source``); ``rows``: samples to take them from
     instead, ``rewards``: a runner instead of ``cfg.rewards``', ``env``: an environment object instead of
-    ``env.source``'s (episodes: ``accuracy`` is their success rate)."""
+    ``env.source``'s (episodes: ``accuracy`` is their success rate); ``progress``: a bar on stderr."""
     rows = (rows if rows is not None else load_eval_rows(cfg.data, split))[:n]
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     episodes = Episodes.from_config(cfg, env)
+    from nanogrpo.data.images import check_images_early, check_model_takes_images
+    from nanogrpo.models.vision import is_vision
+
+    if engine is None:  # before the engine is built: vLLM and fast take no images
+        check_images_early(rows, cfg.data.image_field, engine=cfg.rollout.engine, vision=is_vision(model),
+                           model=cfg.model.path, multi_turn=episodes is not None or cfg.tools.enabled)
     max_len = longest_context(cfg, tokenizer, max_new) if episodes is None else episodes.longest(max_new)
     engine = engine or engine_for(cfg, model, tokenizer, max_len=max_len)
-    from nanogrpo.data.images import check_model_takes_images
 
     check_model_takes_images(rows, cfg.data.image_field, getattr(engine, "vision", None), cfg.model.path)
     model.eval()
@@ -312,7 +348,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
             summary, records = evaluate_rows(engine, tokenizer, rows, cfg, runner, max_new,
                                              cfg.eval.batch_size, k=k or cfg.eval.k,
                                              temperature=cfg.eval.temperature, seed=cfg.eval.seed,
-                                             tools=tools, policy=model, env=episodes)
+                                             tools=tools, policy=model, env=episodes, progress=progress)
     finally:
         if episodes is not None:
             episodes.close()

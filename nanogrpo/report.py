@@ -8,12 +8,15 @@ one run, ``./report`` for several):
   ``heldout_accuracy.png`` (held-out only: one line per run), ``format_rate.png`` (train and
   held-out), ``kl.png``, ``entropy.png`` (the policy's mean per-token entropy, train: solid,
   held-out ``eval/entropy``: dashed), ``completion_length.png``, ``step_time.png``;
-  noisy curves are drawn faintly with a moving average on top;
+  noisy curves are drawn faintly with a moving average on top; the y-axis is not zoomed onto the curves
+  (a format rate of 0.965-1.0 would fill the plot and look like a trend): shares (accuracy, format rate)
+  span 0 to 1, every other quantity's axis reaches 0;
 - ``overview.png``: all eight in one figure;
 - ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
   accuracy, KL, length, step time, throughput) with the plots linked;
 - ``samples.html``: the sample completions the runs logged (``samples.jsonl``, ``log.samples_every``),
-  each beside its prompt's images for vision-language runs, with its rewards.
+  each beside its prompt's images for vision-language runs (a text run's table has no image column),
+  with its rewards.
 
 matplotlib is needed (``pip install 'nanogrpo[report]'``); it runs headless (Agg backend).
 """
@@ -38,14 +41,17 @@ class Panel:
     ylabel: str
     train_key: str | None
     eval_key: str | None = None
+    share: bool = False
+    """A share (0 to 1): the y-axis spans [0, 1] whatever the curves (else it reaches 0)."""
 
 
 PANELS = [
     Panel("reward", "Mean reward per completion", "reward", "reward_mean", "eval/reward_mean"),
-    Panel("accuracy", "Accuracy (train: solid, held-out: dashed)", "accuracy", "accuracy", "eval/accuracy"),
-    Panel("heldout_accuracy", "Held-out accuracy", "accuracy", None, "eval/accuracy"),
+    Panel("accuracy", "Accuracy (train: solid, held-out: dashed)", "accuracy", "accuracy", "eval/accuracy",
+          share=True),
+    Panel("heldout_accuracy", "Held-out accuracy", "accuracy", None, "eval/accuracy", share=True),
     Panel("format_rate", "Format rate (train: solid, held-out: dashed)", "share formatted", "format_rate",
-          "eval/format_rate"),
+          "eval/format_rate", share=True),
     Panel("kl", "KL to the reference (k3)", "KL per token", "kl"),
     Panel("entropy", "Policy entropy (train: solid, held-out: dashed)", "nats per token", "entropy",
           "eval/entropy"),
@@ -131,12 +137,25 @@ def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
     ax.set_title(panel.title)
     ax.set_xlabel("training step")
     ax.set_ylabel(panel.ylabel)
+    if drew:
+        _honest_y(ax, panel.share)
     ax.grid(True, alpha=0.3)
     if drew:
         ax.legend(fontsize=8, loc="best", ncol=2 if len(ax.get_legend_handles_labels()[1]) > 8 else 1)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     return drew
+
+
+def _honest_y(ax, share: bool) -> None:
+    """No zoom onto noise: a share's axis spans [0, 1] (a little margin), any other reaches 0."""
+    lo, hi = ax.get_ylim()
+    if share:
+        ax.set_ylim(min(lo, -0.02), max(hi, 1.02))
+    elif lo > 0:
+        ax.set_ylim(0, hi)
+    elif hi < 0:
+        ax.set_ylim(lo, 0)
 
 
 def run_colors(plt, n: int) -> list:
@@ -226,17 +245,19 @@ def samples_html(runs: list[RunData], out: Path) -> Path | None:
         if not f.is_file():
             continue
         rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        parts.append(f"<h2>{html.escape(r.label)}</h2><table>"
-                     "<tr><th>step</th><th>image</th><th>question</th><th>completion</th><th>rewards</th></tr>")
-        for ex in rows:
-            imgs = "".join(f'<img src="{html.escape(u, quote=True)}" alt="prompt image">'
-                           for u in ex.get("images", [])
-                           if isinstance(u, str) and u.startswith("data:image/"))
+        shown = [[u for u in ex.get("images", []) if isinstance(u, str) and u.startswith("data:image/")]
+                 for ex in rows]
+        with_images = any(shown)  # a text run: no image column
+        parts.append(f"<h2>{html.escape(r.label)}</h2><table><tr><th>step</th>"
+                     + ("<th>image</th>" if with_images else "")
+                     + "<th>question</th><th>completion</th><th>rewards</th></tr>")
+        for ex, urls in zip(rows, shown):
+            imgs = "".join(f'<img src="{html.escape(u, quote=True)}" alt="prompt image">' for u in urls)
             scores = ", ".join(f"{html.escape(str(k))}={v:.3g}" if isinstance(v, float) else
                                f"{html.escape(str(k))}={html.escape(str(v))}" for k, v in ex.items()
                                if k not in ("step", "question", "completion", "images"))
-            parts.append(f"<tr><td>{ex.get('step', '')}</td><td>{imgs}</td>"
-                         f"<td><pre>{html.escape(str(ex.get('question', '')))}</pre></td>"
+            parts.append(f"<tr><td>{ex.get('step', '')}</td>" + (f"<td>{imgs}</td>" if with_images else "")
+                         + f"<td><pre>{html.escape(str(ex.get('question', '')))}</pre></td>"
                          f"<td><pre>{html.escape(str(ex.get('completion', '')))}</pre></td>"
                          f"<td>{scores}</td></tr>")
         parts.append("</table>")

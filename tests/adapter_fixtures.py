@@ -57,7 +57,8 @@ def make_retry_env(rows: list[dict], max_turns: int = 2):
 def openenv_app(target: int = 7):
     """An OpenEnv server app (``openenv.core``'s own ``create_app``) for a counting game: the model says
     a number; the server answers "higher" / "lower" and rewards 1 with done when it says ``target``
-    (which the reset seed shifts: ``target + seed % 3``); the episode also ends after 3 moves."""
+    (which the reset seed shifts: ``target + seed % 3``); the episode also ends after 3 moves. The move
+    ``flood`` is answered with a 10 MiB hint."""
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
@@ -83,6 +84,8 @@ def openenv_app(target: int = 7):
 
         def step(self, action: GuessAction, **kwargs) -> GuessObservation:
             self._state.step_count += 1
+            if action.guess == "flood":  # a 10 MiB observation (issue 44)
+                return GuessObservation(hint="x" * (10 << 20), done=False, reward=0.0)
             nums = re.findall(r"\d+", action.guess)
             n = int(nums[-1]) if nums else None
             if n == self.secret:
@@ -96,6 +99,38 @@ def openenv_app(target: int = 7):
 
     return create_app(CountingGame, GuessAction, GuessObservation, env_name="counting",
                       max_concurrent_envs=16)
+
+
+def openenv_template(dest):
+    """The environment ``openenv init NAME`` writes (OpenEnv's own template files and substitutions, without
+    its ``uv lock``, which needs the network): an echo environment whose ``server/app.py`` calls
+    ``create_app(..., max_concurrent_envs=1)``. Returns its directory (:func:`template_app`)."""
+    from openenv.cli.commands import init
+
+    name = "nanogrpo_echo"
+    env_dir = dest / name
+    env_dir.mkdir(parents=True)
+    init._copy_template_directory("openenv.cli.templates.openenv_env", "", env_dir,
+                                  init._create_template_replacements(name), name)
+    app = (env_dir / "server" / "app.py").read_text()
+    assert "max_concurrent_envs=1" in app, "the template changed: it no longer limits sessions to 1"
+    return env_dir
+
+
+def template_app(env_dir):
+    """The ASGI app of :func:`openenv_template`'s ``server/app.py`` (what ``uvicorn server.app:app`` run in
+    ``env_dir`` serves), imported here: its modules ``models`` and ``server`` are put back out of
+    ``sys.modules`` and ``sys.path`` afterwards."""
+    import sys
+
+    names = ("models", "server", "server.app", "server.nanogrpo_echo_environment")
+    sys.path.insert(0, str(env_dir))
+    try:
+        return importlib.import_module("server.app").app
+    finally:
+        sys.path.remove(str(env_dir))
+        for n in names:
+            sys.modules.pop(n, None)
 
 
 def _rows(n: int) -> list[dict]:

@@ -80,3 +80,26 @@ class Numbered(Count):
         Numbered.made += 1
         self.n = 0
         return f"count {row['question']} #{Numbered.made}"
+
+
+FLOOD_BYTES = 10 * 2**20
+
+
+class Floods(Environment):
+    """``row["mode"]``: ``flood`` answers a 10 MiB observation at the first step (``flood_messages``: as a
+    tool message), ``reset_flood`` starts with one, ``none`` answers None (a step without its return),
+    anything else plays :class:`Count`."""
+
+    def reset(self, row):
+        self.mode, self.n = row["mode"], 0
+        return "z" * FLOOD_BYTES if self.mode == "reset_flood" else "go"
+
+    def step(self, action):
+        self.n += 1
+        if self.mode == "flood":
+            return StepResult("y" * FLOOD_BYTES, 0.5)
+        if self.mode == "flood_messages":
+            return StepResult([{"role": "tool", "content": "é" * (FLOOD_BYTES // 2)}], 0.5)
+        if self.mode == "none":
+            return None
+        return StepResult(f"seen {self.n}", 0.25, self.n >= 3)

@@ -186,6 +186,24 @@ def test_textarena_game_with_its_real_rules():
     assert guess == secret and res.reward == 1.0 and res.info["success"] is True and moves <= 5
 
 
+def test_textarena_observations_are_bounded_while_they_are_joined():
+    """A game's messages are joined no further than max_observation_bytes (the rollout sets it): past it
+    the reset ends as too_long, the text never built whole (issue 44)."""
+    need("textarena")
+    from nanogrpo.envs.runner import EnvRunner
+
+    cfg = Config.load("demo", ["env.source=textarena:GuessTheNumber-v0"])
+    runner = EnvRunner.from_config(cfg)
+    try:
+        roomy, tight = [o.value for o in runner.make(1, {"max_observation_bytes": 100_000})] + \
+            [o.value for o in runner.make(1, {"max_observation_bytes": 60})]
+        ok, refused = runner.call([roomy, tight], "reset", [{"seed": 3}, {"seed": 3}])
+        assert ok.ok and len(ok.value) > 60
+        assert refused.status == "too_long" and "more than 60 characters" in refused.error, refused
+    finally:
+        runner.close()
+
+
 @pytest.fixture
 def openenv_server():
     need("openenv.core")
@@ -226,6 +244,75 @@ def test_openenv_server_episodes(openenv_server):
         runner.close()
 
 
+def test_openenv_observations_are_bounded_by_what_the_rollout_can_show(openenv_server):
+    """The WebSocket read stops at what an observation may hold (max_observation_bytes, JSON-escaped):
+    a 10 MiB answer ends the episode as too_long without being read (issue 44), well under 1 MiB."""
+    import time
+
+    from nanogrpo.envs.runner import EnvRunner
+
+    cfg = Config.load("demo", [f"env.source=openenv:{openenv_server}"])
+    runner = EnvRunner.from_config(cfg)
+    try:
+        (env,) = [o.value for o in runner.make(1, {"max_observation_bytes": 3328})]
+        assert env.message_cap() == 6 * 3328 + 65536
+        (o,) = runner.call([env], "reset", [{"seed": 0}])
+        assert o.ok
+        t0 = time.monotonic()
+        (o,) = runner.call([env], "step", ["flood"])
+        assert o.status == "too_long" and "not read" in o.error and time.monotonic() - t0 < 10, o
+        runner.close_envs([env])
+    finally:
+        runner.close()
+
+
+def test_an_openenv_server_at_capacity_drops_and_counts_and_says_so_once(policy, tmp_path, caplog):
+    """The server `openenv init` scaffolds (max_concurrent_envs=1; its app served by uvicorn, as its README
+    says) against 8 episodes at once: 7 sessions are refused, each group with a refused episode is dropped
+    and counted (env/groups_dropped, reset/refused), and one warning line, once a run, says that the
+    server's limit is below the episodes in flight and how to raise it (issue 44: every group was dropped
+    silently)."""
+    import logging
+
+    import uvicorn
+
+    need("openenv.core")
+    from nanogrpo.rollout.episodes import Episodes
+    from tests.adapter_fixtures import openenv_template, template_app
+
+    app = template_app(openenv_template(tmp_path))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        model, tok = policy
+        cfg = Config.load("demo", [f"env.source=openenv:{url}", "grpo.group_size=4"])
+        eps = Episodes.from_config(cfg)  # the action field ("message") read from the template's /schema
+        rows = [{"question": "a", "seed": 1}, {"question": "b", "seed": 2}]
+        params = SamplingParams(max_new_tokens=40, temperature=1.0, n=4, seed=1, resume_after_eos=True)
+        try:
+            with caplog.at_level(logging.WARNING, logger="nanogrpo"):
+                gens = [eps.generate(make_engine("fast", model, tok), tok, rows, params) for _ in range(2)]
+        finally:
+            eps.close()
+    finally:
+        server.should_exit = True
+        t.join(10)
+    for gen in gens:
+        assert gen.kept == [] and gen.env_metrics["env/groups_dropped"] == 2
+    assert eps.runner.counts["reset/refused"] == 14  # 7 of 8 each step, counted
+    said = [r.getMessage() for r in caplog.records if "the server refused" in r.getMessage()]
+    assert len(said) == 1, said  # one line, once a run (and the run's count at its end)
+    assert any("14 reset/refused" in r.getMessage() for r in caplog.records)
+    assert "refused 7 of the 8 sessions" in said[0] and "(its limit: 1)" in said[0]
+    assert "max_concurrent_envs" in said[0] and "at least 8" in said[0]
+
+
 def test_openenv_messages_are_capped(openenv_server):
     from nanogrpo.envs.runner import EnvRunner
 
@@ -235,6 +322,7 @@ def test_openenv_messages_are_capped(openenv_server):
     try:
         (env,) = [o.value for o in runner.make(1)]
         (o,) = runner.call([env], "reset", [{"seed": 0}])
-        assert o.status == "error" and runner.counts["reset/error"] == 1  # a too-big message ends the episode
+        # a too-big message is not read: the episode ends as too_long (issue 44: it was an env_error)
+        assert o.status == "too_long" and runner.counts["reset/too_long"] == 1, o
     finally:
         runner.close()

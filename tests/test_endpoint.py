@@ -333,6 +333,29 @@ def test_turn_token_and_context_limits_refuse_with_a_reason(tiny):
     assert sum(len(r.completion_ids) for r in logs[1].records) <= 10
 
 
+def test_a_flood_of_message_text_is_refused_before_it_is_tokenised(tiny):
+    """An agent program's 900 KB message (under the body cap) cannot fit the context: refused with the
+    context's reason at once, never tokenised (it took seconds per request, issue 44)."""
+    import time
+
+    ep, _ = start(tiny, max_len=64, body=1 << 20)
+    try:
+        key = ep.open_episode()
+        auth = {"Authorization": f"Bearer {key}"}
+        for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "q" * 900_000}]}),
+                           ("/completions", {"prompt": "q" * 900_000})]:
+            t0 = time.monotonic()
+            r = httpx.post(ep.url + path, json=body, headers=auth, timeout=60)
+            took = time.monotonic() - t0
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+            assert "bytes" in err["message"] and took < 1.5, (err["message"], took)
+        log = ep.close_episode(key)
+        assert log.limit == "too_long" and log.refused == 2 and log.records == []
+    finally:
+        ep.stop()
+
+
 def test_tool_calls_in_a_reply():
     text = 'Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     head, calls = tool_calls(text, 0)

@@ -45,7 +45,6 @@ def test_step_results_of_every_shape():
     assert (gym.observation, gym.reward, gym.done, gym.info) == ("obs", 2.0, True, {"k": 1})
     assert as_step_result(("o", 0.5)).reward == 0.5
     assert as_step_result("just text") == StepResult("just text")
-    assert as_step_result(None).done
     msgs = as_step_result(([{"role": "tool", "content": "42"}], 0, False)).observation
     assert msgs == [{"role": "tool", "content": "42"}]
 
@@ -57,6 +56,7 @@ def test_step_results_of_every_shape():
         (("o", math.inf, True), "non-finite"),
         (("o", "lots", False), "not a number"),
         (42, "StepResult"),
+        (None, "answered None"),  # a step that forgot its return: an env_error, counted (issue 44)
         ((123, 1.0, False), "observation of type int"),
         (([{"role": "user"}], 1.0, False), "observation"),
         (StepResult("o", info=[1]), "info"),
@@ -180,3 +180,26 @@ def test_runner_catches_raising_and_hanging_calls_and_goes_on():
     finally:
         release.set()
         run.close()
+
+
+def test_a_failure_is_named_by_the_line_that_says_what_is_missing():
+    """nltk's missing-data error (TextArena's Wordle offline) opens with a row of asterisks: the warning
+    shows the line that names the missing resource (issue 44: it showed `LookupError: ******…`)."""
+    from tests.adapter_fixtures import need
+
+    nltk = need("nltk")
+    run = _runner()
+
+    class NeedsData:
+        def reset(self, row):
+            nltk.data.find("corpora/nanogrpo_no_such_corpus")  # the library's own error, as Wordle's
+            return "x"
+
+        def step(self, action):
+            return "x"
+
+    try:
+        (o,) = run.call([NeedsData()], "reset", [{}])
+    finally:
+        run.close()
+    assert o.status == "error" and o.error == "LookupError: Resource 'nanogrpo_no_such_corpus' not found.", o

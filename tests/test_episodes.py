@@ -299,3 +299,121 @@ def test_the_fast_session_keeps_the_cache_of_turns_that_ended_at_eos(demo):
         assert gen.finish_reasons == ["stop", "stop"]
         assert set(session.parked) == ({0, 1} if resume else set())  # a next turn prefills only new tokens
         session.close()
+
+
+def _roll(cfg, model, tok, source, modes, **over):
+    c = cfg.with_overrides({"env.source": source, "grpo.group_size": 2, "rewards.workers": 0,
+                            "rewards.functions": ["env"], **over})
+    eps = Episodes.from_config(c)
+    rows = [{"question": m, "mode": m, "answer": "0"} for m in modes]
+    try:
+        with RewardRunner(c.rewards.functions, workers=0) as rewards:
+            batch, stats = rollout(make_engine("fast", model, tok), tok, rows, rewards, c.data, c.rollout,
+                                   c.grpo, template="auto", seed=3, env=eps)
+        return batch, stats, dict(eps.runner.counts)
+    finally:
+        eps.close()
+
+
+def test_outside_text_is_bounded_by_bytes_before_it_is_tokenised(demo):
+    """A 10 MiB observation (a string, or a tool message of 2-byte characters) ends its episode as too_long
+    at once, never tokenised (tokenising it took ~40 s and GBs, issue 44); a 10 MiB first observation drops
+    its group as a prompt too long; a step that answers None is an env_error, counted."""
+    import time
+
+    cfg, model, tok = demo
+    c = cfg.with_overrides({"env.source": "tests.env_fixtures:Floods", "env.timeout_s": 30.0})
+    eps = Episodes.from_config(c)
+    modes = ["flood", "flood_messages", "none", "reset_flood", "ok"]
+    rows = [{"question": m, "mode": m} for m in modes]
+    t0 = time.monotonic()
+    try:
+        params = SamplingParams(max_new_tokens=200, temperature=1.0, n=3, seed=5, resume_after_eos=True)
+        gen = eps.generate(make_engine("fast", model, tok), tok, rows, params)
+    finally:
+        eps.close()
+    wall = time.monotonic() - t0
+    assert wall < 15, f"{wall:.1f} s"  # the whole step; each flood was refused in microseconds
+    assert gen.kept == [0, 1, 2, 4] and gen.env_metrics["env/prompts_too_long"] == 1
+    by_mode = {m: list(zip(gen.finish_reasons[k * 3:(k + 1) * 3], gen.infos[k * 3:(k + 1) * 3]))
+               for k, m in enumerate(["flood", "flood_messages", "none", "ok"])}
+    reached = 0
+    for mode in ("flood", "flood_messages"):
+        for why, info in by_mode[mode]:
+            if why == "length":  # its first turn ran out of tokens: never reached the environment
+                continue
+            reached += 1
+            assert why == "too_long" and "not tokenised" in info["env_error"], (why, info["env_error"])
+            assert info["env_reward"] == c.env.error_penalty
+            assert len(info["turns"][-1]["observation"]) < 300  # a preview, not the 10 MiB
+    assert reached >= 1
+    nones = [why for why, _ in by_mode["none"] if why != "length"]
+    assert nones and set(nones) == {"env_error"}
+    assert eps.runner.counts["step/error"] == len(nones)  # counted (a None was a silent finish before)
+    assert eps.runner.counts["step/too_long"] == reached
+
+
+def test_a_step_whose_groups_are_all_dropped_still_logs_why(demo):
+    """Every group dropped (each reset raised): the step's metrics say so (env/groups_dropped), not only
+    prompts_skipped (issue 44)."""
+    cfg, model, tok = demo
+    batch, stats, counts = _roll(cfg, model, tok, "tests.env_fixtures:Misbehaves",
+                                 ["reset_raise"] * 3)
+    m = stats.metrics()
+    assert batch is None and m["prompts_skipped"] == 3
+    assert m["env/groups_dropped"] == 3 and m["env/episodes"] == 0 and counts["reset/error"] == 6
+
+
+FLOOD_CHILD = r"""
+import json, sys, time
+from nanogrpo.config import load_config
+from nanogrpo.models.load import load_policy
+from nanogrpo.models.source import check_model_source
+from nanogrpo.rollout.engine import SamplingParams
+from nanogrpo.rollout.episodes import Episodes
+from nanogrpo.rollout.factory import make_engine
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+cfg = load_config(preset="demo", overrides={"env.source": "tests.env_fixtures:Floods", "env.timeout_s": 30.0})
+model, tok, _ = load_policy(cfg.model, check_model_source(cfg.model))
+engine, eps = make_engine("fast", model, tok), Episodes.from_config(cfg)
+params = SamplingParams(max_new_tokens=200, temperature=1.0, n=4, seed=5, resume_after_eos=True)
+eps.generate(engine, tok, [{"question": "ok", "mode": "ok"}], params)  # warm: the engine's buffers
+open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again here
+base = status("VmRSS")
+t0 = time.monotonic()
+rows = [{"question": "q", "mode": "flood"}, {"question": "r", "mode": "flood"}]
+gen = eps.generate(engine, tok, rows, params)
+wall = time.monotonic() - t0
+eps.close()
+print(json.dumps({"peak_mb": (status("VmHWM") - base) / 2**20, "wall_s": wall,
+                  "finish": gen.finish_reasons}))
+"""
+
+
+@pytest.mark.slow
+def test_a_10mb_observation_costs_no_memory_and_no_time():
+    """Acceptance of issue 44: the peak memory of a step whose episodes each answer a 10 MiB observation
+    stays under +200 MB (measured in a process of its own: the peak RSS over the step) and the episodes
+    end within the step's deadline (env.timeout_s = 30 s); before, each took ~40-80 s and 2.4-4.5 GB."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc to measure the peak RSS")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", FLOOD_CHILD], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "too_long" in got["finish"], got  # at least one episode reached its flood
+    assert got["peak_mb"] < 200, got
+    assert got["wall_s"] < 30, got

@@ -128,6 +128,32 @@ def test_cli_eval_greedy_is_deterministic(tiny, tmp_path, capsys):
     assert a == b
 
 
+def test_cli_eval_shows_its_progress(tiny, tmp_path, capsys):
+    """`nanogrpo eval --k K` showed nothing until its JSON line (~100 s on the demo); a bar over the
+    problems, with the accuracy so far, shows it working (issue 44)."""
+    rc = main(["eval", "--model", str(tiny / "model"), "--data", str(tiny / "test.jsonl"), "--n", "4",
+               "--k", "2", "data.answer_delimiter=####", "rollout.max_new_tokens=6", "rewards.workers=0",
+               "eval.batch_size=2"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["n"] == 4
+    assert "eval (k=2): " in err and "0/4" in err and "4/4" in err and "acc " in err, err
+
+
+def test_a_missing_local_model_is_said_at_once(tmp_path, monkeypatch, capsys):
+    """`nanogrpo eval --model runs/nothere` beside runs/: a typo of a local path, said at once (issue 44: it
+    was taken for a hub id, 'the HF hub cannot be reached', after ~20 s)."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    t0 = time.monotonic()
+    rc = main(["eval", "--model", "runs/nothere"])
+    err = capsys.readouterr().err
+    said = "model path not found: runs/nothere (runs/ is a directory here, holding demo"
+    assert rc == 2 and said in err, err
+    assert "hub" not in err.split("(runs/")[0] and time.monotonic() - t0 < 10
+
+
 def test_cli_eval_rejects_bad_k(tiny, tmp_path, capsys):
     rc = main(["eval", "--model", str(tiny / "model"), "--data", str(tiny / "test.jsonl"), "--k", "0"])
     assert rc == 2 and "--k" in capsys.readouterr().err

@@ -194,3 +194,22 @@ def test_a_rank_without_completions_weighs_nothing():
     assert a["reward_mean"] == b["reward_mean"] == pytest.approx(0.5)
     assert a["reward/f"] == pytest.approx(0.5) and a["num_completions"] == 4
     assert a["reward_std"] == pytest.approx(0.1)
+
+
+def test_the_end_line_says_the_whole_time_and_what_it_is_made_of(tmp_path):
+    """A run of 80 steps of 35.3 s (47.1 min) whose held-out evaluations took 6.2 min and its loading and
+    checkpoints the rest of 56.6 min ended on "80 steps in 47.1 min" (issue 44): the end line now says the
+    whole time and its parts; a run read back later says what its figure leaves out."""
+    log = RunLogger(tmp_path, Config())
+    log.log_step({"step": 0, "eval/accuracy": 0.07, "eval/time_s": 40.0})
+    for s in range(1, 81):
+        log.log_step(_row(s, step_time_s=35.325, **({"eval/time_s": 40.0, "eval/accuracy": 0.5}
+                                                     if s % 10 == 0 else {})))
+    log.close()
+    line = run_summary(tmp_path, wall_s=56.6 * 60)
+    assert line.startswith("nanogrpo: 80 steps in 56.6 min (47.1 in steps, 6.0 in held-out evaluation, "
+                           "3.5 loading, checkpoints and the rest)"), line
+    assert "80 steps: 47.1 min in steps + 6.0 min in held-out evaluation (loading and checkpoints not " \
+        "counted)" in run_summary(tmp_path)
+    resumed = run_summary(tmp_path, wall_s=13 * 60, start_step=60)  # steps 61-80 in this session
+    assert "steps 61-80 (resumed) in 13.0 min (11.8 in steps, 1.3 in held-out evaluation" in resumed, resumed

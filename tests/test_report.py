@@ -99,3 +99,44 @@ def test_many_runs_get_distinct_colours_and_one_legend_entry_each(tmp_path):
     assert _draw(ax, runs, entropy, colors)
     assert ax.get_legend_handles_labels()[1] == [f"r{i}" for i in range(12)]
     plt.close(fig)
+
+
+def test_plots_do_not_zoom_onto_noise(tmp_path):
+    """A format rate of 0.965-1.0 filled its plot and read as a trend (issue 44): shares span [0, 1], other
+    quantities' axes reach 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nanogrpo.report import _draw, load_run, run_colors
+
+    d = tmp_path / "flat"
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(1, 41):
+            f.write(json.dumps({"step": s, "format_rate": 0.965 + 0.035 * (s % 3 == 0), "accuracy": 0.5,
+                                "step_time_s": 30 + (s % 2), "reward_mean": -1.2 + 0.01 * (s % 4)}) + "\n")
+    run = load_run(d)
+    limits = {}
+    for panel in PANELS:
+        fig, ax = plt.subplots()
+        if _draw(ax, [run], panel, run_colors(plt, 1)):
+            limits[panel.file] = ax.get_ylim()
+        plt.close(fig)
+    lo, hi = limits["format_rate"]
+    assert lo <= 0 and hi >= 1
+    assert limits["accuracy"][0] <= 0 and limits["accuracy"][1] >= 1
+    assert limits["step_time"][0] == 0  # 30-31 s a step: from 0, not 29.95-31.05
+    assert limits["reward"][1] == 0  # all below 0: up to 0
+
+
+def test_samples_page_of_a_text_run_has_no_image_column(tmp_path):
+    from nanogrpo.report import load_run, samples_html
+
+    d = _run(tmp_path / "text", 0.05, steps=2)
+    (d / "samples.jsonl").write_text(json.dumps({"step": 1, "question": "1+1?", "completion": "2",
+                                                 "reward": 1.0}) + "\n")
+    page = samples_html([load_run(d)], tmp_path / "out").read_text()
+    assert "<th>image</th>" not in page and "<td></td>" not in page
+    assert "<th>question</th>" in page and "<pre>1+1?</pre>" in page

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from nanogrpo.config import RewardsConfig
-from nanogrpo.errors import RewardError
+from nanogrpo.errors import ConfigError, RewardError
 from nanogrpo.rewards import (
     RewardResult,
     RewardRunner,
@@ -168,6 +168,25 @@ def test_resolve_errors_are_one_line(spec: str, needles: list[str]) -> None:
     assert "\n" not in msg and msg.startswith(f"reward {spec!r}")
     for needle in needles:
         assert needle in msg
+
+
+def test_a_module_that_is_not_importable_is_answered_with_the_form_that_works(tmp_path, monkeypatch):
+    """`nanogrpo train 'rewards.functions=[..."myrewards:brevity"]'` beside myrewards.py: the command does
+    not import from the current directory; the error names the file form that works (issue 44)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nanogrpo_myrewards.py").write_text("def brevity(completion, sample):\n    return 1.0\n")
+    with pytest.raises(RewardError) as info:
+        resolve("nanogrpo_myrewards:brevity")
+    said = "the file nanogrpo_myrewards.py is here: name it as 'nanogrpo_myrewards.py:brevity'"
+    assert said in str(info.value)
+    assert resolve("nanogrpo_myrewards.py:brevity")("", {}) == 1.0  # and that form works
+    with pytest.raises(RewardError) as info:  # no such file either: the general advice
+        resolve("nanogrpo_nowhere:f")
+    assert "'path/to/nanogrpo_nowhere.py:f'" in str(info.value) and "PYTHONPATH" in str(info.value)
+    from nanogrpo.envs.imports import import_attr
+
+    with pytest.raises(ConfigError, match="name it as 'nanogrpo_myrewards.py:Game'"):  # env.source alike
+        import_attr("nanogrpo_myrewards:Game")
 
 
 def test_resolve_file_that_fails_to_import(tmp_path) -> None:

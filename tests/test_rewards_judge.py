@@ -250,3 +250,24 @@ def test_yes_no_replies(reply, value) -> None:
 ])
 def test_number_replies(reply, value) -> None:
     assert parse_number(reply, 0.0, 10.0) == value
+
+
+@pytest.mark.slow
+def test_reading_a_judge_reply_takes_time_linear_in_its_bytes():
+    """A judge reply is capped by bytes (rewards.judge_max_reply_bytes, 1 MiB) before it is read; reading
+    the most it may be takes under a second or so, whatever it holds (issue 44: a reply of digits was read
+    in time quadratic and worse: 30,000 digits took 65 s, 1 MiB would take days). Run in a process of its
+    own, so that a regression fails on the deadline instead of hanging the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import time; from nanogrpo.rewards.judge_prompts import parse_number, parse_yes_no\n"
+            "for reply in ['1' * (1 << 20), '12 ' * 349525, '8 ' + ' ' * (1 << 20) + '/']:\n"
+            "    t = time.monotonic(); parse_number(reply, 0, 10); parse_yes_no(reply)\n"
+            "    print(time.monotonic() - t)\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert max(float(x) for x in out.stdout.split()) < 10, out.stdout

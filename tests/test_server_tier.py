@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -507,3 +508,28 @@ def test_a_server_out_by_mistake_that_holds_its_weights_is_taken_back_when_none_
     eng.pool.wait_s = 1.0
     with pytest.raises(NoServer):
         eng.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=1, seed=0))
+
+
+def test_vllm_serve_print_gives_lines_that_run_as_printed(tmp_path, capsys):
+    """``nanogrpo vllm-serve --print``: the folders the lines name exist (the tokenizer written first),
+    paths are absolute, each line splits as a shell splits it, and no placeholder rollout.servers is
+    needed for a config without them."""
+    import shlex
+
+    from nanogrpo.launch import main
+
+    state = tmp_path / "state"
+    assert main(["--print", "--count", "2", "--port", "8100", "--state-dir", str(state),
+                 "rollout.engine=vllm_server"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    cmds = [shlex.split(line) for line in lines if not line.startswith(("#", "rollout.servers"))]
+    assert len(cmds) == 2
+    for port, words in zip((8100, 8101), cmds, strict=True):
+        env = [w for w in words if "=" in w and w.split("=")[0].isupper()]
+        argv = words[len(env):]
+        assert "VLLM_SERVER_DEV_MODE=1" in env and Path(argv[0]).is_file()
+        tok = Path(argv[argv.index("--tokenizer") + 1])
+        assert tok.is_absolute() and (tok / "tokenizer_config.json").is_file()
+        assert Path(argv[argv.index("--model") + 1]).is_dir() and argv[argv.index("--port") + 1] == str(port)
+        assert "nanogrpo.transfer.worker.NanoGRPOWorkerExtension" in argv
+    assert lines[-1] == 'rollout.servers=\'["http://127.0.0.1:8100", "http://127.0.0.1:8101"]\''

@@ -92,6 +92,9 @@ def test_nonfinite_loss_skips_the_update_and_keeps_weights():
     (["grpo.grop_size=3"], "unknown config key 'grpo.grop_size'"),
     (['rewards.functions=["no_such_module:fn"]'], "no_such_module"),
     (["--config", "/nonexistent.toml"], "config file not found"),
+    # a preset name misspelt: the shipped presets listed, the closest named (issue 44)
+    (["--config", "demo-fast"], "shipped presets: demo, demo-dialogue, demo-game, demo-rm, demo-tools, "
+                                "demo-vision (did you mean 'demo-game'?)"),
 ])
 def test_bad_input_fails_at_start_with_one_line(extra, match, tmp_path, capsys):
     out = tmp_path / "never"
@@ -100,6 +103,18 @@ def test_bad_input_fails_at_start_with_one_line(extra, match, tmp_path, capsys):
     assert err.startswith("nanogrpo: error:") and match in err
     assert len(err.splitlines()) == 1
     assert not out.exists()  # nothing expensive happened, nothing written
+
+
+def test_train_help_lists_every_shipped_preset(capsys, monkeypatch):
+    """`nanogrpo train --help` names the six shipped presets (issue 44: it named `demo` only)."""
+    from nanogrpo import demos
+
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width (and inside names)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    names = [demos.preset_name(n) for n in demos.names()]
+    assert len(names) == 6 and f"shipped preset: {', '.join(names)}" in text, text
 
 
 def test_dataset_without_named_fields(tmp_path, capsys):

@@ -218,7 +218,8 @@ def test_fast_and_vllm_engines_refuse_a_vision_model_in_one_line():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family, tmp_path):
     """``nanogrpo train`` on a checkpoint directory and a .jsonl of image paths: 2 steps, the reference
-    equal to the policy at step 1 (KL exactly 0), the vision tower frozen (unchanged in the checkpoint)."""
+    equal to the policy at step 1 (KL exactly 0), the vision tower frozen (unchanged in the checkpoint),
+    its projector into the language model trained (changed)."""
     from safetensors.torch import load_file
 
     from nanogrpo.cli import main as cli
@@ -237,9 +238,12 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
     assert len(rows) == 2 and rows[0]["kl"] == 0.0
     before = load_file(model_dir / "model.safetensors")
     after = load_file(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors")
-    tower = [k for k in before if "visual" in k or "vision_tower" in k]
+    projector = [k for k in before
+                 if any(part in k for part in (".merger.", "deepstack_merger", "multi_modal_projector"))]
+    tower = [k for k in before if ("visual" in k or "vision_tower" in k) and k not in projector]
     lm = [k for k in before if k not in tower and "embed_tokens" in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    assert projector and any(not torch.equal(before[k], after[k]) for k in projector)  # it trains
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "preprocessor_config.json").is_file()
     assert any(not torch.equal(before[k], after[k]) for k in lm)
     # the logged samples carry their images; the report shows them beside the completions
@@ -247,6 +251,33 @@ def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family
 
     page = samples_html([load_run(tmp_path / "run")], tmp_path / "report").read_text()
     assert page.count('<img src="data:image/png;base64,') >= 2
+
+
+@pytest.mark.parametrize("family, mergers", [("qwen2_vl", 6), ("qwen2_5_vl", 5)])
+def test_train_vision_false_freezes_the_tower_and_trains_the_merger(family, mergers, tmp_path):
+    """model.train_vision=false, through the real loading path: the tower's patch embedding and blocks
+    take no gradient, its merger (the projector into the language model) does, as the guide and the
+    demo's preset say (issue 44: 0 of 6 / 0 of 5 merger tensors were trainable)."""
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.load import load_policy
+    from nanogrpo.models.vision import vision_tower
+    from tests.vision_fixtures import checkpoint
+
+    model, tok, _ = load_policy(ModelConfig(path=str(checkpoint(family, tmp_path)), cpu_linear="torch"))
+    tower = dict(vision_tower(model).named_parameters())
+    merger = {k: p for k, p in tower.items() if k.startswith("merger.")}
+    rest = {k: p for k, p in tower.items() if k not in merger}
+    assert len(merger) == mergers and all(p.requires_grad for p in merger.values())
+    assert rest and not any(p.requires_grad for p in rest.values())
+    engine = HFEngine(model, tokenizer=tok)
+    engine.vision = image_spec(model, tok, None, MIN_PIXELS, MAX_PIXELS)
+    ids, _, vis = encode_with_images(tok, _rows()[:1], _cfg().data, "auto", engine.vision)
+    x = torch.tensor(ids)
+    out = model(input_ids=x, attention_mask=torch.ones_like(x),
+                **forward_kwargs(model, x, vis[0].pixel_values, vis[0].grid))
+    out.logits.float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in merger.values())
+    assert all(p.grad is None for p in rest.values())
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])

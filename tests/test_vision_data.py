@@ -83,9 +83,34 @@ def test_images_for_a_text_model_stop_the_run_at_start(tmp_path, capsys):
     code = main(["train", "--model", str(tmp_path / "m"), "--data", str(data), "--out", str(tmp_path / "run"),
                  "--steps", "1", "rewards.workers=0", "eval.every=0"])
     err = capsys.readouterr().err
-    assert code != 0 and "4 row(s) have images" in err and "is a text model" in err
+    # the first row with images named, read off the model's config.json before its weights (issue 44)
+    assert code != 0 and "row 0 (id '0') has images" in err and "is a text model" in err
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.is_file() or not metrics.read_text()  # no step ran
+    assert not (tmp_path / "run" / "config.yaml").is_file()  # refused in prepare, before the run started
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm_server", "fast"])
+def test_images_for_an_engine_that_takes_none_stop_the_run_first(tmp_path, capsys, engine):
+    """rollout.engine=vllm with an image dataset: refused for the images before vLLM's install check (a
+    user who installed vLLM would only then learn that vLLM takes no images; issue 44)."""
+    from nanogrpo.cli import main
+    from tests.vision_fixtures import checkpoint
+
+    data = image_dataset(tmp_path, n=4)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    for r in rows[:2]:  # the first two rows have no image
+        del r["images"]
+        r["question"] = r["question"].replace("<image>", "")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["train", "--model", str(checkpoint("qwen2_vl", tmp_path)), "--data", str(data), "--out",
+                 str(tmp_path / "run"), "--steps", "1", "rewards.workers=0", "eval.every=0",
+                 f"rollout.engine={engine}"] + (['rollout.servers=["http://127.0.0.1:9"]']
+                                                if engine == "vllm_server" else []))
+    err = capsys.readouterr().err
+    said = f"row 2 (id '2') has images (data.image_field='images') but rollout.engine={engine}"
+    assert code != 0 and said in err, err
+    assert "install" not in err and "use rollout.engine=hf" in err
 
 
 def test_images_with_tools_stop_the_run_at_start(tmp_path, capsys):

@@ -224,8 +224,8 @@ def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
     assert all(r["sync/probe_diff"] < 1e-4 for r in rows)
 
 
-@pytest.mark.parametrize("parallel", [False, True], ids=["one-after-another", "at-once"])
-def test_a_sync_interrupted_by_a_killed_server(servers, caplog, parallel):
+@pytest.mark.parametrize("parallel", [True], ids=["at-once"])  # one after another: the fault harness's
+def test_a_sync_interrupted_by_a_killed_server(servers, caplog, parallel):  # kill-at-mid-bucket case
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.vllm_server.http import ServerClient
     from nanogrpo.rollout.vllm_server.pool import OUT, UP

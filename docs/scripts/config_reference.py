@@ -2,9 +2,13 @@
 
 Every key :class:`nanogrpo.config.Config` accepts (its sections walked recursively through
 ``model_fields``), with its type, its default and its meaning: the docstring written right under the
-field in ``nanogrpo/config/<section>.py`` (read from the source with ``ast``). MkDocs runs this as a
-hook (``mkdocs.yml``: ``hooks``): the page ``reference/config.md`` holds the marker below and gets the
-generated text at build time. ``python docs/scripts/config_reference.py`` prints it.
+field in ``nanogrpo/config/<section>.py`` (read from the source with ``ast``).
+
+The page ``docs/reference/config.md`` holds the generated text between the two markers below, committed
+so that a reader of the repository finds it too: ``python docs/scripts/config_reference.py --write``
+regenerates it there (``tests/test_docs.py`` fails while it is stale, naming this command). MkDocs runs
+this as a hook (``mkdocs.yml``: ``hooks``) and fills the markers afresh at build time.
+``python docs/scripts/config_reference.py`` prints the generated text.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import typing
 from typing import Any
 
 MARKER = "<!-- config-reference -->"
+END = "<!-- /config-reference -->"
 PAGE = "reference/config.md"
 
 
@@ -132,14 +137,28 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+def filled(text: str, generated: str | None = None) -> str:
+    """``text`` (the page) with the generated reference (``generated``, else :func:`markdown`'s) between
+    its markers (whatever stood there)."""
+    if MARKER not in text or END not in text.split(MARKER, 1)[1]:
+        raise ValueError(f"{PAGE} lost its markers {MARKER} ... {END}: the reference goes between them")
+    head, rest = text.split(MARKER, 1)
+    tail = rest.split(END, 1)[1]
+    return f"{head}{MARKER}\n\n{markdown() if generated is None else generated}\n{END}{tail}"
+
+
 def on_page_markdown(text: str, page: Any, **_: Any) -> str:
-    """MkDocs hook: fill the marker of ``reference/config.md``."""
-    if page.file.src_uri == PAGE:
-        if MARKER not in text:
-            raise ValueError(f"{PAGE} lost its marker {MARKER}: the configuration reference goes there")
-        return text.replace(MARKER, markdown())
-    return text
+    """MkDocs hook: fill the markers of ``reference/config.md`` from the code as it is."""
+    return filled(text) if page.file.src_uri == PAGE else text
 
 
 if __name__ == "__main__":
-    print(markdown())
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:] == ["--write"]:
+        path = Path(__file__).resolve().parents[1] / PAGE
+        path.write_text(filled(path.read_text()))
+        print(f"wrote {path}")
+    else:
+        print(markdown())

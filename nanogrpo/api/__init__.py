@@ -152,6 +152,9 @@ def evaluate(model: str | os.PathLike | Run, *,
         if n is not None and n < 1:
             raise ConfigError(f"n must be at least 1, got {n}")
         split = split or cfg.data.eval_split
+        from nanogrpo.models.source import check_model_source
+
+        model_path = check_model_source(cfg.model)  # a model that is not there: said before anything loads
         if isinstance(dataset, (str, os.PathLike)):  # the held-out problems of that source
             cfg = cfg.with_overrides({"data.source": str(dataset), "data.eval_source": str(dataset)})
             dataset = None
@@ -182,9 +185,6 @@ def evaluate(model: str | os.PathLike | Run, *,
                 from nanogrpo.data import load_eval_rows
 
                 rows = load_eval_rows(cfg.data, split)  # bad data fails before any weights are read
-            from nanogrpo.models.source import check_model_source
-
-            model_path = check_model_source(cfg.model)
             from nanogrpo.evaluation import run_eval
             from nanogrpo.models.load import load_policy
 

@@ -25,15 +25,17 @@ class EnvConfig(_Strict):
     """Model turns per episode; an episode not done after this many ends (finish reason ``max_turns``)."""
     max_observation_tokens: int = Field(256, gt=0)
     """Tokens of one observation, chat template included; a longer one ends the episode with
-    ``error_penalty`` (finish reason ``too_long``). ``rollout.max_new_tokens`` bounds what the model samples
-    over the whole episode (``length``); ``data.max_prompt_tokens`` the first observation (a longer one
-    drops the group, counted)."""
+    ``error_penalty`` (finish reason ``too_long``). An observation of more bytes of text than this times
+    the tokenizer's longest token cannot fit and is refused so before it is tokenised, whatever its size.
+    ``rollout.max_new_tokens`` bounds what the model samples over the whole episode (``length``);
+    ``data.max_prompt_tokens`` the first observation (a longer one drops the group, counted)."""
     timeout_s: float = Field(30.0, gt=0)
     """Deadline of each environment call (create, ``reset``, ``step``, ``close``); past it the episode
     ends with ``error_penalty`` (``env_timeout``)."""
     error_penalty: float = -1.0
     """The episode reward of an episode the environment broke: it raised (``env_error``), hung
-    (``env_timeout``), answered a non-finite reward or not a step result (``env_error``), or an
-    observation over ``max_observation_tokens`` (``too_long``). A failure in ``reset`` drops the group."""
+    (``env_timeout``), answered a non-finite reward or not a step result, None included (``env_error``),
+    or an observation over ``max_observation_tokens`` (``too_long``). A failure in ``reset`` (a session
+    its server refused included) drops the group, counted (``env/groups_dropped``)."""
     workers: int = Field(32, ge=1)
     """Threads running sync environment calls at once (``async def`` methods share one event loop)."""

@@ -154,9 +154,24 @@ RUN_CONFIG_FILE = "config.yaml"
 
 
 
+def preset_names() -> list[str]:
+    """The presets shipped with the package (``demo``, ``demo-NAME``: one per demo)."""
+    return [demos.preset_name(n) for n in demos.names()]
+
+
+def _not_found(path: Path) -> ConfigError:
+    """``config file not found``, with the shipped presets (and the closest) when ``path`` reads as one."""
+    names = preset_names()
+    close = difflib.get_close_matches(path.stem, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"config file not found: {path}; shipped presets: {', '.join(names)}{hint}; ready "
+                       "configs for real models are files in the repository's configs/ "
+                       "(--config configs/NAME.toml)")
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise _not_found(path)
     text = path.read_text()
     try:
         if path.suffix == ".toml":

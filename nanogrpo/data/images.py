@@ -263,18 +263,48 @@ def check_rows(rows: list[dict[str, Any]], field: str, placeholder: str, max_pix
     return total
 
 
+IMAGE_ENGINES = ("auto", "hf")
+"""The rollout engines that take images (``auto`` picks ``hf`` for a vision-language model)."""
+
+
+def _first_with_images(rows: list[dict[str, Any]], field: str) -> str | None:
+    """``row 3 (id 'x')``: the first row with images, or None when no row has any (the scan stops at
+    the first)."""
+    for i, r in enumerate(rows):
+        if row_images(r, field):
+            rid = r.get("id")
+            return f"row {i}" + (f" (id {rid!r})" if rid not in (None, "") else "")
+    return None
+
+
+def check_images_early(rows: list[dict[str, Any]], field: str, *, engine: str, vision: bool | None,
+                       model: str, multi_turn: bool = False) -> None:
+    """Before any weights are read: :class:`DataError` (one line, naming the first row with images) when
+    rows have images but the run cannot take them: multi-turn (``[tools]``, an environment), a rollout
+    engine other than ``hf`` / ``auto`` (``fast`` and vLLM are not given images), or a text model
+    (``vision`` False: its ``config.json`` has no ``vision_config``; None: not known yet, checked once the
+    model is loaded, :func:`check_model_takes_images`)."""
+    first = _first_with_images(rows, field)
+    if first is None:
+        return
+    head = f"{first} has images (data.image_field={field!r})"
+    if multi_turn:
+        raise DataError(f"{head}: multi-turn rollouts (tools, environments) take no images; drop the images "
+                        "or the tools / environment")
+    if engine not in IMAGE_ENGINES:
+        raise DataError(f"{head} but rollout.engine={engine} takes no images (nanogrpo passes images to the "
+                        "hf engine only): use rollout.engine=hf (auto picks it for a vision-language model)")
+    if vision is False:
+        raise DataError(f"{head} but the model {model!r} is a text model: use a vision-language model, or "
+                        "drop the images")
+
+
 def check_model_takes_images(rows: list[dict[str, Any]], field: str, spec: ImageSpec | None,
                              model: str, multi_turn: bool = False) -> None:
-    """:class:`DataError` (one line) when rows have images but the model takes none (a text model), or
-    the run is multi-turn (``[tools]``, an environment: their turns carry no images)."""
-    with_images = sum(1 for r in rows if row_images(r, field))
-    if with_images and multi_turn:
-        raise DataError(f"{with_images} row(s) have images (data.image_field={field!r}): multi-turn rollouts "
-                        "(tools, environments) take no images; drop the images or the tools / environment")
-    if spec is None:
-        if with_images:
-            raise DataError(f"{with_images} row(s) have images (data.image_field={field!r}) but the model "
-                            f"{model!r} is a text model: use a vision-language model, or drop the images")
+    """:class:`DataError` (one line, naming the first row with images) when rows have images but the
+    model takes none (a text model: ``spec`` None), or the run is multi-turn (``[tools]``, an environment:
+    their turns carry no images)."""
+    check_images_early(rows, field, engine="hf", vision=spec is not None, model=model, multi_turn=multi_turn)
 
 
 def data_uri(img, max_side: int = 256) -> str:

@@ -18,11 +18,14 @@ An environment plays **one episode** with the model, turn by turn::
 - ``step(action) -> StepResult``: the model's turn, as text; the answer is the next observation (a
   string: the user's next message; a list of messages: any roles, e.g. ``tool``), a reward for this
   turn (float, default 0), whether the episode is over, and free-form ``info``. A tuple
-  ``(observation, reward, done[, info])`` (Gymnasium's and SkyRL's order) is read the same way.
+  ``(observation, reward, done[, info])`` (Gymnasium's and SkyRL's order) is read the same way; ``None``
+  (a ``step`` that forgot its ``return``) is not an answer: ``env_error``, as any other wrong type.
 - both may be ``async def``; both run in worker threads (sync) or on one event loop (async), with a
   deadline (``env.timeout_s``); an environment that raises, hangs, answers a non-finite reward or an
   observation longer than ``env.max_observation_tokens`` ends its episode with ``env.error_penalty``
-  and a count, never the run.
+  and a count, never the run. An observation is measured in bytes before it is tokenised: one over
+  ``max_observation_bytes`` (the token limit times the tokenizer's longest token, in bytes: it cannot
+  fit) is refused as too long without being tokenised, whatever its size.
 - ``close()`` (optional): called once when the episode ends, whatever ended it.
 
 **One object per episode.** Each episode gets a fresh environment (``env.source = "module:Class"``:
@@ -92,6 +95,11 @@ class Environment:
 
     sandbox: SandboxHandle | None = None
     """Set by the runner before ``reset`` (see the module docstring)."""
+    max_observation_bytes: int | None = None
+    """Set by the rollout before ``reset``: no observation of more bytes of text can be shown (the
+    longest of ``data.max_prompt_tokens`` and ``env.max_observation_tokens`` times the tokenizer's
+    longest token). An environment that reads its observations from outside (a socket, a file) may stop
+    reading past it and raise :class:`ObservationTooLong`; the rollout refuses a longer one anyway."""
 
     def reset(self, row: dict[str, Any]) -> Observation:
         """The episode's first observation; by default the row's ``question`` as the user's message."""
@@ -106,6 +114,40 @@ class Environment:
 
 class EnvResultError(ValueError):
     """An environment answered something that is not a step result (its episode ends with the penalty)."""
+
+
+class ObservationTooLong(EnvResultError):
+    """An observation over its byte bound, refused before it was tokenised (or read whole): the episode
+    ends as ``too_long`` (the first observation: its group is dropped, as a prompt over
+    ``data.max_prompt_tokens``)."""
+
+
+class SessionRefused(RuntimeError):
+    """An environment server refused to open a session for an episode (at capacity). The episode's
+    group is dropped and counted (``env/groups_dropped``), as for any ``reset`` that fails, and the
+    runner says once, in one line, that the server's concurrency limit is below the episodes in flight
+    and how to raise it (``hint``)."""
+
+    def __init__(self, message: str, limit: int | None = None, hint: str = ""):
+        super().__init__(message)
+        self.limit, self.hint = limit, hint
+
+
+def text_bytes(obs: Any, cap: int) -> int:
+    """The UTF-8 size of an observation's text (a string, or the contents of its messages), measured no
+    further than needed to know it is over ``cap``: a string of more characters than ``cap`` is over
+    without being encoded (each character is at least one byte); the answer is then a lower bound."""
+    texts = [obs] if isinstance(obs, str) else [m.get("content") for m in obs or () if isinstance(m, dict)]
+    total = 0
+    for t in texts:
+        if not isinstance(t, str):
+            continue
+        if total + len(t) > cap:
+            return total + len(t)
+        total += len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass"))
+        if total > cap:
+            return total
+    return total
 
 
 def check_observation(obs: Any, where: str) -> Observation | None:
@@ -126,12 +168,13 @@ def check_observation(obs: Any, where: str) -> Observation | None:
 def as_step_result(value: Any) -> StepResult:
     """A :class:`StepResult` from what ``step`` returned: a StepResult, a tuple ``(observation, reward,
     done[, info])`` or ``(observation, reward, terminated, truncated, info)`` (Gymnasium), a bare
-    observation (reward 0, not done) or None (done). Raises :class:`EnvResultError` for anything else and
-    for a reward that is not a finite number."""
+    observation (reward 0, not done). Raises :class:`EnvResultError` for anything else (``None``
+    included: a ``step`` without its ``return``) and for a reward that is not a finite number."""
     if isinstance(value, StepResult):
         res = value
     elif value is None:
-        res = StepResult(done=True)
+        raise EnvResultError("step answered None (no return?): answer a StepResult; to end the episode, "
+                             "StepResult(reward=..., done=True)")
     elif isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value)):
         res = StepResult(value)
     elif isinstance(value, tuple) and 2 <= len(value) <= 5:
@@ -169,8 +212,11 @@ __all__ = [
     "EnvResultError",
     "Message",
     "Observation",
+    "ObservationTooLong",
     "SandboxHandle",
+    "SessionRefused",
     "StepResult",
     "as_step_result",
     "check_observation",
+    "text_bytes",
 ]

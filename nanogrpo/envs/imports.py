@@ -30,9 +30,11 @@ def import_attr(spec: str, what: str = "env.source", expected: str = "'module:at
     except ConfigError:
         raise
     except (Exception, SystemExit) as e:
+        from nanogrpo.rewards.registry import file_hint
+
         first = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"{what} {spec!r}: cannot import {module!r} "
-                          f"({type(e).__name__}: {first})") from None
+                          f"({type(e).__name__}: {first}){file_hint(spec, module, e)}") from None
     if not hasattr(mod, attr):
         raise ConfigError(f"{what} {spec!r}: {module!r} has no attribute {attr!r}")
     return getattr(mod, attr)

@@ -7,9 +7,14 @@ built at start (a bad ``env.source`` fails then, in one line) and closed at the 
 
 :meth:`EnvRunner.call` runs one method on many environments concurrently and answers an
 :class:`Outcome` per environment: ``ok`` and the value, ``error`` (it raised, or answered something
-that is not a step result) or ``timeout`` (it ran past ``env.timeout_s``). A timed-out sync call
-cannot be stopped: its worker thread is abandoned (a daemon: it never blocks the process's exit) and
-replaced; an async one is cancelled.
+that is not a step result), ``too_long`` (it raised :class:`~nanogrpo.envs.base.ObservationTooLong`:
+an adapter refused an observation over its byte bound), ``refused`` (it raised
+:class:`~nanogrpo.envs.base.SessionRefused`: the environment's server is at capacity) or ``timeout`` (it
+ran past ``env.timeout_s``). Failures are counted by ``method/status`` and the first few of each kind
+logged; refused sessions get one line of their own, once a run: the server's limit is below the
+episodes in flight, and how to raise it.
+A timed-out sync call cannot be stopped: its worker thread is abandoned (a daemon: it never blocks the
+process's exit) and replaced; an async one is cancelled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from nanogrpo.envs.base import ObservationTooLong, SessionRefused
 from nanogrpo.envs.load import Factory, resolve
 
 log = logging.getLogger("nanogrpo.envs")
@@ -37,10 +43,11 @@ class Outcome:
     """What one call of an environment method came to."""
 
     status: str = "ok"
-    """``ok``, ``error`` or ``timeout``."""
+    """``ok``, ``error``, ``too_long``, ``refused`` or ``timeout``."""
     value: Any = None
+    """``ok``: what the call answered; ``refused``: the :class:`~nanogrpo.envs.base.SessionRefused`."""
     error: str = ""
-    """``error`` / ``timeout``: one line saying what happened."""
+    """``error`` / ``too_long`` / ``refused`` / ``timeout``: one line saying what happened."""
 
     @property
     def ok(self) -> bool:
@@ -112,7 +119,10 @@ def _copy_result(src: Future, dst: Future) -> None:
 
 
 def first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:300]
+    """``Type: the first line of the message that says something`` (a line of letters or digits: a
+    banner of ``*****`` or ``-----`` above the message, as nltk's missing-data error has, is skipped)."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    text = next((ln for ln in lines if any(c.isalnum() for c in ln)), "")[:300]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -161,6 +171,7 @@ class EnvRunner:
         self._workers: _Workers | None = None
         self.counts: Counter = Counter()
         """Failed calls over the run, by ``method/status``."""
+        self._capacity_said = False
 
     @classmethod
     def from_config(cls, cfg, env: Any = None) -> EnvRunner | None:
@@ -209,7 +220,13 @@ class EnvRunner:
             for f in done:
                 i = pending.pop(f)
                 e = f.exception()
-                out[i] = Outcome(value=f.result()) if e is None else Outcome("error", error=first_line(e))
+                if e is None:
+                    out[i] = Outcome(value=f.result())
+                elif isinstance(e, SessionRefused):
+                    out[i] = Outcome("refused", value=e, error=first_line(e))
+                else:
+                    out[i] = Outcome("too_long" if isinstance(e, ObservationTooLong) else "error",
+                                     error=first_line(e))
             now = time.monotonic()
             for f, i in list(pending.items()):
                 j = jobs[i]
@@ -225,11 +242,24 @@ class EnvRunner:
         for r in results:
             if not r.ok:
                 self.report(what, r)
+        refused = [r for r in results if r.status == "refused"]
+        if refused and not self._capacity_said:
+            self._capacity_said = True
+            e = refused[0].value
+            limit = f" (its limit: {e.limit})" if e.limit is not None else ""
+            log.warning("environment %s: the server refused %d of the %d sessions opened at once%s: its "
+                        "concurrency limit is below the episodes in flight (rollout.prompts_per_step x "
+                        "grpo.group_size), and each group with a refused session is dropped "
+                        "(env/groups_dropped); %s, or lower rollout.prompts_per_step", self.source,
+                        len(refused), len(results), limit,
+                        (e.hint or "raise the server's limit") + f" to at least {len(results)}")
         return results
 
     def report(self, what: str, r: Outcome) -> None:
         key = f"{what}/{r.status}"
         self.counts[key] += 1
+        if r.status == "refused":
+            return  # counted; said once a run, in run_all
         if self.counts[key] <= _WARN_LIMIT:
             log.warning(
                 "environment %s: %s %s (%s)%s",
@@ -242,13 +272,17 @@ class EnvRunner:
 
     # ------------------------------------------------------------------ episodes
 
-    def make(self, n: int) -> list[Outcome]:
-        """``n`` fresh environments (each made by the factory under the deadline), sandbox handle set."""
+    def make(self, n: int, attrs: dict[str, Any] | None = None) -> list[Outcome]:
+        """``n`` fresh environments (each made by the factory under the deadline), sandbox handle set;
+        ``attrs``: attributes set on each environment that declares them (``max_observation_bytes``)."""
 
         def one():
             env = self.factory()
             if self.sandbox is not None and hasattr(env, "sandbox"):
                 env.sandbox = self.sandbox
+            for k, v in (attrs or {}).items():
+                if hasattr(env, k):
+                    setattr(env, k, v)
             return env
 
         return self.run_all([one] * n, "create")

@@ -58,7 +58,27 @@ def resolve_model_path(path: str) -> str:
         return str(p)
     if _looks_like_path(path):
         raise ModelError(f"model path not found: {path}")
+    head = Path(path.split("/", 1)[0]) if "/" in path else None
+    if head is not None and head.is_dir():  # `runs/nothere`: a typo of a local path, not a hub id to ask
+        raise ModelError(f"model path not found: {path} ({head}/ is a directory here"
+                         f"{_holding(head, p.name)}; a hub id of that name is not asked for: run from "
+                         "another directory to load it)")
     return hub_source(path)
+
+
+def _holding(folder: Path, name: str) -> str:
+    """``, holding a, b, c`` (the closest to ``name`` first), or nothing for an empty folder."""
+    import difflib
+
+    try:
+        entries = sorted(e.name for e in folder.iterdir() if not e.name.startswith("."))
+    except OSError:
+        return ""
+    if not entries:
+        return ", empty"
+    close = difflib.get_close_matches(name, entries, n=3, cutoff=0.5)
+    shown = close + [e for e in entries if e not in close][:max(0, 5 - len(close))]
+    return ", holding " + ", ".join(shown) + (", ..." if len(entries) > len(shown) else "")
 
 
 def check_model_source(cfg) -> str | None:

@@ -15,8 +15,10 @@ the pixels itself with PIL and torch (:mod:`nanogrpo.data.images`), since the HF
 paths need torchvision. ``tests/test_vision.py`` checks the patches against HF's PIL processor.
 
 ``model.train_vision`` false (the default): the vision tower's parameters have ``requires_grad``
-off (the projector / merger into the language model still trains). LoRA adapts the language
-model's linears only (:func:`lora_targets`).
+off; the projector into the language model still trains (LLaVA's ``multi_modal_projector``, outside
+the tower; Qwen-VL's ``merger``, and Qwen3-VL's ``deepstack_merger_list``, inside it: :data:`PROJECTORS`),
+as the field trains vision-language models (the encoder frozen, the connector tuned with the language
+model). LoRA adapts the language model's linears only (:func:`lora_targets`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,35 @@ def _inner(model):
 
     inner = unwrap(model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def is_vision_checkpoint(path: str | None) -> bool | None:
+    """Whether the model directory ``path`` holds a vision-language model (its ``config.json`` has a
+    ``vision_config``), read without loading it; None when ``path`` is no local directory with a readable
+    ``config.json`` (a hub id: known once loaded)."""
+    f = Path(path) / "config.json" if path else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text()).get("vision_config") is not None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_run_images(cfg, parts: list[list[dict]], model_path: str | None, multi_turn: bool) -> None:
+    """A run's rows with images it cannot take (:func:`nanogrpo.data.images.check_images_early`), said at
+    once, naming the first: before vLLM's import check and any weights are read (a text model known by
+    its ``config.json``). ``model_path``: where ``cfg.model.path`` resolved (None: a demo's weights)."""
+    from nanogrpo.data.images import check_images_early
+    from nanogrpo.models.source import resolve_model_path
+
+    if not any(parts):
+        return
+    where = model_path if model_path is not None else resolve_model_path(cfg.model.path)
+    vision = is_vision_checkpoint(where)
+    for part in parts:
+        check_images_early(part, cfg.data.image_field, engine=cfg.rollout.engine, vision=vision,
+                           model=cfg.model.path, multi_turn=multi_turn)
 
 
 def is_vision_config(config) -> bool:
@@ -249,14 +280,22 @@ def vision_tower(model) -> torch.nn.Module | None:
     return None
 
 
+PROJECTORS = ("merger", "deepstack_merger_list")
+"""Modules inside a vision tower that project its features into the language model (Qwen-VL's patch
+merger, Qwen3-VL's deepstack mergers): they train with ``model.train_vision`` false."""
+
+
 def freeze_vision(model, train_vision: bool) -> int:
-    """``model.train_vision`` false: the vision tower's parameters stop taking gradients (returns how
-    many parameters were frozen; 0 for a text model or ``train_vision``)."""
+    """``model.train_vision`` false: the vision tower's parameters stop taking gradients, its projector
+    into the language model (:data:`PROJECTORS`) left trainable; returns how many parameters were frozen
+    (0 for a text model or ``train_vision``)."""
     tower = vision_tower(model)
     if tower is None or train_vision:
         return 0
     n = 0
-    for p in tower.parameters():
+    for name, p in tower.named_parameters():
+        if name.split(".", 1)[0] in PROJECTORS:
+            continue
         if p.requires_grad:
             p.requires_grad_(False)
             n += p.numel()

@@ -95,7 +95,9 @@ _WORD = re.compile(r"[A-Za-z]+")
 _YES = {"yes", "correct", "true", "right"}
 _NO = {"no", "incorrect", "false", "wrong"}
 _NUM = r"[-+]?\d+(?:\.\d+)?"
-_DENOM = re.compile(rf"({_NUM})\s*(?:/|out of)\s*{_NUM}", re.IGNORECASE)
+_DENOM = re.compile(rf"(?<![\d.])({_NUM})\s*(?:/|out of)\s*{_NUM}", re.IGNORECASE)
+"""``8/10``, ``8 out of 10``. It starts at a number's first digit only: tried inside a run of digits it
+took time quadratic (and worse) in the run, so a judge's 1 MiB reply of digits took hours to read."""
 _LABELLED_NUM = re.compile(rf"\b(?:score|rating|grade|rate|mark|points?)\b[^0-9\n+-]{{0,20}}?({_NUM})",
                            re.IGNORECASE)
 _LABELLED_YN = re.compile(r"\b(?:verdict|answer|judg(?:e)?ment|decision|correct\?)\W{0,5}([A-Za-z]+)",

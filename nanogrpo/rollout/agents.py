@@ -103,6 +103,10 @@ class AgentEpisodes:
     def longest(self, max_new: int) -> int:
         return self.settings.max_len
 
+    def metrics_of_nothing(self) -> dict[str, float]:
+        """The step's metrics when it ran no episode (no row on this rank)."""
+        return agent_metrics([], None, 0.0, 0)
+
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.stop()
@@ -234,8 +238,9 @@ def _bad(error: str):
     return Outcome("error", error=error)
 
 
-def agent_metrics(eps: list[_Episode], ep: Endpoint, wall_s: float, calls: int) -> dict[str, float]:
-    """The step's ``env/…`` metrics (as environment episodes') and ``agent/…`` ones."""
+def agent_metrics(eps: list[_Episode], ep: Endpoint | None, wall_s: float, calls: int) -> dict[str, float]:
+    """The step's ``env/…`` metrics (as environment episodes'; no group is ever dropped: a program that
+    fails is its episode's ``env_error``) and ``agent/…`` ones."""
     k = max(len(eps), 1)
     seqs = [s for e in eps for s in e.seqs]
     out = {"env/episodes": len(eps),
@@ -245,13 +250,14 @@ def agent_metrics(eps: list[_Episode], ep: Endpoint, wall_s: float, calls: int) 
            "env/observation_tokens_mean": sum(len(s.completion_ids) - s.sampled for s in seqs) / k,
            "env/return_mean": sum(e.reward for e in eps) / k if eps else float("nan"),
            "env/success_rate": sum(e.success for e in eps) / k if eps else float("nan"),
+           "env/groups_dropped": 0, "env/prompts_too_long": 0,
            "env/time_s": wall_s,
            "agent/requests": sum(e.requests for e in eps),
            "agent/sequences_per_episode": len(seqs) / k,
            "agent/rewritten_episodes": sum(len(e.seqs) > 1 for e in eps),
            "agent/extra_sequences": sum(max(len(e.seqs) - 1, 0) for e in eps),
            "agent/refused_requests": sum(e.refused for e in eps),
-           "agent/unauthorized_requests": ep.unauthorized,
+           "agent/unauthorized_requests": ep.unauthorized if ep is not None else 0,
            "agent/engine_calls": calls}
     for why in FINISH_REASONS:
         out[f"env/finish/{why}"] = sum(e.finish == why for e in eps)

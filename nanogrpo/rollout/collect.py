@@ -201,8 +201,8 @@ def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardR
                             support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
     gen = env.generate(engine, tokenizer, rows, params)
     kept_rows = [rows[i] for i in gen.kept]
-    if not kept_rows:
-        return _Round([], [], None, [], [], None, len(rows))
+    if not kept_rows:  # every group dropped: the generation stays for its env/… counts
+        return _Round([], [], gen, [], [], None, len(rows))
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
     samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons,
                                  [sum(m) for m in gen.loss_masks], cfg.max_new_tokens)
@@ -266,6 +266,14 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             informative.append(_informative(rnd, rewards, grpo))
         stats.refills = len(rounds) - 1
     stats.prompts_skipped = sum(r.skipped for r in rounds)
+    multi = tools is not None or env is not None
+    if multi:  # every round's, those whose groups were all dropped included (env/groups_dropped)
+        parts = [(len(x.gen.completion_ids), x.gen.tool_metrics if env is None else x.gen.env_metrics)
+                 for x in rounds if x.gen is not None]
+        if parts:
+            stats.tool_metrics = _merge_tool_metrics(parts)
+        elif env is not None:  # no row on this rank: the same keys, zero (every rank merges them)
+            stats.tool_metrics = env.metrics_of_nothing()
     live = [r for r in rounds if r.rows]
     if not live:
         if reduce is not None:  # the other ranks' batch-level advantages wait for this rank's (empty) share
@@ -282,11 +290,6 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     per_function = {k: [v for r in live for v in r.scored.per_function[k]]
                     for k in live[0].scored.per_function}
     total = [v for r in live for v in r.scored.total]
-    multi = tools is not None or env is not None
-    if multi:
-        parts = [(len(x.gen.completion_ids), x.gen.tool_metrics if env is None else x.gen.env_metrics)
-                 for x in live]
-        stats.tool_metrics = _merge_tool_metrics(parts)
     r = torch.tensor(total, dtype=torch.float32)                                  # (N,)
     if env is not None:  # an episode's success (the environment's say, else a return above 0)
         acc = [1.0 if s["success"] else 0.0 for s in samples]
@@ -390,12 +393,14 @@ def _example_images(sample: dict, data: DataConfig) -> dict:
 
 
 def _merge_tool_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Several rounds' ``tools/…`` metrics as one: rates and means weighted by completions, counts and
-    times added."""
-    n = sum(k for k, _ in parts) or 1
+    """Several rounds' ``tools/…`` (``env/…``) metrics as one: rates and means weighted by completions
+    (NaN when there is none: every group dropped), counts and times added."""
+    n = sum(k for k, _ in parts)
     out: dict[str, float] = {}
     for k in parts[0][1]:
-        mean = k.endswith(("_per_completion", "_rate", "_mean"))
-        out[k] = (sum(c * m.get(k, 0.0) for c, m in parts) / n if mean
-                  else sum(m.get(k, 0.0) for _, m in parts))
+        mean = k.endswith(("_per_completion", "_per_episode", "_rate", "_mean"))
+        if mean:
+            out[k] = sum(c * m.get(k, 0.0) for c, m in parts if c) / n if n else float("nan")
+        else:
+            out[k] = sum(m.get(k, 0.0) for _, m in parts)
     return out

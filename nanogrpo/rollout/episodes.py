@@ -16,9 +16,14 @@ For ``len(rows) * n`` episodes at once (row-major, as ``Engine.generate``), ``n`
 
 An episode ends (``finish_reason``): ``done`` (the environment said so), ``length`` (its sampled tokens
 reached ``max_new_tokens``), ``max_turns``, or, with ``error_penalty`` as its return, ``env_error``
-(the environment raised, or answered something that is not a step result, a non-finite reward
+(the environment raised, or answered something that is not a step result: None, a non-finite reward
 included), ``env_timeout`` (past the deadline) or ``too_long`` (an observation over
 ``max_observation_tokens``). The run goes on in every case.
+
+Observations are bounded by bytes before they are tokenised: one of more bytes of text than its token
+limit times the tokenizer's longest token (:func:`~nanogrpo.rollout.render.token_bytes`) cannot fit and
+is refused as it stands (``too_long``; a first observation so: its group is dropped and counted as
+``env/prompts_too_long``), so a 10 MB observation costs a length check, not a tokenisation.
 
 Its return: ``sum_t discount**t * r_t`` over the rewards of its turns. Out comes an
 :class:`EpisodeGeneration`: per episode the completion tokens (sampled and fed, in order), log-probs
@@ -33,9 +38,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanogrpo.envs.base import EnvResultError, as_step_result
+from nanogrpo.envs.base import EnvResultError, ObservationTooLong, as_step_result, text_bytes
 from nanogrpo.rollout.engine import Engine, SamplingParams
-from nanogrpo.rollout.render import ChatRenderer
+from nanogrpo.rollout.render import ChatRenderer, token_bytes
 from nanogrpo.rollout.session import open_session
 from nanogrpo.rollout.turns import MultiTurnGeneration
 
@@ -100,6 +105,10 @@ class Episodes:
     def longest(self, max_new: int) -> int:
         return longest_episode(self.settings, max_new)
 
+    def metrics_of_nothing(self) -> dict[str, float]:
+        """The step's ``env/…`` metrics when it played no episode (no row on this rank)."""
+        return env_metrics([], [], 0, 0, 0.0)
+
     def close(self) -> None:
         self.runner.close()
 
@@ -150,8 +159,11 @@ def generate_episodes(
     """``params.n`` episodes per row (see the module docstring)."""
     n, budget = params.n, params.max_new_tokens
     render = ChatRenderer(tokenizer, settings.template, settings.system_prompt)
+    per_token = token_bytes(tokenizer)
+    prompt_cap = settings.max_prompt_tokens * per_token
     t0 = time.perf_counter()
-    made = runner.make(len(rows) * n)
+    obs_cap = settings.max_observation_tokens * per_token
+    made = runner.make(len(rows) * n, {"max_observation_bytes": max(prompt_cap, obs_cap)})
     eps = [_Episode(env=o.value if o.ok else None) for o in made]
     live_idx = [i for i, e in enumerate(eps) if e.env is not None]
     starts = dict(
@@ -165,21 +177,28 @@ def generate_episodes(
     kept, prompts, dropped, long_prompts = [], [], 0, 0
     for g in range(len(rows)):
         group = range(g * n, (g + 1) * n)
-        ids = []
+        ids, too_long = [], False
         for i in group:
             o = starts.get(i)
+            if o is not None and o.status == "too_long":  # an adapter refused it before reading it whole
+                too_long = True
+                break
             if o is None or not o.ok:
                 break
             try:
-                ids.append(render.prompt(_observation(o.value)))
+                obs = _observation(o.value)
+                if text_bytes(render.messages(obs), prompt_cap) > prompt_cap:
+                    too_long = True  # cannot fit in max_prompt_tokens: not tokenised
+                    break
+                ids.append(render.prompt(obs))
             except EnvResultError as e:
                 runner.report("reset", _bad(e))
                 break
+        if too_long or (len(ids) == n and max(map(len, ids)) > settings.max_prompt_tokens):
+            long_prompts += 1
+            continue
         if len(ids) < n:
             dropped += 1
-            continue
-        if max(map(len, ids)) > settings.max_prompt_tokens:
-            long_prompts += 1
             continue
         kept.append(g)
         prompts.append(ids)
@@ -197,7 +216,7 @@ def generate_episodes(
                 engine, tokenizer, [p for grp in prompts for p in grp], replace(params, n=1), longest
             )
         try:
-            t_gen, t_step = _play(session, runner, render, tokenizer, eps, budget, settings)
+            t_gen, t_step = _play(session, runner, render, tokenizer, eps, budget, settings, obs_cap)
             t_env += t_step
         finally:
             session.close()
@@ -255,9 +274,11 @@ def _bad(e: Exception):
 
 
 def _play(
-    session, runner, render: ChatRenderer, tokenizer, eps: list[_Episode], budget: int, s: EpisodeSettings
+    session, runner, render: ChatRenderer, tokenizer, eps: list[_Episode], budget: int, s: EpisodeSettings,
+    obs_cap: int,
 ) -> tuple[float, float]:
-    """Turns until every episode has ended; returns (generation seconds, environment seconds)."""
+    """Turns until every episode has ended; returns (generation seconds, environment seconds).
+    ``obs_cap``: the most bytes of text an observation may hold (more cannot fit: refused untokenised)."""
     rows, feeds, budgets = list(range(len(eps))), [[] for _ in eps], [budget] * len(eps)
     t_gen = t_env = 0.0
     while rows:
@@ -291,7 +312,8 @@ def _play(
         for r, o in zip(acting, answers, strict=True):
             e = eps[r]
             if not o.ok:
-                e.finish, e.error = ("env_timeout" if o.status == "timeout" else "env_error"), o.error
+                e.finish = {"timeout": "env_timeout", "too_long": "too_long"}.get(o.status, "env_error")
+                e.error = o.error
                 continue
             try:
                 res = as_step_result(o.value)
@@ -313,6 +335,16 @@ def _play(
                 e.finish = "length"
                 continue
             obs = res.observation if res.observation is not None else ""
+            size = text_bytes(obs, obs_cap)
+            if size > obs_cap:  # cannot fit in max_observation_tokens: refused without tokenising it
+                err = ObservationTooLong(
+                    f"an observation of {'at least ' if size > obs_cap + 1 else ''}{size} bytes, over "
+                    f"env.max_observation_tokens={s.max_observation_tokens} (at most {obs_cap} bytes of "
+                    "text with this tokenizer): not tokenised")
+                runner.report("step", _too_long_outcome(str(err)))
+                e.finish, e.error = "too_long", str(err)
+                e.turns[-1]["observation"] = _preview(obs)
+                continue
             try:
                 fed = render.after_turn(obs)
             except EnvResultError as err:
@@ -321,8 +353,10 @@ def _play(
                 continue
             e.turns[-1]["observation"] = obs
             if len(fed) > s.max_observation_tokens:
-                runner.report("step", _too_long(len(fed), s.max_observation_tokens))
-                e.finish = "too_long"
+                msg = (f"an observation of {len(fed)} tokens, over "
+                       f"env.max_observation_tokens={s.max_observation_tokens}")
+                runner.report("step", _too_long_outcome(msg))
+                e.finish, e.error = "too_long", msg
                 continue
             e.ids += fed
             e.logprobs += [0.0] * len(fed)
@@ -334,10 +368,17 @@ def _play(
     return t_gen, t_env
 
 
-def _too_long(n: int, limit: int):
+def _too_long_outcome(error: str):
     from nanogrpo.envs.runner import Outcome
 
-    return Outcome("too_long", error=f"an observation of {n} tokens, over env.max_observation_tokens={limit}")
+    return Outcome("too_long", error=error)
+
+
+def _preview(obs, chars: int = 200) -> str:
+    """The head of an observation refused as too long (what the rewards' ``turns`` keep of it)."""
+    parts = [obs] if isinstance(obs, str) else [str(m.get("content", "")) for m in obs[:4]]
+    text = "".join(p[:chars] for p in parts)
+    return text[:chars] + "… [not shown: over env.max_observation_tokens]"
 
 
 def env_metrics(

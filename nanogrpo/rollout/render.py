@@ -16,11 +16,17 @@ token ids on its own:
   extend the shorter one's cannot be used this way: a :class:`~nanogrpo.errors.ModelError` says so.
 
 Template pieces are tokenised once per shape (the roles of the messages) and cached.
+
+Text from outside (an environment's observation, a tool's output, an agent program's messages) is
+measured in bytes before it is tokenised: ``n`` tokens hold at most ``n * token_bytes(tokenizer)``
+bytes of text (:func:`token_bytes`), so text over that bound is refused (or cut) without tokenising
+it, however large it is.
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from nanogrpo.data.prompts import render_plain
 from nanogrpo.errors import ModelError
@@ -28,6 +34,26 @@ from nanogrpo.errors import ModelError
 _MARK = "\x00{}\x00"
 _SPLIT = re.compile("\x00(\\d+)\x00")
 _BASE = [{"role": "user", "content": "\x00u\x00"}, {"role": "assistant", "content": "\x00a\x00"}]
+
+
+TOKEN_BYTES_FLOOR = 4
+"""One token stands for at least one character, up to 4 bytes in UTF-8 (an unknown character maps to one
+``unk`` token in a character-level vocabulary)."""
+
+
+@lru_cache(maxsize=8)
+def token_bytes(tokenizer) -> int:
+    """The most bytes of text one token of ``tokenizer`` can stand for: its longest vocabulary entry in
+    UTF-8 bytes (an upper bound for byte-level BPE, SentencePiece and WordPiece entries alike), at least
+    :data:`TOKEN_BYTES_FLOOR`. Text of more than ``n * token_bytes(tok)`` bytes cannot fit in ``n``
+    tokens (a normaliser that merges characters, e.g. NFC of decomposed text, aside). Computed once per
+    tokenizer (a pass over its vocabulary: milliseconds)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return 64  # no vocabulary to read: a generous bound (the longest entries of common BPEs are < 64)
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab if isinstance(t, str)), default=0)
+    return max(TOKEN_BYTES_FLOOR, longest)
 
 
 class ChatRenderer:

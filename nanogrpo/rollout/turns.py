@@ -8,7 +8,9 @@ For ``len(prompts) * n`` trajectories at once (prompt-major, as ``Engine.generat
    token budget;
 2. a turn that closed a call: the protocol pulls the call out of the turn's text; all calls of
    the step go to the sandbox together (``tools.workers`` at a time);
-3. each output, cut to ``tools.max_output_tokens``, is tokenised on its own, between the
+3. each output, cut to ``tools.max_output_tokens`` (first by bytes, to what that many tokens can hold
+   at most, :func:`~nanogrpo.rollout.render.token_bytes`, so a flood is never tokenised whole; then by
+   tokens), is tokenised on its own, between the
    protocol's text before and after it (each piece tokenised separately, the ids appended: the
    context is never re-tokenised, so the tokens trained on are exactly those the model saw; the
    output's special-token text stays plain text, so a tool cannot forge ``<|im_end|>``), and
@@ -69,11 +71,15 @@ class _Wrapper:
     """Token ids of the protocol's text around an output, and of an output cut to size."""
 
     def __init__(self, tokenizer, protocol, max_output_tokens: int):
+        from nanogrpo.rollout.render import token_bytes
+
         self.tok = tokenizer
         self.before = self.encode(protocol.before_output)
         self.after = self.encode(protocol.after_output)
         self.cut_mark = self.encode(TRUNCATED)
         self.limit = max_output_tokens
+        self.max_chars = max_output_tokens * token_bytes(tokenizer)
+        """More characters (each at least a byte) cannot fit in ``limit`` tokens: cut before tokenising."""
 
     def encode(self, text: str, plain: bool = False) -> list[int]:
         """``plain``: special-token text (``<|im_end|>``) in it stays text: a tool's output cannot
@@ -83,8 +89,9 @@ class _Wrapper:
         return list(self.tok(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"])
 
     def feed(self, output: str) -> tuple[list[int], str]:
-        body = self.encode(output, plain=True)
-        if len(body) > self.limit:
+        clipped = len(output) > self.max_chars  # its first max_chars already hold >= limit tokens
+        body = self.encode(output[:self.max_chars] if clipped else output, plain=True)
+        if len(body) > self.limit or clipped:
             body = body[:self.limit] + self.cut_mark
         return self.before + body + self.after, self.tok.decode(body, skip_special_tokens=False)
 

@@ -84,6 +84,18 @@ def _reward_metric_ops(row: dict[str, Any]) -> dict[str, str]:
     return ops
 
 
+def _env_metric_ops(row: dict[str, Any]) -> dict[str, str]:
+    """Episodes' ``env/…`` and ``agent/…`` metrics (:func:`nanogrpo.rollout.episodes.env_metrics`): means
+    and rates weighted by completions, ``env/time_s`` the slowest rank's, counts (episodes, finish
+    reasons, groups dropped, prompts too long, requests) added."""
+    ops = {}
+    for k in row:
+        if k.startswith(("env/", "agent/")):
+            ops[k] = "max" if k.endswith("time_s") else \
+                "mean" if k.endswith(("_mean", "_rate", "_per_episode")) else "sum"
+    return ops
+
+
 def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] = ()) -> dict[str, Any]:
     """One step's metrics over all ranks from each rank's own ``row`` (a collective: every rank calls
     it). Counts add up, per-completion means (``MEAN_KEYS`` and ``reward_keys``) are weighted by each
@@ -93,7 +105,7 @@ def merge_rank_metrics(row: dict[str, Any], all_reduce, reward_keys: list[str] =
 
     ``all_reduce(values, ops)`` is :meth:`nanogrpo.training.distributed.Backend.all_reduce`."""
     tools = {**{k: op for k, op in {**TOOL_KEYS, **DYNAMIC_KEYS}.items() if k in row},
-             **_reward_metric_ops(row)}
+             **_reward_metric_ops(row), **_env_metric_ops(row)}
     means = list(MEAN_KEYS) + sorted(reward_keys) + [k for k, op in tools.items() if op == "mean"]
     counts = list(COUNT_KEYS) + [k for k, op in tools.items() if op == "sum"]
     maxes = list(MAX_KEYS) + [k for k, op in tools.items() if op == "max"]

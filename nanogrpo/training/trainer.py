@@ -116,10 +116,17 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             from nanogrpo.models.source import resolve_model_path
 
             resolve_model_path(cfg.distill.teacher)  # a teacher that is not there: one line, no weights read
+        from nanogrpo.models.vision import check_run_images
+
+        check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
         if cfg.rollout.engine in ("vllm", "vllm_server"):
             from nanogrpo.rollout.vllm_engine import import_vllm
 
             import_vllm()  # installed? (a one-line error before any weights are read)
+        if cfg.rollout.engine == "vllm_server":
+            from nanogrpo.rollout.vllm_server.contact import preflight
+
+            preflight(cfg)  # a server answers? (a dead port said before the model loads)
     except Exception:
         rewards.close()
         raise
@@ -138,6 +145,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def train(run: PreparedRun) -> Path:
+    t_start = time.perf_counter()  # the end line says the whole time, loading and evaluations included
     cfg = run.cfg
     root = run.root
     root.mkdir(parents=True, exist_ok=True)
@@ -329,7 +337,7 @@ def train(run: PreparedRun) -> Path:
         if run.env is not None:
             run.env.close()
     if backend.is_main:
-        log.info(run_summary(root))
+        log.info(run_summary(root, wall_s=time.perf_counter() - t_start, start_step=start_step))
     # Under a launcher the process group stays up: destroying it while DDP's reducer still holds it
     # deadlocked (the group's destructor joins a gloo thread that waits for the GIL). The CLI leaves
     # a launched rank with os._exit once the run is done (see nanogrpo.cli.cmd_train).

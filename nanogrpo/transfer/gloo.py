@@ -398,11 +398,23 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             yield buf
 
     def shutdown(self) -> None:
-        if self.store is not None:  # a server still receiving stops waiting (:meth:`_receive`)
-            try:
-                self.store.set(ABANDONED, "1")
-            except Exception:  # noqa: BLE001 (nothing more to tell)
-                pass
-        _abort(self.group)
+        """Give the transfer up, without waiting: a sender sees ``group`` gone at once; the server is told
+        (:data:`ABANDONED`, so that it stops receiving) and the group torn down in a daemon thread, since
+        either can block as long as the group's timeout when the server stalled (a full socket buffer)."""
+        group, store = self.group, self.store
         self.group = None
         self.store = None
+        if group is None and store is None:
+            return
+
+        def end() -> None:
+            if store is not None:
+                try:
+                    store.set(ABANDONED, "1")
+                except Exception:  # noqa: BLE001 (nothing more to tell)
+                    pass
+            _abort(group)
+
+        t = threading.Thread(target=end, name="nanogrpo-transfer-end", daemon=True)
+        t.start()
+        _ENDING.append(t)

@@ -10,21 +10,31 @@ row, then one ``step`` per model turn. The model's text becomes the action ``{AC
 an episode succeeds when its return is above 0 (OpenEnv's wire format carries no success flag).
 
 What is read from the server is bounded: every WebSocket message by ``env.kwargs.max_message_bytes``
-(default 1 MiB, OpenEnv's client refuses a larger one), the schema by :func:`read_bounded`.
+(default 1 MiB) and by what an observation may hold (the rollout's ``max_observation_bytes``, six times
+over for JSON's escapes, plus 64 KiB): OpenEnv's client stops reading a larger message and the episode
+ends as ``too_long`` (a first observation: its group is dropped); the schema by :func:`read_bounded`.
+
+A server at capacity (OpenEnv's ``max_concurrent_envs``: the template ``openenv init`` writes has 1)
+refuses the sessions past its limit: each refused episode's group is dropped and counted
+(``env/groups_dropped``), and the run says once, in one line, that the server's limit is below the
+episodes in flight and that ``max_concurrent_envs`` in its ``create_app(...)`` raises it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from nanogrpo.envs.adapters.common import require
 from nanogrpo.envs.adapters.textarena import seed_of
-from nanogrpo.envs.base import Environment, StepResult
+from nanogrpo.envs.base import Environment, ObservationTooLong, SessionRefused, StepResult
 from nanogrpo.errors import ConfigError
 
 MAX_MESSAGE_BYTES = 1 << 20
 SCHEMA_BYTES = 1 << 20
+JSON_OVERHEAD = 65536
+_AT_CAPACITY = re.compile(r"at capacity: (\d+)/(\d+) sessions|CAPACITY_REACHED", re.IGNORECASE)
 
 
 def read_bounded(url: str, cap: int, timeout_s: float = 10.0) -> bytes:
@@ -77,16 +87,67 @@ class OpenEnvEnv(Environment):
         self.max_message_bytes, self.timeout_s = max_message_bytes, timeout_s
         self.client = None
 
+    def message_cap(self) -> int:
+        """The most bytes one WebSocket message may hold: ``max_message_bytes``, and no more than an
+        observation the rollout could show (``max_observation_bytes``, JSON-escaped, plus the rest)."""
+        if self.max_observation_bytes is None:
+            return self.max_message_bytes
+        return min(self.max_message_bytes, 6 * self.max_observation_bytes + JSON_OVERHEAD)
+
+    async def _call(self, coro, what: str):
+        """``coro`` (a client call), with the server's refusals and oversized messages as nanogrpo's."""
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            return await coro
+        except ConnectionClosed as e:
+            codes = [getattr(getattr(e, side, None), "code", None) for side in ("sent", "rcvd")]
+            if 1009 in codes:  # the client stopped reading a message over its max_size
+                raise ObservationTooLong(f"{self.url}: its {what} answer is over {self.message_cap()} bytes, "
+                                         "more than an observation may hold (not read)") from None
+            said = await self._last_word()  # a server at capacity says so, then closes, before we ask
+            if said is None or _AT_CAPACITY.search(said) is None:
+                raise
+            self._refused(said)
+        except RuntimeError as e:
+            if _AT_CAPACITY.search(str(e)) is None:
+                raise
+            self._refused(str(e))
+
+    async def _last_word(self) -> str | None:
+        """The message the server sent before it closed the connection, if one is waiting (read from the
+        client's WebSocket, at most ``max_size`` bytes), else None."""
+        import asyncio
+
+        ws = getattr(self.client, "_ws", None)
+        if ws is None:
+            return None
+        try:
+            msg = await asyncio.wait_for(ws.recv(), 1.0)
+        except Exception:  # noqa: BLE001 - nothing waiting: the caller re-raises the close
+            return None
+        return msg if isinstance(msg, str) else None
+
+    def _refused(self, said: str):
+        m = _AT_CAPACITY.search(said)
+        limit = int(m.group(2)) if m is not None and m.group(2) else None
+        try:
+            said = json.loads(said)["data"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise SessionRefused(f"{self.url}: session refused ({said.splitlines()[0][:200]})", limit,
+                             "raise max_concurrent_envs in the server's create_app(...)") from None
+
     async def reset(self, row: dict[str, Any]) -> str:
         core = require("openenv.core", "openenv-core", "env.source 'openenv:...'")
         self.client = core.GenericEnvClient(base_url=self.url, message_timeout_s=self.timeout_s,
-                                            max_message_size_mb=self.max_message_bytes / 2**20)
+                                            max_message_size_mb=self.message_cap() / 2**20)
         await self.client.connect()
-        res = await self.client.reset(seed=seed_of(row))
+        res = await self._call(self.client.reset(seed=seed_of(row)), "reset")
         return observation_text(res.observation, self.observation_field)
 
     async def step(self, action: str) -> StepResult:
-        res = await self.client.step({self.action_field: action})
+        res = await self._call(self.client.step({self.action_field: action}), "step")
         obs = res.observation if isinstance(res.observation, dict) else {}
         text = None if res.done else observation_text(obs, self.observation_field)
         return StepResult(text, 0.0 if res.reward is None else res.reward, bool(res.done))

@@ -6,7 +6,9 @@ wrappers included, so its action format rules apply) and resets it with a seed f
 same game, as GRPO compares them. The first observation is the game's prompt; after each move, the
 game's new messages (the player's own move left out: the model has it in context). At the end the
 game's reward for player 0 is the turn's reward; ``success`` is a reward of at least 1 (TextArena's
-single-player games give 1 for a solved game and a partial score otherwise).
+single-player games give 1 for a solved game and a partial score otherwise). The game's messages are
+joined no further than ``max_observation_bytes`` (set by the rollout): past it the observation is
+refused (``too_long``) without being built whole.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 from typing import Any
 
 from nanogrpo.envs.adapters.common import require
-from nanogrpo.envs.base import Environment, StepResult
+from nanogrpo.envs.base import Environment, ObservationTooLong, StepResult
 
 _SEEDING = threading.Lock()
 """TextArena seeds Python's global ``random`` in ``reset`` and draws from it there: one reset at a time."""
@@ -55,8 +57,17 @@ class TextArenaEnv(Environment):
         while hasattr(base, "env"):  # the wrappers keep the game in .env
             base = base.env
         me = base.state.current_player_id
-        return "\n".join(str(msg).strip() for frm, msg, _ in base.state.get_current_player_observation()
-                         if frm != me).strip()
+        cap, size, parts = self.max_observation_bytes, 0, []
+        for frm, msg, _ in base.state.get_current_player_observation():
+            if frm == me:
+                continue
+            text = str(msg).strip()
+            size += len(text) + 1  # characters: at least as many bytes
+            if cap is not None and size > cap:
+                raise ObservationTooLong(f"{self.game_id}: its observation holds more than {cap} characters, "
+                                         "more than an observation may hold")
+            parts.append(text)
+        return "\n".join(parts).strip()
 
 
 def load(rest: str, kwargs: dict):

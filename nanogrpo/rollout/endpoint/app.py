@@ -4,7 +4,9 @@ shapes, enough for the ``openai`` package and the libraries built on it).
 Every route needs ``Authorization: Bearer KEY`` with the key of an open episode
 (:class:`~nanogrpo.rollout.endpoint.episodes.Episodes`); the key also says which episode a request
 belongs to. Bodies are read in chunks and refused past ``max_body_bytes`` (413) or past a deadline
-(408), before any JSON is parsed. A request's ``temperature``, ``top_p``, ``top_k``, ``seed`` are not
+(408), before any JSON is parsed; a prompt whose text holds more bytes than the context has tokens
+left for (times the tokenizer's longest token) is refused (400 ``context_length_exceeded``) before it
+is tokenised. A request's ``temperature``, ``top_p``, ``top_k``, ``seed`` are not
 used: the run's ``rollout.*`` settings sample every token, so that the log-probs trained on are the
 behaviour policy's. ``max_tokens`` (or ``max_completion_tokens``) is honoured within the episode's
 token budget (``rollout.max_new_tokens`` over all its requests); ``stop`` is honoured (the reply's
@@ -19,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from nanogrpo.rollout.endpoint.episodes import EpisodeLog, Record, encode_with_reuse
+from nanogrpo.rollout.endpoint.episodes import EpisodeLog, Record, TooLong, encode_with_reuse
 
 MAX_STOPS = 8
 
@@ -153,8 +155,18 @@ def create_app(ep):
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
+    from nanogrpo.rollout.render import token_bytes
+
     s = ep.settings
     tok = ep.tokenizer
+    per_token = token_bytes(tok)
+
+    def encode_prompt(log: EpisodeLog, text: str) -> tuple[list[int], int]:
+        try:
+            return encode_with_reuse(tok, text, log.records, s.max_len, per_token)
+        except TooLong as e:
+            ep.episodes.refuse(log, "too_long")
+            raise ApiError(400, str(e), "context_length_exceeded") from None
 
     def episode_of(request) -> EpisodeLog:
         auth = request.headers.get("authorization", "")
@@ -238,7 +250,7 @@ def create_app(ep):
             text = ep.render(messages, tools)
         except Exception as e:
             raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
-        prompt, reused = encode_with_reuse(tok, text, log.records)
+        prompt, reused = encode_prompt(log, text)
         rec = await generate(log, "chat", prompt, text, reused, body)
         content, fr = reply_text(rec, body), finish(rec)
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -272,7 +284,7 @@ def create_app(ep):
             raise ApiError(400, "'echo' and 'suffix' are not supported")
         if isinstance(prompt, str) and prompt:
             text = prompt
-            ids, reused = encode_with_reuse(tok, text, log.records)
+            ids, reused = encode_prompt(log, text)
         elif isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < s.vocab_size for t in prompt):
             ids, reused = list(prompt), 0

@@ -125,17 +125,34 @@ class Episodes:
                 log.limit = limit
 
 
-def encode_with_reuse(tokenizer, text: str, earlier: list[Record]) -> tuple[list[int], int]:
+class TooLong(ValueError):
+    """A request's new text holds more bytes than the tokens left in the context can hold: refused
+    without tokenising it."""
+
+
+def encode_with_reuse(tokenizer, text: str, earlier: list[Record], max_len: int | None = None,
+                      per_token: int = 1) -> tuple[list[int], int]:
     """Token ids of ``text``: the ids of the longest earlier record whose sampled text ``text`` starts
-    with, then the rest tokenised on its own; ``(ids, reused)``. No such record: all of it tokenised."""
+    with, then the rest tokenised on its own; ``(ids, reused)``. No such record: all of it tokenised.
+    ``max_len``: the context's length in tokens; text the rest of it cannot hold (more bytes than the
+    tokens left times ``per_token``, :func:`~nanogrpo.rollout.render.token_bytes`) raises
+    :class:`TooLong` before any of it is tokenised."""
+    from nanogrpo.envs.base import text_bytes
+
     best = None
     for rec in earlier:
         if rec.text and text.startswith(rec.text) and (best is None or len(rec.text) > len(best.text)):
             best = rec
-    if best is None:
-        return encode(tokenizer, text), 0
-    head = best.ids
-    return head + encode(tokenizer, text[len(best.text):]), len(head)
+    head = best.ids if best is not None else []
+    rest = text[len(best.text):] if best is not None else text
+    if max_len is not None:
+        cap = max(max_len - len(head), 0) * per_token
+        size = text_bytes(rest, cap)
+        if size > cap:
+            raise TooLong(f"the prompt's text is {'at least ' if size > cap + 1 else ''}{size} bytes; this "
+                          f"run's context holds {max_len} tokens (at most {max_len * per_token} bytes of "
+                          "text with this tokenizer)")
+    return head + encode(tokenizer, rest), len(head)
 
 
 def encode(tokenizer, text: str) -> list[int]:

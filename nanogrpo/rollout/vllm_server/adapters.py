@@ -90,8 +90,11 @@ class AdapterSync:
     def _load_on(self, slot: Slot, version: int) -> None:
         """Load version ``version``'s adapter on ``slot`` and read it back (raises on failure)."""
         name = adapter_name(version)
-        if slot.state == BACK:  # synced whole (restarted, or new): it holds no adapter of ours
+        if slot.state == BACK:  # synced whole (new to this run, or restarted): adapters of another run go
             slot.extra["adapters"] = set()
+            for old in slot.client.models():
+                if adapter_version(old) is not None:
+                    slot.client.unload_adapter(old)
         slot.client.load_adapter(name, str(self.dir / name))
         if name not in slot.client.models():
             raise ServerFault(f"{slot.url} does not list the adapter {name} it was told to load")

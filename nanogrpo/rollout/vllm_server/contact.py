@@ -65,6 +65,21 @@ def connect(pool: ServerPool, wait_s: float, facts: dict[str, Any] | None = None
     return [s.url for s in waiting]
 
 
+def preflight(cfg) -> None:
+    """Before any model is loaded: at least one server of ``cfg.rollout.servers`` answers within
+    ``vllm_server.connect_wait_s`` (else :class:`ServerUnreachable`, one line naming each URL and why), so
+    that a dead port is said in seconds, not after the model has loaded. The model check comes later,
+    with the trainer's model (:func:`connect`)."""
+    from nanogrpo.rollout.vllm_server.http import ServerClient
+
+    pool = ServerPool([ServerClient(u) for u in cfg.rollout.servers])
+    try:
+        connect(pool, cfg.vllm_server.connect_wait_s)
+    finally:
+        for s in pool.slots:
+            s.client.close()
+
+
 def check_model(slot, facts: dict[str, Any] | None, lora: tuple[int, int] | None = None) -> None:
     """Raise :class:`ServerModelMismatch` when the server's model differs from ``facts``, or (``lora``)
     it cannot serve the run's adapter."""

@@ -239,7 +239,9 @@ class ServerClient:
 
     # vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; docs/guides/scaling-out.md)
     def load_adapter(self, name: str, path: str) -> None:
-        self._call("POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path},
+        """Load the adapter at ``path`` as ``name``; one already loaded under that name is replaced."""
+        self._call("POST", "/v1/load_lora_adapter",
+                   body={"lora_name": name, "lora_path": path, "load_inplace": True},
                    timeout=self.transfer_timeout_s, text=True)
 
     def unload_adapter(self, name: str) -> None:

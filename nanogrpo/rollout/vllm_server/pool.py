@@ -230,7 +230,7 @@ class ServerPool:
                 if ok:
                     with self._cv:
                         s.state = BACK
-                        _drop_transfer(s)  # a restarted server has a new transfer engine: init again
+                    _drop_transfer(s)  # a restarted server has a new transfer engine: init again
                     log.warning("vLLM server %s answers again; it serves once it has the current weights",
                                 s.url)
         return [s for s in self.slots if s.state == BACK]
@@ -245,16 +245,18 @@ class ServerPool:
         """Take ``slot`` out: it serves nothing until a later sync has given it the whole weights; the
         requests in flight to it end now (retried elsewhere)."""
         with self._cv:
-            if slot.state != OUT:
+            taken = slot.state != OUT
+            if taken:
                 slot.state = OUT
                 slot.failures += 1
                 slot.last_probe = self._clock()
                 self.taken_out += 1
-                _drop_transfer(slot)
-                if self._closed is None:  # (a closed pool's requests end by design)
-                    log.warning("vLLM server %s taken out of the pool: %s", slot.url,
-                                str(err).splitlines()[0] if str(err) else type(err).__name__)
             self._cv.notify_all()
+        if taken:  # (outside the lock: dropping a transfer group tells its server, which may be stalled)
+            _drop_transfer(slot)
+            if self._closed is None:  # (a closed pool's requests end by design)
+                log.warning("vLLM server %s taken out of the pool: %s", slot.url,
+                            str(err).splitlines()[0] if str(err) else type(err).__name__)
         _abort(slot)
 
     # ------------------------------------------------------------------ liveness and the end
