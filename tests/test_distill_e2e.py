@@ -61,7 +61,8 @@ def _train(models: Path, out: Path, *extra: str, steps: int = 2, background: boo
     cmd = [sys.executable, "-m", "nanogrpo.cli", "train", "--model", str(models / "student"), "--out",
            str(out), "--steps", str(steps), "rollout.prompts_per_step=2", "grpo.group_size=4",
            "rollout.max_new_tokens=12",
-           "grpo.beta=0", "rewards.workers=0", "eval.every=1", "eval.n=4", "train.save_every=1", *extra]
+           "grpo.beta=0", "rewards.workers=0", "eval.every=1", "eval.n=4", "train.save_every=1",
+           "model.cpu_linear=torch", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 (the child's output for its life)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -106,9 +107,11 @@ class _Serve:
             self.proc.wait(timeout=60)
 
 
-@pytest.fixture
-def serve(models, tmp_path):
-    s = _Serve(models, tmp_path)
+@pytest.fixture(scope="module")
+def serve(models, tmp_path_factory):
+    """One ``nanogrpo serve --teacher`` for the module (its start is most of a test's cost); the kill test,
+    which restarts it and then kills it for good, runs last."""
+    s = _Serve(models, tmp_path_factory.mktemp("serve"))
     s.start()
     yield s
     s.stop()
@@ -116,18 +119,6 @@ def serve(models, tmp_path):
 
 def _rows(out: Path) -> list[dict]:
     return read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
-
-
-def test_train_with_a_teacher_in_the_process(models, tmp_path):
-    out = tmp_path / "run"
-    rc, log = _train(models, out, f"distill.teacher={models / 'teacher'}")
-    assert rc == 0, log[-3000:]
-    rows = _rows(out)
-    assert "eval/teacher/accuracy" in rows[0]
-    for r in rows[1:]:
-        assert r["groups_kept"] == r["groups_total"] == 2       # none dropped: the teacher's signal is in all
-        assert r["distill/reverse_kl"] > 1e-3 and r["loss"] != 0  # two random models: apart, if not far
-        assert "distill/reverse_kl_correct" in r and "distill/reverse_kl_wrong" in r
 
 
 def test_nanogrpo_serve_holds_the_teacher(models, serve, tmp_path):
@@ -140,19 +131,16 @@ def test_nanogrpo_serve_holds_the_teacher(models, serve, tmp_path):
         b = local.score(_batch(), TrainConfig(), True, temp, None, k)
         for key in a:
             assert float((a[key].double() - b[key].double()).abs().max()) < 1e-5, key
-    out = tmp_path / "run"
-    rc, log = _train(models, out, f"distill.teacher={serve.url}", "distill.signal=jsd", "distill.top_k=3",
-                     "distill.beta=0.5")
-    assert rc == 0, log[-3000:]
-    assert all(r["distill/divergence"] > 0 for r in _rows(out)[1:])
 
 
 def test_a_teacher_server_killed_mid_run(models, serve, tmp_path):
-    """Killed and restarted within ``distill.retry_for_s``: the step waits, the run goes on (every step once).
-    Killed for good: the run stops with one line, its checkpoints kept for ``--resume``."""
+    """``nanogrpo train`` with ``distill.teacher`` = the server (jsd on its top-3, the JSD proper): killed and
+    restarted within ``distill.retry_for_s``, the step waits and the run goes on (every step once, each with
+    the teacher's divergence). Killed for good: the run stops with one line, its checkpoints kept for
+    ``--resume``."""
     out = tmp_path / "run"
     proc = _train(models, out, f"distill.teacher={serve.url}", "distill.retry_for_s=600", "eval.every=0",
-                  steps=3, background=True)
+                  "distill.top_k=3", "distill.beta=0.5", steps=3, background=True)
     while not _rows(out) and proc.poll() is None:
         time.sleep(0.2)
     serve.kill()
@@ -160,6 +148,7 @@ def test_a_teacher_server_killed_mid_run(models, serve, tmp_path):
     serve.start()
     assert proc.wait(timeout=900) == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+    assert all(r["distill/divergence"] > 0 and r["groups_kept"] == r["groups_total"] == 2 for r in _rows(out))
     assert "retrying" in (tmp_path / "run.log").read_text()
 
     out2 = tmp_path / "run2"
@@ -172,6 +161,42 @@ def test_a_teacher_server_killed_mid_run(models, serve, tmp_path):
     last = (tmp_path / "run2.log").read_text().strip().splitlines()[-1]
     assert last.startswith("nanogrpo: error: the teacher server") and "did not answer" in last, last
     assert (out2 / "checkpoints" / "step_1").is_dir()
+
+
+def test_split_mode_trainer_scores_its_batches_with_the_teacher(models, tmp_path, monkeypatch):
+    """Split mode: the workers' batches reach the trainer unscored and its teacher scores each; here the
+    teacher is the very server that brokers the batches (``nanogrpo serve --teacher``'s app, a real uvicorn
+    server in a thread), jsd on its top-2. Every batch trains once with the teacher's divergence, and the
+    reverse KL on the correct and on the wrong completions comes from the ``correct`` flags that crossed the
+    wire."""
+    from nanogrpo.config import load_config
+    from nanogrpo.models.load import load_model
+    from nanogrpo.serve.client import ServerClient
+    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.server import ServerState, Settings
+    from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
+
+    monkeypatch.setenv("NANOGRPO_TOKEN", TOKEN)
+    teacher = LocalTeacher(load_model(str(models / "teacher"), torch.float32, torch.device("cpu")), TOK, "t")
+    settings = Settings(vocab_size=len(TOK), max_weights_body=8 << 20, lease_s=30)
+    st = ServerState(settings, TOKEN, teacher=teacher)
+    out = tmp_path / "run"
+    with LiveServer(st) as srv:
+        cfg = load_config(overrides=[f"model.path={models / 'student'}", "grpo.beta=0", "train.steps=2",
+                                     f"train.out={out}", "train.save_every=0", "log.tensorboard=false",
+                                     "rewards.workers=0", "model.cpu_linear=torch", "distill.top_k=2",
+                                     f"distill.teacher={srv.url}", "distill.beta=0.5"])
+        with ServerClient(srv.url, TOKEN) as c:
+            for i in range(2):
+                b = make_batch(vocab=len(TOK), seed=i)
+                b.correct = torch.arange(b.num_seqs) % 2 == 0
+                c.upload(b, f"b{i}")
+        assert train_from_server(cfg, srv.url) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["batch_ids"] for r in rows] == [["b0"], ["b1"]]
+    for r in rows:
+        assert r["distill/divergence"] > 0 and r["loss"] > 0
+        assert r["distill/reverse_kl_correct"] != r["distill/reverse_kl_wrong"]
 
 
 # ----------------------------------------------------------------------------- a server that answers garbage
