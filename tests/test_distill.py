@@ -217,7 +217,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
     assert "\n" not in msg and "another vocabulary" in msg and "2 of" in msg
 
 
-def test_jsd_over_the_vocabulary_refuses_a_head_of_another_size():
+def test_a_teacher_head_wider_than_the_students():
     import transformers
 
     cfg = make_model("tiny", TOK).config
@@ -225,6 +225,17 @@ def test_jsd_over_the_vocabulary_refuses_a_head_of_another_size():
     teacher = LocalTeacher(transformers.Qwen2ForCausalLM(cfg), TOK, "wide")
     with pytest.raises(ModelError, match="outputs, the student's"):
         teacher.check_vocab_size(make_model("tiny", TOK))
+    # its top-k (distill.top_k) is taken among the student's ids, even where the padded rows would win it
+    with torch.no_grad():
+        teacher.model.get_output_embeddings().weight[len(TOK):] = 5.0
+    b = _batch()
+    train = load_config().train
+    assert int(teacher.score(b, train, True, 1.0, None, 3)["teacher_topk_ids"].max()) >= len(TOK)
+    teacher.rows = len(TOK)
+    got = teacher.score(b, train, True, 1.0, None, 3)
+    m = b.completion_mask
+    assert int(got["teacher_topk_ids"].max()) < len(TOK)
+    assert float(got["teacher_topk_logprobs"][m].exp().sum(-1).max()) < 0.5  # normalised over the whole head
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -81,6 +81,7 @@ class Distill:
             dtype = next(student.parameters()).dtype
             teacher = LocalTeacher.load(d.teacher, tokenizer, dtype, device, cfg.model.attn_implementation,
                                         cfg.model.trust_remote_code, cfg.model.cpu_linear)
+            teacher.rows = student.get_output_embeddings().weight.shape[0]  # its top-k: ids the student has
         return cls.with_teacher(cfg, teacher, student)
 
     @classmethod

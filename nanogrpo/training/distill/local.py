@@ -43,8 +43,12 @@ class LocalTeacher:
 
     remote = False
 
-    def __init__(self, model: torch.nn.Module, tokenizer, name: str):
+    def __init__(self, model: torch.nn.Module, tokenizer, name: str, rows: int | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.rows = rows
+        """The student's head rows: the top-k is taken among the ids below (a teacher head padded past the
+        student's, Qwen2.5-7B's 152,064 rows against 1.5B's 151,936, never offers an id the student lacks;
+        the log-probs stay normalised over the teacher's whole head). None: the teacher's head."""
         self.model.eval().requires_grad_(False)
 
     @classmethod
@@ -123,9 +127,10 @@ class LocalTeacher:
                 z = F.linear(hs[i:i + train.logprob_chunk], w, b).to(acc_dtype(w.dtype))  # (t, V)
                 z = z / temperature
                 z = z.log_softmax(-1)
-                if k > z.shape[-1]:
-                    raise ModelError(f"distill.top_k={k} exceeds the teacher's vocabulary of {z.shape[-1]}")
-                v, j = z.topk(k, -1)                                        # (t, k)
+                kept = z[:, :self.rows]                                     # (t, V') ids the student has
+                if k > kept.shape[-1]:
+                    raise ModelError(f"distill.top_k={k} exceeds the vocabulary of {kept.shape[-1]}")
+                v, j = kept.topk(k, -1)                                     # (t, k)
                 vals.append(v.float())
                 idx.append(j)
                 own.append(z.gather(-1, tg[i:i + train.logprob_chunk, None]).squeeze(-1).float())
