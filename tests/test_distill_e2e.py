@@ -1,8 +1,8 @@
-"""On-policy distillation end to end: ``nanogrpo train`` with a teacher in the process and with a teacher
-behind ``nanogrpo serve --teacher`` (a real server process: its scores equal the teacher's in the process;
-killed mid-run and restarted, the step waits and the run goes on; killed for good, the run stops in one
-line), and a teacher server that answers garbage (each kind refused in one line, never trained on); the
-demo's learning test (``test_demo_distill_learns``)."""
+"""On-policy distillation end to end: ``nanogrpo train`` with a teacher in the process (the demo) and with
+a teacher behind ``nanogrpo serve --teacher`` (a real server process: its scores equal the teacher's in the
+process; killed mid-run and restarted, the step waits and the run goes on; killed for good, the run stops in
+one line), split mode (the trainer scores its batches), and a teacher server that answers garbage (each kind
+refused in one line, never trained on); the demo's learning test (``test_demo_distill_learns``)."""
 
 from __future__ import annotations
 
@@ -297,18 +297,24 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(garbage):
 
 
 def test_demo_distill_learns(tmp_path):
-    """``nanogrpo train --config demo-distill`` as shipped (its teacher ``embedded-distill``, the preset's
-    steps): the held-out accuracy beats step 0 by at least 25 points, the teacher's is reported beside it,
-    and the reverse KL to the teacher falls."""
+    """``nanogrpo train --config demo-distill`` (its teacher ``embedded-distill`` in the process, jsd over the
+    whole vocabulary) cut to 5 steps and 100 held-out problems for CI (bench/distill_demo.py runs the whole
+    demo; docs/figures.md): the teacher's accuracy is reported beside the student's, no group is dropped (the
+    teacher's signal is in every one), the reverse KL is logged on the correct and on the wrong completions,
+    and the held-out accuracy beats step 0 by 10 points (the shipped demo's step 5: +18 on 200 problems)."""
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "nanogrpo.cli", "train", "--config", "demo-distill", "--out",
-                        str(out), "rewards.workers=0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
+                        str(out), "--steps", "5", "eval.every=5", "eval.n=100", "train.save_every=0",
+                        "rewards.workers=0", "model.cpu_linear=torch"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(out)
     held = [x["eval/accuracy"] for x in rows if "eval/accuracy" in x]
-    assert rows[0]["eval/teacher/accuracy"] > 0.85
-    assert held[-1] >= held[0] + 0.25, held
+    assert rows[0]["eval/teacher/accuracy"] > 0.85 and held[0] < 0.2
+    assert held[-1] >= held[0] + 0.10, held
+    for x in rows[1:]:
+        assert x["groups_kept"] == x["groups_total"] == 16
+        assert "distill/reverse_kl_correct" in x and "distill/reverse_kl_wrong" in x
     kl = [x["distill/reverse_kl"] for x in rows[1:]]
-    assert sum(kl[-3:]) < sum(kl[:3]), kl
+    assert sum(kl[-2:]) < sum(kl[:2]), kl
