@@ -291,7 +291,7 @@ def bench_sync_ab(other: Path, shape: str, repeats: int) -> None:
             w.stdin.close()
             w.wait(timeout=60)
         for launcher in launchers.values():
-            launcher.send_signal(2)  # SIGINT: the launcher ends its servers
+            launcher.terminate()  # SIGTERM: the launcher ends its servers
             launcher.wait(timeout=120)
 
 

@@ -243,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         s.up = False
 
     announced = False
+    # SIGTERM (kill, a job scheduler, systemd) and SIGHUP end the launcher as Ctrl-C does: its servers run
+    # in sessions of their own (so that ending one leaves the launcher), and Python's default SIGTERM
+    # would exit without the ``finally`` below, leaving them serving with nobody to stop them. SIGINT is
+    # set too: a shell without job control starts background commands with it ignored.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for s in servers:
             launch(s)
@@ -290,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             if s.proc is not None:
                 end(s.proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def check_plugin() -> None:

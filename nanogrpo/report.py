@@ -14,9 +14,12 @@ one run, ``./report`` for several):
 - ``overview.png``: all eight in one figure;
 - ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
   accuracy, KL, length, step time, throughput) with the plots linked;
-- ``samples.html``: the sample completions the runs logged (``samples.jsonl``, ``log.samples_every``),
-  each beside its prompt's images for vision-language runs (a text run's table has no image column),
-  with its rewards.
+- ``samples.html``: the rollout tables the runs logged (``samples.jsonl``, ``log.samples_every``): prompts
+  and completions, each beside its prompt's images for vision-language runs (a text run's table has no
+  image column), with each reward component and its advantage;
+- the run monitor's alarms (``RUN/watch.jsonl``, :mod:`nanogrpo.watch`): a "Watch" section in
+  ``report.md`` and one ``watch_<run>_<rule>_<step>.png`` per alarm (its series with the moment marked,
+  and completions of that step beside the run's first).
 
 matplotlib is needed (``pip install 'nanogrpo[report]'``); it runs headless (Agg backend).
 """
@@ -250,7 +253,7 @@ def samples_html(runs: list[RunData], out: Path) -> Path | None:
         with_images = any(shown)  # a text run: no image column
         parts.append(f"<h2>{html.escape(r.label)}</h2><table><tr><th>step</th>"
                      + ("<th>image</th>" if with_images else "")
-                     + "<th>question</th><th>completion</th><th>rewards</th></tr>")
+                     + "<th>question</th><th>completion</th><th>rewards, advantage</th></tr>")
         for ex, urls in zip(rows, shown):
             imgs = "".join(f'<img src="{html.escape(u, quote=True)}" alt="prompt image">' for u in urls)
             scores = ", ".join(f"{html.escape(str(k))}={v:.3g}" if isinstance(v, float) else
@@ -291,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or (a.runs[0] / "report" if len(a.runs) == 1 else Path("report"))
     images = plot(runs, out)
     md = out / "report.md"
-    md.write_text(summary_markdown(runs, images))
+    import matplotlib.pyplot as plt  # plot() has set it up (Agg)
+
+    from nanogrpo.watch.figures import watch_section
+
+    watch, figures = watch_section([(r.label, r.path, r.rows) for r in runs], out, plt)
+    md.write_text(summary_markdown(runs, images) + ("\n" + "\n".join(watch) if watch else ""))
+    images += figures
     page = samples_html(runs, out)
     shown = f"; sample completions: {page}" if page else ""
     print(f"report: {md} and {len(images)} plots in {out}{shown}")

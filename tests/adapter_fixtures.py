@@ -18,6 +18,27 @@ def need(module: str):
     return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[envs]')")
 
 
+def verifiers_api() -> str:
+    """``"v1"`` (verifiers 0.4 or later), ``"classic"`` (0.3) or ``""`` (none), from its metadata."""
+    from nanogrpo.envs.adapters.verifiers_v1.source import installed
+
+    return installed()
+
+
+def need_verifiers(api: str):
+    """``import verifiers`` when the installed one is ``api`` (``"v1"``: 0.4, ``"classic"``: 0.3; the two
+    cannot share an environment), else skip the test, unless the environment is meant to have it:
+    ``NANOGRPO_REQUIRE_ENVS=1`` (the envs extra: v1) or ``NANOGRPO_REQUIRE_CLASSIC=1`` (verifiers 0.3,
+    ``.ci/run`` installs it in place for the classic tests)."""
+    required = os.environ.get("NANOGRPO_REQUIRE_ENVS" if api == "v1" else "NANOGRPO_REQUIRE_CLASSIC") == "1"
+    have = verifiers_api() or "none"
+    if have != api:
+        if required:
+            pytest.fail(f"verifiers ({api}) is required here, the installed one is {have}")
+        pytest.skip(f"needs verifiers {'>=0.4' if api == 'v1' else '0.3'} (installed: {have})")
+    return importlib.import_module("verifiers")
+
+
 def answer_of(text: str) -> str | None:
     m = re.findall(r"<answer>(.*?)</answer>", text)
     return m[-1].strip() if m else None
@@ -58,14 +79,21 @@ def openenv_app(target: int = 7):
     """An OpenEnv server app (``openenv.core``'s own ``create_app``) for a counting game: the model says
     a number; the server answers "higher" / "lower" and rewards 1 with done when it says ``target``
     (which the reset seed shifts: ``target + seed % 3``); the episode also ends after 3 moves. The move
-    ``flood`` is answered with a 10 MiB hint."""
+    ``flood`` is answered with a 10 MiB hint. A move sent as a JSON number is read as its text: verifiers
+    0.4's OpenEnv taskset sends a reply that parses as JSON as what it parses to (``"7"``: the number 7),
+    which a string field alone refuses (the step a validation error, the episode lost)."""
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
-    from pydantic import Field
+    from pydantic import Field, field_validator
 
     class GuessAction(Action):
         guess: str = Field(..., description="the model's move")
+
+        @field_validator("guess", mode="before")
+        @classmethod
+        def number_as_text(cls, v):
+            return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
     class GuessObservation(Observation):
         hint: str = Field(default="", description="what the game says")

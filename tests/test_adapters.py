@@ -20,7 +20,7 @@ from nanogrpo.models.load import load_policy
 from nanogrpo.rollout.agents import AgentEpisodes
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
-from tests.adapter_fixtures import ROWS, answer_of, need
+from tests.adapter_fixtures import ROWS, answer_of, need, need_verifiers, verifiers_api
 
 need("openai")
 
@@ -75,7 +75,7 @@ def check_trajectory(gen, i, tok):
 
 
 def test_verifiers_multiturn_env_through_the_endpoint(policy):
-    need("verifiers")
+    need_verifiers("classic")
     _, tok = policy
     gen = play(agent_episodes("verifiers:tests.adapter_fixtures:retry_env"), policy)
     assert len(gen.completion_ids) == 4 and gen.kept == [0, 1]
@@ -145,7 +145,7 @@ def test_a_program_that_raises_answers_nan_or_hangs_gets_the_penalty_and_the_run
 
 
 def test_verifiers_load_environment_and_objects_from_python():
-    need("verifiers")
+    need_verifiers("classic")
     from tests.adapter_fixtures import retry_env
 
     program = resolve("verifiers:tests.adapter_fixtures", {"max_turns": 3})()  # vf.load_environment
@@ -154,7 +154,8 @@ def test_verifiers_load_environment_and_objects_from_python():
 
 
 def test_sources_that_cannot_load_are_one_line_errors():
-    for source, words in [("verifiers:no_such_env_module_xyz", "load_environment failed"),
+    missing = "cannot load taskset" if verifiers_api() == "v1" else "load_environment failed"
+    for source, words in [("verifiers:no_such_env_module_xyz", missing),
                           ("textarena:NoSuchGame-v0", "no such TextArena game"),
                           ("openenv:not-a-url", "expected a URL"),
                           ("agent:tests.adapter_fixtures:NoSuchThing", "no attribute")]:

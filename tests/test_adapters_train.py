@@ -14,7 +14,7 @@ import nanogrpo
 from nanogrpo.config import Config
 from nanogrpo.rollout.agents import AgentEpisodes
 from nanogrpo.rollout.episodes import Episodes
-from tests.adapter_fixtures import ROWS, answer_of, need
+from tests.adapter_fixtures import ROWS, answer_of, need, need_verifiers
 from tests.test_adapters import openenv_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def check_rows(batch, gen, tok):
 
 
 def test_train_with_a_verifiers_multiturn_env(tmp_path, captured):
-    need("verifiers")
+    need_verifiers("classic")
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.models.source import resolve_model_path
 

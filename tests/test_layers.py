@@ -14,8 +14,9 @@ The layers, lowest first (README, "The source tree"):
                                              (by clients of every layer above)
     batch                                    the wire record (its images' tensors: algo.vision)
     config                                   (which names the algorithm's variants)
-    console, hub, rewards, tools, transfer   the screen, asking the HF hub, rewards, the tool sandbox,
-                                             weights to vLLM servers (vLLM's weight-transfer engines)
+    console, hub, rewards, tools, transfer,  the screen, asking the HF hub, rewards, the tool sandbox,
+    watch                                    weights to vLLM servers (vLLM's weight-transfer engines),
+                                             the run monitor's rules (over metric rows)
     envs                                     multi-turn environments: the interface, loading, calling
     data                                     datasets and prompts (may read answers with rewards)
     models                                   loading, the embedded models and their warm starts
@@ -52,7 +53,7 @@ LAYERS = [
     {"algo", "http_limits"},
     {"batch"},
     {"config"},
-    {"console", "hub", "rewards", "tools", "transfer"},
+    {"console", "hub", "rewards", "tools", "transfer", "watch"},
     {"envs"},
     {"data"},
     {"models"},

@@ -4,6 +4,7 @@ the one-line summary, and truncation on resume."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -194,6 +195,43 @@ def test_a_rank_without_completions_weighs_nothing():
     assert a["reward_mean"] == b["reward_mean"] == pytest.approx(0.5)
     assert a["reward/f"] == pytest.approx(0.5) and a["num_completions"] == 4
     assert a["reward_std"] == pytest.approx(0.1)
+
+
+@pytest.mark.slow  # W&B starts a service process: ~10-20 s
+def test_the_rollout_table_reaches_tensorboard_and_wandb(tmp_path, monkeypatch):
+    """Every ``log.samples_every`` steps the rollout table (prompts, completions, each reward component, the
+    total, the advantage) goes to samples.jsonl, to TensorBoard as a text table and, with ``log.wandb``, to
+    W&B as a ``wandb.Table`` (W&B's offline mode: the table's JSON in the run's files; wandb is an optional
+    extra: it skips without it, except with ``NANOGRPO_REQUIRE_WANDB=1``, set by ``.ci/run``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if os.environ.get("NANOGRPO_REQUIRE_WANDB") == "1":
+        import wandb  # CI installed the wandb extra: a missing wandb is a failure
+    else:
+        wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = Config.load("demo", ["log.wandb=true", "log.samples_every=2"])
+    ex = [{"group": 0, "question": "2+3?", "completion": "<answer>5</answer>", "correctness": 1.0,
+           "format": 1.25, "reward": 2.25, "advantage": 0.9, "finish_reason": "stop"},
+          {"group": 0, "question": "2+3?", "completion": "<answer>6</answer>", "correctness": -1.0,
+           "format": 1.25, "reward": 0.25, "advantage": -0.9, "finish_reason": "stop"}]
+    log = RunLogger(tmp_path, cfg)
+    for s in (1, 2):
+        log.log_step(_row(s), ex)
+    log.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [2, 2]
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = acc.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text.startswith("| group | question | completion | correctness | format | reward | advantage |")
+    assert "| 0 | 2+3? | <answer>6</answer> | -1 | 1.25 | 0.25 | -0.9 | stop |" in text
+    tables = list((tmp_path / "wandb").glob("offline-run-*/files/media/table/samples_2_*.table.json"))
+    assert len(tables) == 1, wandb.__version__
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["group", "question", "completion", "correctness", "format", "reward",
+                                "advantage", "finish_reason"]
+    assert table["data"][1][2:] == ["<answer>6</answer>", -1.0, 1.25, 0.25, -0.9, "stop"]
 
 
 def test_the_end_line_says_the_whole_time_and_what_it_is_made_of(tmp_path):

@@ -33,8 +33,8 @@ issue 38 (the server's 200 arriving before the trainer's broadcast reports done)
 **Repetitions.** The injection is deterministic (hooks at protocol points), so what varies between runs
 is thread timing: the liveness watch against the sync's own calls, retried generation requests, the
 gloo completion against the HTTP answer. Each stall / fail / refuse case runs ``NANOGRPO_FAULT_REPEATS``
-times (CI: 2; measured locally at 10 with no failure, docs/figures.md); each kill case once (every kill
-costs a server restart, 30-90 s on a 2-core CPU).
+times (CI and locally: 2; set it higher to hunt a race, at ~20 s per repeat and case); each kill
+case once (every kill costs a server restart, 30-90 s on a 2-core CPU).
 """
 
 from __future__ import annotations

@@ -140,16 +140,29 @@ class Servers:
         """After :meth:`kill`: wait until the launcher has restarted it and it answers."""
         self.wait(i)
 
-    def stop(self) -> None:
+    def stop(self) -> list[int]:
+        """End the launcher with SIGTERM (what ``kill``, a job scheduler or systemd sends) and return the
+        server processes that outlived it (none should: it ends its servers as on Ctrl-C)."""
+        import psutil
+
         for i in range(2):
             if self.pid(i) is not None:
                 self.cont(i)
-        if self.launcher is not None and self.launcher.poll() is None:
-            self.launcher.send_signal(signal.SIGINT)  # the launcher ends its servers, as on Ctrl-C
+        if self.launcher is None or self.launcher.poll() is not None:
+            return []
+        group = [p for p in psutil.Process(self.launcher.pid).children(recursive=True)]
+        self.launcher.send_signal(signal.SIGTERM)
+        try:
+            self.launcher.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.launcher.kill()
+        _, alive = psutil.wait_procs(group, timeout=15)
+        for proc in alive:  # (not left running after the tests, whatever the verdict)
             try:
-                self.launcher.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.launcher.kill()
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return [proc.pid for proc in alive]
 
 
 def two_servers(tmp: Path):
@@ -160,7 +173,8 @@ def two_servers(tmp: Path):
         print(f"vllm serve x2 up in {max(s.wait(0), s.wait(1)):.0f} s")
         yield s
     finally:
-        s.stop()
+        left = s.stop()
+    assert not left, f"SIGTERM to the launcher left server processes running: {left}"
 
 
 def train(servers: Servers, out: Path, *args: str, resume: bool = False, launch: list[str] | None = None,

@@ -12,6 +12,11 @@
 3. runs ``nanogrpo report RUN`` and keeps its overview and held-out plots as ``docs/figures/
    report_overview.png`` and ``report_heldout_accuracy.png``.
 
+``--watch`` does the same for the run monitor: a run that goes wrong on purpose (the ``echo_judge`` fault of
+``nanogrpo/bench/watch_faults.py``: a judge that likes a phrase) with ``watch.stop_on`` naming its rule,
+the terminal at the end (the watch line, the run stopped) as ``docs/figures/watch_terminal.png``, and the
+report's figure of the alarm as ``docs/figures/watch_report_event.png``.
+
 PNGs are reduced to a 256-colour palette (Pillow) to keep the repository small. Needs the ``docs``
 extra (pyte) and the ``report`` extra (matplotlib).
 """
@@ -123,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, default=Path("runs/demo"), help="the run directory (the demo's own)")
     ap.add_argument("--reuse", action="store_true", help="render the last capture again; run nothing")
+    ap.add_argument("--watch", action="store_true", help="the run monitor's screenshots (a faulty run)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the demo run")
     a = ap.parse_args(argv)
+    if a.watch:
+        return watch_screens(a.run if a.run != Path("runs/demo") else Path("runs/watch-echo-judge"), a.reuse,
+                             a.overrides)
     log = a.run / "terminal.jsonl"
     if not a.reuse:
         if a.run.exists():
@@ -144,6 +153,34 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copyfile(a.run / "report" / f"{name}.png", FIGURES / f"report_{name}.png")
         _palette(FIGURES / f"report_{name}.png")
     print(f"screenshots: {FIGURES}/train_terminal_{{mid,end}}.png, report_{{overview,heldout_accuracy}}.png")
+    return 0
+
+
+def watch_screens(run: Path, reuse: bool, overrides: list[str]) -> int:
+    """``--watch``: the echo_judge fault, stopped by its rule; the terminal's end and the alarm's figure."""
+    from nanogrpo.bench.watch_faults import FAULTS, SMALL
+
+    fault = FAULTS["echo_judge"]
+    keys = [*SMALL, *fault.overrides, f"train.steps={fault.steps}", f'watch.stop_on=["{fault.rule}"]',
+            *overrides]
+    log = run / "terminal.jsonl"
+    if not reuse:
+        if run.exists():
+            shutil.rmtree(run)
+        argv = [sys.executable, "-m", "nanogrpo.cli", "train", "--out", str(run), *keys]
+        code = capture(argv, log, rows=20)
+        if code != 0:
+            print(f"nanogrpo train exited with {code}; its output is in {log}", file=sys.stderr)
+            return code
+    (end,) = screens(log, [1.0], rows=20)
+    shown = " ".join(k if "[" not in k else f"'{k}'" for k in keys)
+    render(end, FIGURES / "watch_terminal.png", f"$ nanogrpo train --out {run} {shown}")
+    subprocess.run([sys.executable, "-m", "nanogrpo.cli", "report", str(run), "--out", str(run / "report")],
+                   check=True)
+    (fig,) = sorted((run / "report").glob(f"watch_*_{fault.rule}_*.png"))
+    shutil.copyfile(fig, FIGURES / "watch_report_event.png")
+    _palette(FIGURES / "watch_report_event.png")
+    print(f"screenshots: {FIGURES}/watch_terminal.png, watch_report_event.png")
     return 0
 
 

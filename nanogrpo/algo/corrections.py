@@ -108,6 +108,16 @@ def correction_stats(old: torch.Tensor, behaviour: torch.Tensor, m: torch.Tensor
     return out
 
 
+def logprob_gap_stats(trainer: torch.Tensor, engine: torch.Tensor,
+                      m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The trainer-vs-engine log-prob gap, measured whatever the correction: the sum and the largest of
+    |log pi_trainer - log mu_engine| over the trained tokens ``m`` (N, T) bool (detached, 0-dim). With an
+    exact engine on a fresh batch it is rounding (~1e-6); a kernel, precision or weight-sync mismatch
+    shows as a gap (``watch``'s ``engine_drift`` rule)."""
+    gap = torch.where(m, (trainer.detach() - engine.to(trainer.dtype)).abs(), 0.0)  # (N, T)
+    return {"logprob_gap_sum": torch.nan_to_num(gap, nan=0.0).sum(), "logprob_gap_max": gap.max()}
+
+
 def off_policy_mask(logp: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                     threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2 (2025) off-policy sequence mask, as TRL's ``get_off_policy_mask``: (N, 1) 1.0 = keep.

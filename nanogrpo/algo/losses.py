@@ -302,6 +302,7 @@ STAT_OPS: dict[str, str] = {
     "entropy_masked_sum": "sum",
     "off_policy_masked_seqs": "sum", "is_tokens": "sum", "is_seqs": "sum", "is_weight_sum": "sum",
     "is_weight_min": "min", "is_weight_max": "max", "is_corrected": "sum", "is_kl_sum": "sum",
+    "logprob_gap_sum": "sum", "logprob_gap_max": "max",
 }
 """How each stat of :func:`policy_loss` combines over micro-batches and ranks."""
 

@@ -42,6 +42,14 @@ class Run:
         return read_metrics(path) if path.is_file() else []
 
     @property
+    def alarms(self) -> list[dict[str, Any]]:
+        """What the run monitor flagged (``RUN/watch.jsonl``, :mod:`nanogrpo.watch`), oldest first: one dict
+        per alarm (``rule``, ``step``, ``since``, ``message``, the numbers, completions); [] when quiet."""
+        from nanogrpo.watch import read_events
+
+        return read_events(self.root)
+
+    @property
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints (``RUN/checkpoints/step_N``), oldest first."""
         from nanogrpo.training.checkpoint import STATE_FILE

@@ -4,7 +4,9 @@
 ``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's) and
 ``nanogrpo bench rewards ...`` (the built-in rewards against hand labels, beside the seed's rules;
 their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engines),
-``nanogrpo bench variants ...`` (the demo under each policy-optimisation setting: does it learn).
+``nanogrpo bench variants ...`` (the demo under each policy-optimisation setting: does it learn),
+``nanogrpo bench watch ...`` (runs that go wrong on purpose, and the demos: does the run monitor catch
+the first and stay quiet on the second).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 
 SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step",
                "rewards": "nanogrpo.bench.rewards", "turns": "nanogrpo.bench.turns",
-               "variants": "nanogrpo.bench.variants"}
+               "variants": "nanogrpo.bench.variants", "watch": "nanogrpo.bench.watch"}
 
 
 def main(argv: list[str] | None = None) -> int:

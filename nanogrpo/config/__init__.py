@@ -10,8 +10,8 @@ tokens, prompts of at most 400 tokens, save every 200 steps). The embedded CPU d
 ``nanogrpo train`` runs with no arguments is the preset ``demo`` layered on top of these.
 
 One module per section (``model``, ``data``, ``rollout`` with ``vllm``, ``grpo``, ``rewards``,
-``distill``, ``tools``, ``env``, ``run``: train / eval / log / server); ``root`` puts them together and reads
-files, presets and overrides.
+``distill``, ``tools``, ``env``, ``run``: train / eval / log / server, ``watch``); ``root`` puts them together
+and reads files, presets and overrides.
 """
 
 from nanogrpo.config.base import _Strict
@@ -36,6 +36,7 @@ from nanogrpo.config.root import (
 )
 from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
 from nanogrpo.config.tools import DEFAULT_PRELOAD, ToolsConfig
+from nanogrpo.config.watch import RULE_NAMES, WatchConfig
 from nanogrpo.errors import ConfigError
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "GrpoConfig", "LogConfig", "LossName", "ModelConfig", "Overrides", "PROMPT_TEMPLATES",
     "R1_BOXED_INSTRUCTION",
     "RUN_CONFIG_FILE", "RewardsConfig", "RolloutConfig", "SEED_SYSTEM_PROMPT", "ServerConfig",
-    "ToolsConfig", "TrainConfig", "VllmConfig", "apply_override", "config_from", "load_config",
+    "RULE_NAMES", "ToolsConfig", "TrainConfig", "VllmConfig", "WatchConfig", "apply_override", "config_from",
+    "load_config",
     "preset_path", "presets", "save_config", "set_key", "_Strict",
 ]

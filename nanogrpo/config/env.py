@@ -37,5 +37,9 @@ class EnvConfig(_Strict):
     (``env_timeout``), answered a non-finite reward or not a step result, None included (``env_error``),
     or an observation over ``max_observation_tokens`` (``too_long``). A failure in ``reset`` (a session
     its server refused included) drops the group, counted (``env/groups_dropped``)."""
+    server: str = ""
+    """verifiers 0.4 environments (``verifiers:...``): where episodes run. Empty: in this process;
+    ``"start"``: in a verifiers environment server nanogrpo starts (and restarts if it dies); an address
+    ``tcp://HOST:PORT``: a running ``vf.EnvServer`` (``nanogrpo.envs.adapters.verifiers_v1.server``)."""
     workers: int = Field(32, ge=1)
     """Threads running sync environment calls at once (``async def`` methods share one event loop)."""

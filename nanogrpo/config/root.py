@@ -25,6 +25,7 @@ from nanogrpo.config.rewards import RewardsConfig
 from nanogrpo.config.rollout import RolloutConfig, VllmConfig, VllmServerConfig
 from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
 from nanogrpo.config.tools import ToolsConfig
+from nanogrpo.config.watch import WatchConfig
 from nanogrpo.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -48,6 +49,7 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    watch: WatchConfig = Field(default_factory=WatchConfig)
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
@@ -221,12 +223,14 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:
-    """Set ``section.key`` of a nested dict to ``value``, in place (``item`` names it in errors)."""
+    """Set ``section.key`` (or ``section.table.key``: a key of a table inside a section, e.g. a
+    ``[watch]`` rule's) of a nested dict to ``value``, in place (``item`` names it in errors)."""
     item = item if item is not None else f"{key}={value!r}"
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04)")
-    section, name = parts
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.key (e.g. grpo.beta=0.04), or "
+                          "section.table.key (watch.entropy_collapse.floor=0.005)")
+    section, name = parts[:2]
     fields = Config.model_fields
     if section not in fields:
         hint = difflib.get_close_matches(section, list(fields), n=1)
@@ -237,6 +241,12 @@ def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None)
     data.setdefault(section, {})
     if not isinstance(data[section], dict):
         raise ConfigError(f"config section {section!r} must be a table")
+    if len(parts) == 3:  # a key of a table inside the section (pydantic checks that it is one)
+        table = data[section].setdefault(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}.{name} is not a table: {item!r} sets a key inside it")
+        table[parts[2]] = value
+        return
     data[section][name] = value
 
 

@@ -85,7 +85,11 @@ class LogConfig(_Strict):
     wandb_run_name: str | None = None
     """The Weights & Biases run name; None: the run directory's name."""
     samples_every: int = Field(10, ge=0)
-    """Log sample completions (text + reward breakdown) every this many steps; 0: never."""
+    """Log a rollout table every this many steps: sample prompts and completions with each reward
+    component, the total and the advantage (``RUN/samples.jsonl``, TensorBoard text, a W&B table); 0:
+    never."""
+    samples_per_step: int = Field(8, ge=1)
+    """Rows of each rollout table: the first two completions of each group, group after group."""
 
 
 class ServerConfig(_Strict):

@@ -25,6 +25,8 @@
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
+- ``verifiers:...``: a verifiers 0.4 taskset's own tasks (:mod:`nanogrpo.envs.adapters.verifiers_v1.tasks`),
+  sized by the same two settings.
 - ``hf:NAME``: ``datasets.load_dataset(NAME, cfg.hf_config, split=split)``, with
   ``cfg.question_field`` / ``cfg.answer_field`` / ``cfg.answer_from``.
 
@@ -256,6 +258,11 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
         return _arithmetic_rows(cfg, split, vision)
     if source in PRESETS:
         return _preset_rows(cfg, source, split)
+    if source.startswith("verifiers:"):  # a verifiers 0.4 taskset's own tasks
+        from nanogrpo.envs.adapters.verifiers_v1.tasks import split_rows
+
+        return split_rows(source[len("verifiers:"):], split, cfg.arithmetic_train_size,
+                          cfg.arithmetic_eval_size)
     if source.startswith("hf:"):
         name = source[3:]
         if not name:

@@ -57,6 +57,13 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
     """The factory for ``obj``: a class or zero-argument function (called with ``kwargs``), or an
     instance (forked or deep-copied per episode)."""
     kwargs = dict(kwargs or {})
+    from nanogrpo.envs.adapters import adapt
+
+    adapted = adapt(obj)  # a library's environment object or class (verifiers)
+    if adapted is not None:
+        if kwargs:
+            raise ConfigError(f"{what}: env.kwargs is for env.source; configure the object given in Python")
+        return adapted
     if inspect.isclass(obj):
         _check_env(obj, f"{what} ({obj.__name__})")
         return lambda: obj(**kwargs)
@@ -68,24 +75,23 @@ def factory_of(obj: Any, kwargs: Mapping[str, Any] | None = None, what: str = "e
         return fork if callable(fork) else (lambda: copy.deepcopy(obj))
     if callable(obj):
         return lambda: obj(**kwargs)
-    from nanogrpo.envs.adapters import adapt
-
-    adapted = adapt(obj)  # a library's environment object (verifiers)
-    if adapted is not None:
-        return adapted
     raise ConfigError(f"{what}: expected an environment class, a factory or an instance with reset() and "
                       f"step(), got {type(obj).__name__}")
 
 
-def resolve(source: Any, kwargs: Mapping[str, Any] | None = None) -> Factory:
-    """The factory for ``env.source`` (a string, see the module docstring) or a Python object."""
-    if not isinstance(source, str):
+def resolve(source: Any, kwargs: Mapping[str, Any] | None = None, server: str = "") -> Factory:
+    """The factory for ``env.source`` (a string, see the module docstring) or a Python object;
+    ``server``: ``env.server`` (verifiers 0.4 environments only)."""
+    spec = source.strip() if isinstance(source, str) else None
+    prefix, sep, rest = (spec or "").partition(":")
+    if server and not (sep and prefix == "verifiers"):
+        raise ConfigError(f"env.server={server!r} is for verifiers 0.4 environments (env.source = "
+                          "'verifiers:...'); leave it empty")
+    if spec is None:
         return factory_of(source, kwargs)
-    spec = source.strip()
-    prefix, sep, rest = spec.partition(":")
     if sep and prefix in LOADERS:
         loader = _import_attr(LOADERS[prefix])
-        return loader(rest, dict(kwargs or {}))
+        return loader(rest, dict(kwargs or {}), server=server) if server else loader(rest, dict(kwargs or {}))
     return factory_of(_import_attr(spec), kwargs, what=f"env.source {spec!r}")
 
 

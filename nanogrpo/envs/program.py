@@ -45,6 +45,17 @@ class ModelClient:
     base_url: str
     api_key: str
     model: str = "nanogrpo"
+    session_key: str = ""
+    """The key of the endpoint's token route sessions (``/inference/v1/generate`` with an
+    ``X-Session-ID`` header naming the episode): for a client shared by many episodes, which cannot
+    carry a key per episode (:mod:`nanogrpo.rollout.endpoint.episodes`)."""
+    tokenizer: str = ""
+    """Where the engine's tokenizer loads from (a directory or hub id): for programs that render
+    prompts to token ids themselves."""
+    max_turns: int = 0
+    """The episode's limit on model calls (``env.max_turns``; 0: not said); past it requests are refused."""
+    max_tokens: int = 0
+    """The episode's limit on sampled tokens (``rollout.max_new_tokens``; 0: not said)."""
 
     def openai(self, **kwargs):
         """An ``openai.OpenAI`` client for this episode (no retries: a refused request is an answer)."""
@@ -63,6 +74,16 @@ class ModelClient:
 
 
 @dataclass
+class TokenSequence:
+    """A conversation as a program recorded it in token ids: what the model read and wrote, in order,
+    which tokens it sampled (``mask``) and their log-probs (0 elsewhere)."""
+
+    ids: list[int]
+    mask: list[bool]
+    logprobs: list[float]
+
+
+@dataclass
 class AgentResult:
     """What an agent program's episode came to."""
 
@@ -70,6 +91,13 @@ class AgentResult:
     success: bool | None = None
     """None: the reward is above 0."""
     info: dict[str, Any] = field(default_factory=dict)
+    sequences: list[TokenSequence] | None = None
+    """The program's own record of what to train (a library that keeps token ids, as verifiers 0.4's
+    traces do), checked against the endpoint's record of every request: each sampled span must be a
+    request's sampled tokens, with that request's prompt before it. None: the endpoint's record is
+    trained (:mod:`nanogrpo.rollout.trajectory`)."""
+    sessions: list[str] = field(default_factory=list)
+    """The token route sessions (``X-Session-ID``) whose requests are this episode's."""
 
 
 class Program:
@@ -123,7 +151,7 @@ def as_agent_result(value: Any) -> AgentResult:
         raise ValueError(f"an agent program answered a non-finite reward ({reward})")
     if res.success is not None and not isinstance(res.success, bool):
         raise ValueError(f"an agent program answered success={res.success!r}, not a bool")
-    return AgentResult(reward, res.success, res.info)
+    return AgentResult(reward, res.success, res.info, res.sequences, list(res.sessions))
 
 
 def load(rest: str, kwargs: dict) -> Any:
@@ -139,4 +167,5 @@ def load(rest: str, kwargs: dict) -> Any:
     return lambda: program
 
 
-__all__ = ["AgentResult", "ModelClient", "Program", "agent", "as_agent_result", "is_program", "load"]
+__all__ = ["AgentResult", "ModelClient", "Program", "TokenSequence", "agent", "as_agent_result", "is_program",
+           "load"]

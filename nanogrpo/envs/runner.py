@@ -181,7 +181,7 @@ class EnvRunner:
             return None
         source = cfg.env.source if env is None else env
         name = source if isinstance(source, str) else type(source).__name__
-        return cls(resolve(source, cfg.env.kwargs), cfg.env, cfg.tools, source=name)
+        return cls(resolve(source, cfg.env.kwargs, cfg.env.server), cfg.env, cfg.tools, source=name)
 
     # ------------------------------------------------------------------ plumbing
 

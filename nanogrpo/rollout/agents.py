@@ -16,7 +16,16 @@ For ``len(rows) * n`` episodes (``n`` per row, a GRPO group), one rollout:
 Finish reasons: ``done`` (the program answered), ``max_turns`` / ``length`` / ``too_long`` (it
 answered, after the endpoint refused a request past ``env.max_turns`` model calls, past the episode's
 ``rollout.max_new_tokens`` sampled tokens, or past the context), and, with ``env.error_penalty`` as
-the return, ``env_error`` (it raised, answered no reward or a non-finite one) and ``env_timeout``.
+the return, ``env_error`` (it raised, answered no reward or a non-finite one), ``env_timeout`` and
+``mismatch``: the program answered its own record of the tokens to train (``AgentResult.sequences``,
+e.g. verifiers 0.4's traces) and a sampled span in it is not what the endpoint sampled (ids, the prompt
+before them, log-probs); that episode trains nothing (``agent/mismatched_sequences``). A program's own
+record that matches is what is trained, with the endpoint's log-probs.
+
+Programs whose client is shared by many episodes (verifiers 0.4's train client) call the token route
+with the endpoint's session key and name their episode in ``X-Session-ID``; the sessions an episode
+claims (``AgentResult.sessions``) are its requests; those no episode claims when the rollout ends (a
+failed episode's, a straggler's) are counted (``agent/unclaimed_requests``), never trained.
 """
 
 from __future__ import annotations
@@ -30,11 +39,11 @@ from typing import Any
 from nanogrpo.envs.program import ModelClient, as_agent_result, is_program
 from nanogrpo.rollout.endpoint import Endpoint, EndpointSettings
 from nanogrpo.rollout.engine import Engine, SamplingParams
-from nanogrpo.rollout.trajectory import Sequence, assemble
+from nanogrpo.rollout.trajectory import Sequence, assemble, check_claimed
 from nanogrpo.rollout.turns import MultiTurnGeneration
 
-FINISH_REASONS = ("done", "length", "max_turns", "too_long", "env_error", "env_timeout")
-BROKEN = ("env_error", "env_timeout")
+FINISH_REASONS = ("done", "length", "max_turns", "too_long", "env_error", "env_timeout", "mismatch")
+BROKEN = ("env_error", "env_timeout", "mismatch")
 
 
 @dataclass
@@ -79,6 +88,7 @@ class _Episode:
     refused: int
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    mismatched: int = 0
 
 
 class AgentEpisodes:
@@ -89,6 +99,8 @@ class AgentEpisodes:
         """An :class:`~nanogrpo.envs.runner.EnvRunner` whose factory makes programs."""
         self.settings = settings
         self.endpoint: Endpoint | None = None
+        self.probe: Any = None
+        self.tokenizer_dir: str | None = None
 
     @classmethod
     def from_runner(cls, runner, cfg) -> AgentEpisodes | None:
@@ -98,7 +110,9 @@ class AgentEpisodes:
             if probe.ok:
                 runner.close_envs([probe.value])
             return None
-        return cls(runner, AgentSettings.from_config(cfg))
+        out = cls(runner, AgentSettings.from_config(cfg))
+        out.probe = probe.value
+        return out
 
     def longest(self, max_new: int) -> int:
         return self.settings.max_len
@@ -108,10 +122,37 @@ class AgentEpisodes:
         return agent_metrics([], None, 0.0, 0)
 
     def close(self) -> None:
+        """The endpoint stops; the first program made gets its ``close()`` (sync or async), if it has one:
+        the adapters' programs are one object for every episode, holding what the run shares (an
+        environment server)."""
         if self.endpoint is not None:
             self.endpoint.stop()
             self.endpoint = None
+        if self.probe is not None:
+            self.runner.close_envs([self.probe])
+            self.probe = None
         self.runner.close()
+        if self.tokenizer_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
+            self.tokenizer_dir = None
+
+    def _tokenizer_source(self, tokenizer) -> str:
+        """Where a program loads the engine's tokenizer from (``ModelClient.tokenizer``): its name or
+        directory; a generic fast tokenizer (the embedded char-level one) saved alone in a directory of
+        the run's (``AutoTokenizer`` would take the model's family class from a ``config.json`` beside it
+        and replace its pre-tokenizer: the same text, other ids)."""
+        from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES
+
+        if type(tokenizer).__name__ not in GENERIC_TOKENIZER_CLASSES:
+            return str(getattr(tokenizer, "name_or_path", "") or "")
+        if self.tokenizer_dir is None:
+            import tempfile
+
+            self.tokenizer_dir = tempfile.mkdtemp(prefix="nanogrpo-tokenizer-")
+            tokenizer.save_pretrained(self.tokenizer_dir)
+        return self.tokenizer_dir
 
     def _endpoint(self, engine: Engine, tokenizer, params: SamplingParams) -> Endpoint:
         s = self.settings
@@ -125,17 +166,22 @@ class AgentEpisodes:
         return ep
 
     def generate(self, engine: Engine, tokenizer, rows: list[dict],
-                 params: SamplingParams) -> AgentGeneration:
-        """``params.n`` episodes per row (see the module docstring)."""
+                 params: SamplingParams, version: int = 0) -> AgentGeneration:
+        """``params.n`` episodes per row (see the module docstring); ``version``: the policy version
+        the engine samples under (the token route says it)."""
         n = params.n
         ep = self._endpoint(engine, tokenizer, params)
+        ep.version = version
         t0 = time.perf_counter()
         made = self.runner.make(len(rows) * n)
         keys = [ep.open_episode() for _ in made]
+        ep.open_sessions()
         fns, is_async = [], []
         live = _Live()
+        source = self._tokenizer_source(tokenizer)
         for i, (o, key) in enumerate(zip(made, keys, strict=True)):
-            client = ModelClient(ep.url, key, self.settings.model_name)
+            client = ModelClient(ep.url, key, self.settings.model_name, ep.session_key, source,
+                                 self.settings.max_turns, params.max_new_tokens)
             if o.ok and is_program(o.value):
                 run = o.value.run
                 asy = inspect.iscoroutinefunction(run)
@@ -154,7 +200,8 @@ class AgentEpisodes:
         ep.serve(until=lambda: not worker.is_alive())
         worker.join()
         outcomes = done[0] if done else []
-        eps = [self._episode(o, ep.close_episode(k), tokenizer) for o, k in zip(outcomes, keys, strict=True)]
+        eps = [self._episode(o, ep.close_episode(k), ep) for o, k in zip(outcomes, keys, strict=True)]
+        unclaimed = ep.close_sessions()
         ep.batcher.fail_waiting()  # a program past its deadline still asking: not for the next rollout
         wall = time.perf_counter() - t0
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -173,14 +220,14 @@ class AgentEpisodes:
             kept=list(range(len(rows))), prompt_ids=[s.prompt_ids for s in rows_out],
             extra_sequences=[e.seqs[:-1] for e in eps])
         out.env_metrics = agent_metrics(eps, ep, wall, calls)
+        out.env_metrics["agent/unclaimed_requests"] = sum(len(g.records) for g in unclaimed)
         return out
 
-    def _episode(self, o, log, tokenizer) -> _Episode:
-        seqs = assemble(log.records)
-        base = dict(seqs=seqs, requests=len(log.records), refused=log.refused)
+    def _episode(self, o, log, ep) -> _Episode:
+        base = dict(seqs=assemble(log.records), requests=len(log.records), refused=log.refused)
+        penalty = self.settings.error_penalty
         if o.status == "timeout":
-            return _Episode(finish="env_timeout", reward=self.settings.error_penalty, success=False,
-                            error=o.error, **base)
+            return _Episode(finish="env_timeout", reward=penalty, success=False, error=o.error, **base)
         try:
             if not o.ok:
                 raise ValueError(o.error)
@@ -188,10 +235,22 @@ class AgentEpisodes:
         except ValueError as e:
             if o.ok:
                 self.runner.report("run", _bad(str(e)))
-            return _Episode(finish="env_error", reward=self.settings.error_penalty, success=False,
-                            error=str(e), **base)
+            return _Episode(finish="env_error", reward=penalty, success=False, error=str(e), **base)
+        logs = [log] + [g for g in (ep.close_session(sid) for sid in res.sessions) if g is not None]
+        records = [r for g in logs for r in g.records]
+        limit = next((g.limit for g in logs if g.limit), None)
+        base = dict(requests=len(records), refused=sum(g.refused for g in logs), info=res.info)
+        if res.sequences is None:
+            seqs = assemble(log.records)
+        else:
+            seqs = [check_claimed(q.ids, q.mask, q.logprobs, records) for q in res.sequences]
+            bad = [x for x in seqs if isinstance(x, str)]
+            if bad:
+                self.runner.report("run", _bad(f"a claimed sequence is not what was sampled: {bad[0]}"))
+                return _Episode(seqs=[], finish="mismatch", reward=penalty, success=False, error=bad[0],
+                                mismatched=len(bad), **base)
         success = res.success if res.success is not None else res.reward > 0
-        return _Episode(finish=log.limit or "done", reward=res.reward, success=success, info=res.info, **base)
+        return _Episode(seqs=seqs, finish=limit or "done", reward=res.reward, success=success, **base)
 
 
 class _Live:
@@ -257,6 +316,7 @@ def agent_metrics(eps: list[_Episode], ep: Endpoint | None, wall_s: float, calls
            "agent/rewritten_episodes": sum(len(e.seqs) > 1 for e in eps),
            "agent/extra_sequences": sum(max(len(e.seqs) - 1, 0) for e in eps),
            "agent/refused_requests": sum(e.refused for e in eps),
+           "agent/mismatched_sequences": sum(e.mismatched for e in eps),
            "agent/unauthorized_requests": ep.unauthorized if ep is not None else 0,
            "agent/engine_calls": calls}
     for why in FINISH_REASONS:

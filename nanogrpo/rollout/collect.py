@@ -48,6 +48,12 @@ class RolloutStats:
     groups_surplus: int | None = None
     """``grpo.dynamic_sampling``: informative groups generated beyond the batch, dropped."""
     stop_rate: float = float("nan")
+    truncated_frac: float = float("nan")
+    """Share of the completions the token limit cut off (``finish_reason == "length"``)."""
+    distinct_ngrams: float = float("nan")
+    """Distinct token 4-grams over the step's completions / all their 4-grams, each group's repeats of one
+    completion counted once (:func:`distinct_ngrams`): near 1 when prompts get their own answers, falling
+    towards 1 / prompts when every prompt gets the same text."""
     reward_failures: int = 0
     reward_timeouts: int = 0
     reward_non_finite: int = 0
@@ -93,6 +99,18 @@ def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], leng
         extra = [{"completion_tokens": n, "max_new_tokens": max_new_tokens} for n in lengths]
     return [dict(row, finish_reason=finish_reasons[i * g + j], **extra[i * g + j])
             for i, row in enumerate(rows) for j in range(g)]
+
+
+def distinct_ngrams(completions: list[list[int]], group_size: int, n: int = 4) -> float:
+    """Distinct ``n``-grams of token ids over ``completions`` (``group_size`` per prompt, in order) divided by
+    their total count, after dropping each group's duplicate completions (a policy sure of its answer to
+    one prompt repeats it G times: that is not a template). 1.0: no n-gram shared between completions;
+    1 / prompts: every prompt got the same completion. NaN when no completion has ``n`` tokens."""
+    grams: list[tuple[int, ...]] = []
+    for start in range(0, len(completions), group_size):
+        for c in {tuple(c) for c in completions[start:start + group_size]}:
+            grams += [c[i:i + n] for i in range(len(c) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
 
 
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
@@ -157,10 +175,10 @@ class _Round:
 
 def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
                     cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools,
-                    env=None) -> _Round:
+                    env=None, version: int = 0) -> _Round:
     """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
     if env is not None:
-        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env)
+        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env, version)
     spec = getattr(engine, "vision", None)
     images = None
     if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
@@ -190,7 +208,7 @@ def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: Reward
 
 
 def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, cfg: RolloutConfig,
-                   grpo: GrpoConfig, seed: int | None, env) -> _Round:
+                   grpo: GrpoConfig, seed: int | None, env, version: int = 0) -> _Round:
     """``grpo.group_size`` episodes per row with the environment (``env``: an
     :class:`~nanogrpo.rollout.episodes.Episodes`), scored."""
     if not rows:
@@ -199,7 +217,7 @@ def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardR
                             top_k=cfg.top_k, n=grpo.group_size, seed=seed,
                             logprob_temperature=cfg.logprob_temperature(),
                             support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
-    gen = env.generate(engine, tokenizer, rows, params)
+    gen = env.generate(engine, tokenizer, rows, params, version=version)
     kept_rows = [rows[i] for i in gen.kept]
     if not kept_rows:  # every group dropped: the generation stays for its env/… counts
         return _Round([], [], gen, [], [], None, len(rows))
@@ -248,7 +266,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     g = grpo.group_size
     stats = RolloutStats()
     target = len(rows)
-    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env)]
+    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env,
+                              policy_version)]
     dynamic = grpo.dynamic_sampling and more is not None
     if dynamic:
         informative = [_informative(rounds[0], rewards, grpo)]
@@ -261,7 +280,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
             r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
             rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
-                                  grpo, template, r_seed, tools, env)
+                                  grpo, template, r_seed, tools, env, policy_version)
             rounds.append(rnd)
             informative.append(_informative(rnd, rewards, grpo))
         stats.refills = len(rounds) - 1
@@ -307,6 +326,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.completion_tokens = sum(lens)
     stats.num_completions = len(lens)
     stats.stop_rate = sum(f in ("stop", "done") for f in reasons) / len(lens)  # done: an episode's end
+    stats.truncated_frac = sum(f == "length" for f in reasons) / len(lens)
+    stats.distinct_ngrams = distinct_ngrams(comp, g)
     stats.reward_failures = sum(x.scored.failures for x in live)
     stats.reward_timeouts = sum(x.scored.timeouts for x in live)
     stats.reward_non_finite = sum(x.scored.non_finite for x in live)
@@ -317,9 +338,10 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
             fails[k] = fails.get(k, 0) + v
     stats.reward_failures_by_function = fails
     stats.reward_model_metrics = dict(live[-1].scored.metrics)
+    shown = example_rows(len(texts), g, keep_examples)
     stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
                        **{k: v[i] for k, v in per_function.items()}, **_example_images(samples[i], data)}
-                      for i in range(min(keep_examples, len(texts)))]
+                      for i in shown]
 
     groups = len(kept_rows)
     stats.groups_total = groups
@@ -328,6 +350,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     trained = [sum(m) for m in loss_masks] if multi else lens                    # (N,)
     adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
                                   reduce)                                          # (N,) each
+    for ex, i in zip(stats.examples, shown):  # the rollout table: each row's advantage and group
+        ex.update(advantage=float(adv[i]), group=i // g, finish_reason=reasons[i])
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
     if keep_all:
         keep = torch.ones_like(keep)
@@ -357,6 +381,9 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                 cut_b.append(sq.finish_reason == "length")
                 rows_b.append(i)
         size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
+    if not any(comp_b):  # every episode kept broke before the model wrote a token: nothing to train
+        stats.groups_kept = 0
+        return None, stats
     rows_t = torch.tensor(rows_b, dtype=torch.int64)
     ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, tokenizer.pad_token_id)
     group_ids = torch.tensor([i // g for i in rows_b], dtype=torch.int64)
@@ -379,6 +406,14 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
                          truncated=torch.tensor(cut_b), correct=torch.tensor([acc[i] > 0 for i in rows_b]),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
+
+
+def example_rows(n: int, group_size: int, count: int) -> list[int]:
+    """Which of a step's ``n`` completions its rollout table shows: the first two of each group, group after
+    group, ``count`` in all (two of one group show its advantages' contrast; several groups, several
+    prompts)."""
+    per = min(2, group_size)
+    return [i * group_size + j for i in range(n // group_size) for j in range(per)][:count]
 
 
 def _example_images(sample: dict, data: DataConfig) -> dict:

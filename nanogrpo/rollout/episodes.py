@@ -98,7 +98,7 @@ class Episodes:
         return agents if agents is not None else cls(runner, EpisodeSettings.from_config(cfg))
 
     def generate(
-        self, engine: Engine, tokenizer, rows: list[dict], params: SamplingParams
+        self, engine: Engine, tokenizer, rows: list[dict], params: SamplingParams, version: int = 0
     ) -> EpisodeGeneration:
         return generate_episodes(engine, tokenizer, self.runner, rows, params, self.settings)
 

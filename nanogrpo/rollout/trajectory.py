@@ -63,3 +63,49 @@ def assemble(records) -> list[Sequence]:
         best.turns += 1
         best.finish_reason = rec.finish_reason
     return seqs
+
+
+LOGPROB_TOLERANCE = 1e-6
+"""How far a claimed log-prob may be from the one the engine answered (they travel as JSON or msgpack
+floats: exact in practice)."""
+
+
+def check_claimed(ids: list[int], mask: list[bool], logprobs: list[float], records) -> Sequence | str:
+    """The training sequence of a conversation a program claims (:class:`~nanogrpo.envs.program.
+    TokenSequence`), built from the endpoint's ``records`` of the episode: each maximal run of sampled
+    tokens must be one request's sampled tokens, exactly, with that request's prompt (exactly the ids
+    before the run) and log-probs; the sequence's log-probs are the records'. A one-line reason when
+    the claim is not what was sampled."""
+    if not (len(ids) == len(mask) == len(logprobs)):
+        return f"ids, mask and log-probs differ in length ({len(ids)}, {len(mask)}, {len(logprobs)})"
+    if not any(mask):
+        return "no sampled token"
+    first = mask.index(True)
+    seq = Sequence(list(ids[:first]))
+    k = first
+    while k < len(ids):
+        if not mask[k]:
+            seq.completion_ids.append(ids[k])
+            seq.logprobs.append(0.0)
+            seq.loss_mask.append(False)
+            k += 1
+            continue
+        run = k
+        while run < len(ids) and mask[run]:
+            run += 1
+        fits = [r for r in records if len(r.prompt_ids) == k and 0 < len(r.completion_ids) <= run - k
+                and r.completion_ids == ids[k:k + len(r.completion_ids)] and r.prompt_ids == ids[:k]]
+        if not fits:
+            return (f"the sampled tokens at {k}..{run} with the {k} before them are no request the "
+                    f"endpoint answered ({len(records)} requests)")
+        rec = max(fits, key=lambda r: len(r.completion_ids))  # two turns with nothing between: one run
+        end = k + len(rec.completion_ids)
+        if any(abs(a - b) > LOGPROB_TOLERANCE for a, b in zip(logprobs[k:end], rec.logprobs)):
+            return f"the log-probs of the sampled tokens at {k}..{end} are not the engine's"
+        seq.completion_ids += rec.completion_ids
+        seq.logprobs += [float(x) for x in rec.logprobs]
+        seq.loss_mask += [True] * (end - k)
+        seq.turns += 1
+        seq.finish_reason = rec.finish_reason
+        k = end
+    return seq

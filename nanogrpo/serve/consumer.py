@@ -154,6 +154,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     )
     from nanogrpo.training.step import step_metrics
     from nanogrpo.training.trainer import CONFIG_FILE, PreparedRun, _held_out_eval, _test_stop, lr_at
+    from nanogrpo.watch import Monitor, stop_now
 
     logging.getLogger("nanogrpo").setLevel(logging.INFO)
     if cfg.model.lora_r:
@@ -223,6 +224,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                     start_step + 1, feed.inbox.last_step(), settled)
     logger = RunLogger(root, cfg, resume_step=start_step if resume_from else None,
                        fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if main else None
+    watch = Monitor.for_run(cfg, root, None, start_step if resume_from else None) if main else None
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
         from nanogrpo.data import load_eval_rows
@@ -383,14 +385,20 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
                         evaluation[1].load_from(backend.rollout_model())  # vllm evaluates with its own copy
                     row.update(_held_out_eval(cfg, backend.module, tok, evaluation[1], evaluation[0], step,
                                               backend.rollout_model()))
+            examples = batch.meta.get("examples")
+            examples = examples if isinstance(examples, list) else None
+            if watch is not None:
+                row.update(watch.observe(row, examples))
             if logger is not None:
-                examples = batch.meta.get("examples")
-                logger.log_step(row, examples if isinstance(examples, list) else None)
+                logger.log_step(row, examples)
             acc = row.get("accuracy")
             bar.set_postfix_str(f"acc {acc if acc is not None else float('nan'):.3f} loss {loss:.4f} "
                                 f"stale {row['staleness']} dropped {row['dropped_stale']}")
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+            stop = stop_now(watch, backend, cfg.watch)  # watch.stop_on: a checkpoint of this step, then out
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps or stop:
                 save(step)
+            if stop:
+                break
     finally:
         bar.close()
         if logger is not None:

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
                                        cfg.grpo, template=cfg.model.chat_template,
                                        seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
+                                       keep_examples=cfg.log.samples_per_step,
                                        more=sampler.next_batch,  # grpo.dynamic_sampling's refill rounds
                                        env=episodes, keep_all=bool(cfg.distill.teacher))
                 attempts += 1

@@ -26,6 +26,8 @@ from typing import Any
 from nanogrpo.config import Config
 from nanogrpo.errors import ConfigError
 from nanogrpo.training.metrics import MetricsWriter, read_metrics, truncate_jsonl
+from nanogrpo.watch import WATCH_FILE, read_events
+from nanogrpo.watch import summary as watch_summary
 
 TIMING_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "tokens_per_s", "gpu_mem_gib", "eval/time_s")
 """Fields that differ between identical runs (wall-clock and memory)."""
@@ -83,18 +85,19 @@ class RunLogger:
             self.tb.flush()
 
     def log_samples(self, step: int, examples: list[dict[str, Any]]) -> None:
+        """The step's rollout table: ``samples.jsonl`` rows, a TensorBoard text table (tag ``samples``) and
+        a W&B table (key ``samples``), one row per completion in :func:`table_columns`' order."""
         with open(self.samples_path, "a") as f:
             for ex in examples:
                 f.write(json.dumps({"step": step, **ex}) + "\n")
+        cols = table_columns(examples)
         if self.tb is not None:
-            text = "\n\n".join(_sample_markdown(ex) for ex in examples)
-            self.tb.add_text("samples", text, step)
+            self.tb.add_text("samples", _markdown_table(cols, examples), step)
         if self.wandb is not None:
             import wandb
 
-            cols = sorted({k for ex in examples for k in ex})
-            self.wandb.log({"samples": wandb.Table(columns=cols, data=[[ex.get(c) for c in cols]
-                                                                       for ex in examples])}, step=step)
+            table = wandb.Table(columns=cols, data=[[_cell(ex.get(c)) for c in cols] for ex in examples])
+            self.wandb.log({"samples": table}, step=step)
 
     def close(self) -> None:
         self.metrics.close()
@@ -104,10 +107,29 @@ class RunLogger:
             self.wandb.finish()
 
 
-def _sample_markdown(ex: dict[str, Any]) -> str:
-    scores = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in ex.items() if k not in ("question", "completion", "images"))
-    return f"**Q:** {ex.get('question', '')}\n\n```\n{ex.get('completion', '')}\n```\n\n{scores}"
+FIRST_COLUMNS = ("group", "question", "completion")
+LAST_COLUMNS = ("reward", "advantage", "finish_reason")
+
+
+def table_columns(examples: list[dict[str, Any]]) -> list[str]:
+    """A rollout table's columns: group, question, completion, each reward component (by name), the total
+    reward, the advantage, the finish reason (what the examples have of these; images left out)."""
+    keys = {k for ex in examples for k in ex if k != "images"}
+    middle = sorted(keys - set(FIRST_COLUMNS) - set(LAST_COLUMNS))
+    return [k for k in FIRST_COLUMNS if k in keys] + middle + [k for k in LAST_COLUMNS if k in keys]
+
+
+def _cell(v: Any) -> Any:
+    return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v)
+
+
+def _markdown_table(cols: list[str], examples: list[dict[str, Any]]) -> str:
+    def show(v: Any) -> str:
+        text = f"{v:.3g}" if isinstance(v, float) else str(_cell(v) if v is not None else "")
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+    return head + "".join("\n| " + " | ".join(show(ex.get(c)) for c in cols) + " |" for ex in examples)
 
 
 def _start_wandb(root: Path, cfg: Config, resumed: bool, extra: dict[str, Any] | None = None):
@@ -117,10 +139,13 @@ def _start_wandb(root: Path, cfg: Config, resumed: bool, extra: dict[str, Any] |
         raise ConfigError("log.wandb=true but wandb is not installed: pip install wandb "
                           "(or set log.wandb=false; TensorBoard logs are in RUN/tb)") from None
     id_file = root / "wandb_id"
-    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
-    id_file.write_text(run_id + "\n")
-    return wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or root.name, id=run_id,
-                      dir=str(root), config={**cfg.to_dict(), **(extra or {})}, resume="allow")
+    # a fresh run takes the id W&B gives it (wandb.util.generate_id is gone from wandb 0.2x on); a resumed
+    # one continues its W&B run
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+    run = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or root.name, id=run_id,
+                     dir=str(root), config={**cfg.to_dict(), **(extra or {})}, resume="allow")
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -165,9 +190,10 @@ def _time_part(rows: list[dict[str, Any]], wall_s: float | None, start_step: int
 
 def run_summary(root: Path, wall_s: float | None = None, start_step: int = 0) -> str:
     """One line: steps and time, reward and accuracy first -> last, held-out accuracy at the first
-    evaluation (step 0) and the last with the gain in points, throughput. ``wall_s``: the seconds the run
-    took in this process (the trainer's end line: the whole time), ``start_step``: the step it resumed
-    at; without them the time is the steps' and the evaluations', from the metrics."""
+    evaluation (step 0) and the last with the gain in points, throughput, the run monitor's alarms.
+    ``wall_s``: the seconds the run took in this process (the trainer's end line: the whole time),
+    ``start_step``: the step it resumed at; without them the time is the steps' and the evaluations', from
+    the metrics."""
     path = Path(root) / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
     if not rows:
@@ -183,5 +209,7 @@ def run_summary(root: Path, wall_s: float | None = None, start_step: int = 0) ->
     if evals:
         parts.append(_held_out(evals[0], evals[-1]))
     parts.append(f"{_fmt(toks / secs if secs else float('nan'), '.0f')} tok/s")
+    if (Path(root) / WATCH_FILE).is_file():  # the run monitor's alarms (none: "watch: no alarm")
+        parts.append(watch_summary(read_events(root)))
     parts.append(str(root))
     return " | ".join(parts)

@@ -217,6 +217,7 @@ def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env, rank: int
         batch, rstats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo,
                                 template=cfg.model.chat_template, seed=step_seed(cfg.train.seed, step) + rank,
                                 policy_version=engine.max_version, tools=tools, env=env, reduce=reduce,
+                                keep_examples=cfg.log.samples_per_step,
                                 more=lambda n: sampler.next_batch(n)[rank::world],
                                 keep_all=bool(cfg.distill.teacher))
     if batch is not None and versions:

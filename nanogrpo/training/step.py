@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo.algo.corrections import anchor
+from nanogrpo.algo.corrections import anchor, logprob_gap_stats
 from nanogrpo.algo.distill import DISTILL_STAT_OPS, distill_metrics, distill_terms
 from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
 from nanogrpo.algo.logprobs import acc_dtype, token_logprobs, token_stats
@@ -63,8 +63,9 @@ class UpdateResult:
     skipped_nonfinite: bool
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-update metrics over the whole batch: ``entropy``, ``clip_frac_low`` / ``_high`` / ``_dual``,
-    ``ratio_min`` / ``_mean`` / ``_max``, and where they apply ``is_weight_*``, ``is_corrected_frac``,
-    ``is_kl``, ``off_policy_masked_frac``, ``entropy_coef``, ``entropy_threshold``."""
+    ``ratio_min`` / ``_mean`` / ``_max``, ``logprob_gap`` / ``_max`` (the trainer's log-probs of the policy
+    that generated the batch against the engine's, per token), and where they apply ``is_weight_*``,
+    ``is_corrected_frac``, ``is_kl``, ``off_policy_masked_frac``, ``entropy_coef``, ``entropy_threshold``."""
     logprobs: torch.Tensor | None = None
     """(N, C) this rank's policy log-probs from this update's forward (before its optimizer step), 0 off
     the trained tokens: the anchor (``old_logprobs``) for later updates on the same batch."""
@@ -318,13 +319,14 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                         div[0] if div else None, adv, lm, right)
                     _accumulate(acc, dstats)
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
+                gap = logprob_gap_stats(logp if trainer_old is None else trainer_old, beh, lm.bool())
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
                 loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
                                           behaviour=beh, proximal=trainer_old, entropy=ent,
                                           entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
                                           entropy_coef=coef, extra=extra)
                 kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
-                _accumulate(acc, stats)
+                _accumulate(acc, {**stats, **gap})
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
                 loss = _zero_loss(fwd, be.device, train.logprob_chunk)
         if not torch.isfinite(loss):
@@ -383,7 +385,8 @@ def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: f
     out = {"entropy": tot["entropy_sum"] / n, "clip_frac_low": tot["clip_low_sum"] / nr,
            "clip_frac_high": tot["clip_high_sum"] / nr,
            "ratio_mean": tot["ratio_sum"] / nr if tot["ratio_count"] else math.nan,
-           "ratio_min": tot["ratio_min"], "ratio_max": tot["ratio_max"]}
+           "ratio_min": tot["ratio_min"], "ratio_max": tot["ratio_max"],
+           "logprob_gap": tot["logprob_gap_sum"] / n, "logprob_gap_max": tot["logprob_gap_max"]}
     if spec.clip_ratio_c is not None or spec.clip_delta is not None:
         out["clip_frac_dual"] = tot["clip_dual_sum"] / nr
     is_n = tot["is_tokens"] + tot["is_seqs"]
@@ -411,6 +414,9 @@ def step_metrics(results: list[UpdateResult], per_pass: int = 1) -> dict[str, fl
            **first.metrics}
     if per_pass > 1:
         out.update(_pass_metrics(results[:per_pass]))
+        for k in ("logprob_gap", "logprob_gap_max"):  # the first optimizer step's: before any weight moved
+            if k in first.metrics:
+                out[k] = first.metrics[k]
     done = [r for r in results if not r.skipped_nonfinite and r.metrics]
     if len(done) > 1:
         out["clip_frac"] = sum(r.clip_frac for r in done) / len(done)

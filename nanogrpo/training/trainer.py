@@ -56,6 +56,7 @@ from nanogrpo.training.schedule import (
     write_pending,
 )
 from nanogrpo.training.step import reference_logprobs, step_metrics
+from nanogrpo.watch import Monitor, stop_now
 
 log = logging.getLogger("nanogrpo.train")
 
@@ -233,6 +234,8 @@ def train(run: PreparedRun) -> Path:
     # rank 0 alone writes the logs (metrics are merged over ranks in train_step) and evaluates
     logger = RunLogger(root, cfg, resume_step=start_step if run.resume_from else None,
                        fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if backend.is_main else None
+    watch = Monitor.for_run(cfg, root, run.rewards, start_step if run.resume_from else None) \
+        if backend.is_main else None  # the run monitor (rank 0: it alone has the held-out rows)
 
     def save(step: int) -> None:
         backend.save(ckpt_root, step, tok, {"policy_version": version,
@@ -268,10 +271,12 @@ def train(run: PreparedRun) -> Path:
             if backend.world_size > 1:
                 backend.before_rollout()
             if backend.is_main:
-                row0 = _held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)
+                base = {"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)}
                 if distill is not None and cfg.distill.eval_teacher:  # the student's target, once
-                    row0.update(distill.evaluate(cfg, run.eval_rows, run.rewards, run.root))
-                logger.log_step({"step": 0, **row0})
+                    base.update(distill.evaluate(cfg, run.eval_rows, run.rewards, run.root))
+                if watch is not None:
+                    watch.observe(base)  # the monitor's held-out baseline
+                logger.log_step(base)
         _test_stop("baseline")
         save(0)
         _test_stop("step_0")
@@ -317,12 +322,17 @@ def train(run: PreparedRun) -> Path:
                     backend.before_rollout()  # sharded backends: the engine's copy gets this step's update
                 if backend.is_main:
                     row.update(_held_out_eval(cfg, model, tok, engine, run, step, eval_policy))
+            if watch is not None:
+                row.update(watch.observe(row, examples))
             if logger is not None:
                 logger.log_step(row, examples)
             loss = f"{row['loss']:.4f}" if row["loss"] is not None else "- (no group with signal)"
             bar.set_postfix_str(f"reward {row['reward_mean']:.3f} acc {row['accuracy']:.3f} loss {loss}")
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+            stop = stop_now(watch, backend, cfg.watch)  # watch.stop_on: a checkpoint of this step, then out
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps or stop:
                 save(step)
+            if stop:
+                break
     finally:
         if tier is not None:  # first: a producer waiting on a server ends at once
             tier.close()
@@ -415,6 +425,7 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                 template=cfg.model.chat_template,
                                 seed=step_seed(cfg.train.seed, step) + rank,
                                 policy_version=version, tools=tools, env=env,
+                                keep_examples=cfg.log.samples_per_step,
                                 reduce=be.all_reduce if world > 1 else None,
                                 more=lambda n: be.shard(sampler.next_batch(n)),  # dynamic sampling's refills
                                 keep_all=distill is not None)

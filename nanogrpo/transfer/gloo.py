@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -146,9 +146,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-        if any(get_layerwise_info(m).can_load() for m in self.model.modules()):
+        # (looked up, not get_layerwise_info: that builds an entry for every module it is asked about)
+        if any(info.can_load() for info in list(LAYERWISE_INFO.values())):
             # An earlier update never finished (its transfer broke): vLLM cleared its "update active"
             # flag but left the layers it had begun on the meta device, their buffered tensors kept. A
             # new update over that state would count those tensors twice and could process a layer
@@ -186,16 +187,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo,
         """One bucket. A trainer that gave this update up (its send failed: it set :data:`ABANDONED` in
         its store) or is gone (the store does not answer) ends the wait within :data:`CHECK_S`, not at
         the group's timeout: until then the worker, and with it the whole engine, would be held."""
-        work = self.group.broadcast(buf, 0)
-        checked = time.monotonic()
-        while not work.is_completed():
-            if time.monotonic() - checked > CHECK_S:
-                checked = time.monotonic()
-                if _abandoned(self.store):
-                    raise RuntimeError("the trainer gave this weight update up (its side of the transfer "
-                                       "failed or ended)")
-            time.sleep(0.0005)
-        work.wait()
+
+        def given_up() -> None:
+            if _abandoned(self.store):
+                raise RuntimeError("the trainer gave this weight update up (its side of the transfer "
+                                   "failed or ended)")
+
+        wait_for(self.group.broadcast(buf, 0), given_up, CHECK_S)
 
     def shutdown(self) -> None:
         _abort(self.group)
@@ -207,6 +205,22 @@ ABANDONED = "nanogrpo-abandoned"
 """The key a trainer sets in its transfer store when it gives an update up."""
 CHECK_S = 0.25
 """How often a receiving server looks for it."""
+
+
+def wait_for(work, check: Callable[[], None], every_s: float, wake: threading.Event | None = None) -> None:
+    """Wait for a collective's ``work`` asleep (woken by its completion, not by polling: a polling loop
+    taking a core's time slices slowed each bucket on a loaded machine), calling ``check`` every
+    ``every_s`` seconds meanwhile (it raises to give the wait up). ``wake``: an event that others may set
+    to have ``check`` run at once (the trainer's: the server answered)."""
+    done = wake or threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not work.is_completed():
+        done.wait(every_s)
+        if not work.is_completed():
+            check()
+            if wake is not None:
+                wake.clear()
+    work.wait()
 
 
 def _abandoned(store) -> bool:
@@ -295,6 +309,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.group = None
         self.store = None
         self.bytes_sent = 0
+        self._wake: threading.Event | None = None
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
@@ -350,6 +365,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             [list(m.shape) for m in meta])
         self.client.start_weight_update()
         fut = _in_thread(self.client.update_weights, asdict(info))
+        wake = threading.Event()  # set by the server's answer and by shutdown(): look at once
+        fut.add_done_callback(lambda _: wake.set())
+        self._wake = wake
+
+        def given_up() -> None:
+            if fut.done() and fut.exception() is not None:
+                fut.result()
+            if self.group is None:  # shut down meanwhile: its server was taken out (stalled)
+                raise RuntimeError("the transfer was given up: its server was taken out")
+
         try:
             sent = 0
             for buf in self._buckets(meta):
@@ -359,17 +384,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     fut.result()  # its error, if it failed
                     raise RuntimeError("the server finished /update_weights before receiving every "
                                        "bucket (its bucket plan differs from the trainer's)")
-                work = self.group.broadcast(buf, 0)
                 # The server may answer /update_weights before this side's broadcast reports complete
                 # (its last receive returns first): a success answer is not a failure; only an error
                 # answer ends the wait early, with the server's reason.
-                while not work.is_completed():
-                    if fut.done() and fut.exception() is not None:
-                        fut.result()
-                    if self.group is None:  # shut down meanwhile: its server was taken out (stalled)
-                        raise RuntimeError("the transfer was given up: its server was taken out")
-                    time.sleep(0.001)
-                work.wait()
+                wait_for(self.group.broadcast(buf, 0), given_up, 0.25, wake)
                 sent += buf.numel()
             fut.result()
         except BaseException:
@@ -404,6 +422,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         group, store = self.group, self.store
         self.group = None
         self.store = None
+        if self._wake is not None:
+            self._wake.set()
         if group is None and store is None:
             return
 

@@ -18,7 +18,8 @@ rollout's error (its rubric still scores it).
 The dataset rows give the rollout its input: ``prompt`` (chat messages; else the row's ``question``
 as the user's message, after the environment's system prompt), ``answer``, ``info``. A
 rollout succeeds when its reward reaches the environment's ``pass_threshold``. Needs verifiers 0.3.x
-(0.4 removed the classic API: ``pip install 'verifiers>=0.3.1,<0.4'``).
+(0.4 removed the classic API: ``pip install 'verifiers>=0.3.1,<0.4'``); with verifiers 0.4 installed,
+``verifiers:...`` is the v1 adapter's (:mod:`nanogrpo.envs.adapters.verifiers_v1`).
 """
 
 from __future__ import annotations
@@ -83,8 +84,19 @@ class VerifiersProgram:
         return AgentResult(reward, reward >= threshold, info)
 
 
-def load(rest: str, kwargs: dict):
-    """The factory for ``verifiers:NAME`` (see the module docstring); the environment loads once, at start."""
+def load(rest: str, kwargs: dict, server: str = ""):
+    """The factory for ``verifiers:NAME`` (see the module docstring); the environment loads once, at start.
+    Which adapter runs is chosen by the verifiers installed: 0.4 and later (the v1 API) are
+    :mod:`.verifiers_v1`'s, 0.3 this one's."""
+    from nanogrpo.envs.adapters.verifiers_v1 import installed
+
+    if installed() == "v1":
+        from nanogrpo.envs.adapters.verifiers_v1 import load as load_v1
+
+        return load_v1(rest, kwargs, server)
+    if server:
+        raise ConfigError("env.server is for verifiers 0.4 environments; the verifiers installed is 0.3 "
+                          "(the classic API, in process only)")
     vf = _vf()
     if ":" in rest:
         from nanogrpo.envs.imports import import_attr

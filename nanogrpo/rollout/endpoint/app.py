@@ -1,5 +1,6 @@
 """The endpoint's HTTP side: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (OpenAI's
-shapes, enough for the ``openai`` package and the libraries built on it).
+shapes, enough for the ``openai`` package and the libraries built on it), and vLLM's token route
+``/inference/v1/generate`` (:mod:`.tokens`).
 
 Every route needs ``Authorization: Bearer KEY`` with the key of an open episode
 (:class:`~nanogrpo.rollout.endpoint.episodes.Episodes`); the key also says which episode a request
@@ -22,6 +23,7 @@ import uuid
 from typing import Any
 
 from nanogrpo.rollout.endpoint.episodes import EpisodeLog, Record, TooLong, encode_with_reuse
+from nanogrpo.rollout.endpoint.tokens import SESSION_HEADER, TOKEN_ROUTE, TokenRequest, token_reply
 
 MAX_STOPS = 8
 
@@ -178,8 +180,11 @@ def create_app(ep):
                                 "api_key), valid while the episode runs", "invalid_api_key")
         return log
 
-    async def generate(log: EpisodeLog, kind: str, prompt: list[int], text: str, reused: int,
-                       body: dict) -> Record:
+    async def generate(log: EpisodeLog, kind: str, prompt: list[int], text: str | None, reused: int,
+                       body: dict, stop_ids: frozenset[int] = frozenset()) -> Record:
+        """Sample for one request of ``log`` (``body``: its ``n``, ``max_tokens``, ``stop``); ``text``
+        None: not kept for reuse (token prompts); ``stop_ids``: the sample is cut after the first of
+        them (finish ``stop``)."""
         if _int(body, "n", 1, 1) != 1:
             raise ApiError(400, "'n' must be 1 (each episode samples its own turns)")
         max_tokens = _int(body, "max_completion_tokens", _int(body, "max_tokens", s.max_new_tokens, 1), 1)
@@ -200,8 +205,11 @@ def create_app(ep):
         except Exception as e:
             ep.episodes.add(log, None, granted)
             raise ApiError(503, str(e), "unavailable") from None
+        cut = next((k for k, t in enumerate(c) if t in stop_ids), None)
+        if cut is not None:  # sampling is causal: the same as stopping there
+            c, lp, why = c[:cut + 1], lp[:cut + 1], "stop"
         rec = Record(0, kind, prompt, c, lp, why, reused,
-                     text=text + tok.decode(c, skip_special_tokens=False))
+                     text="" if text is None else text + tok.decode(c, skip_special_tokens=False))
         ep.episodes.add(log, rec, granted)
         return rec
 
@@ -308,11 +316,42 @@ def create_app(ep):
             return stream([{**head, "choices": [choice]}])
         return JSONResponse({**head, "choices": [choice], "usage": usage(rec)})
 
+    def bearer(request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+    def session_of(request) -> EpisodeLog:
+        """An episode's key, or the session key with the request's session (``X-Session-ID``)."""
+        if bearer(request) != ep.episodes.session_key:
+            return episode_of(request)
+        sid = request.headers.get(SESSION_HEADER, "").strip()
+        if not sid or len(sid) > 200:
+            raise ApiError(400, f"the session key needs a {SESSION_HEADER} header naming the episode")
+        log = ep.episodes.session(sid)
+        if log is None:
+            ep.unauthorized += 1
+            raise ApiError(401, f"session {sid[:40]!r} is closed, or no rollout is running",
+                           "invalid_api_key")
+        return log
+
+    async def tokens(request):
+        log = session_of(request)
+        body = await read_json(request, s.max_body_bytes, s.body_timeout_s)
+        try:
+            req = TokenRequest.parse(body, s.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        rec = await generate(log, "tokens", req.token_ids, None, 0, req.sampling, req.stop_token_ids)
+        return JSONResponse(token_reply(rec, req, body.get("model") or s.model_name, ep.version))
+
     async def models(request):
-        episode_of(request)
-        return JSONResponse({"object": "list", "data": [{"id": s.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "nanogrpo"}]})
+        if bearer(request) != ep.episodes.session_key:
+            episode_of(request)
+        card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "nanogrpo",
+                "max_model_len": s.max_len}
+        return JSONResponse({"object": "list", "data": [card]})
 
     return Starlette(routes=[Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
                              Route("/v1/completions", guarded(completions), methods=["POST"]),
-                             Route("/v1/models", guarded(models), methods=["GET"])])
+                             Route("/v1/models", guarded(models), methods=["GET"]),
+                             Route(TOKEN_ROUTE, guarded(tokens), methods=["POST"])])

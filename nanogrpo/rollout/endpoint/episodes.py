@@ -9,13 +9,24 @@ back unchanged reads exactly the tokens the model sampled (never re-tokenised), 
 assembled from the records (:mod:`nanogrpo.rollout.trajectory`) is one sequence. A program that
 rewrites its history (drops a turn, edits a message, re-renders a tool call differently) gets a
 fresh tokenisation, and its trajectory splits there: said in the metrics, never a silent mismatch.
+
+**Sessions** (the token route, ``/inference/v1/generate``): a client shared by many episodes (verifiers'
+train client, one per run) cannot carry a key per episode. It sends the endpoint's session key and
+names its episode in the ``X-Session-ID`` header instead; while sessions are open (a rollout), the first
+request of a session opens its log, with the same budget and limits as a keyed episode. The rollout
+takes the logs of the sessions its episodes claim (:meth:`Episodes.close_session`) and closes the rest
+when it ends (:meth:`Episodes.close_sessions`); a closed session's later requests are refused.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+REMEMBERED = 1 << 16
+"""Closed session ids remembered (their stragglers refused); older ones are forgotten."""
 
 
 @dataclass
@@ -68,6 +79,12 @@ class Episodes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, EpisodeLog] = {}
+        self.session_key = "ngs-" + secrets.token_urlsafe(24)
+        """The key of the token route's sessions (the module docstring)."""
+        self._sessions: dict[str, EpisodeLog] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._session_budget: int | None = None
+        """Sessions are open (a rollout runs) when set: each new one may sample this many tokens."""
 
     def open(self, budget: int) -> str:
         """A new episode that may sample ``budget`` tokens over all its requests; its key."""
@@ -94,6 +111,50 @@ class Episodes:
             for log in self._open.values():
                 log.closed = True
             self._open.clear()
+        self.close_sessions()
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_sessions(self, budget: int) -> None:
+        """Accept new sessions, each with a budget of ``budget`` tokens, until :meth:`close_sessions`."""
+        with self._lock:
+            self._session_budget = budget
+
+    def session(self, sid: str) -> EpisodeLog | None:
+        """The log of session ``sid``, opened on its first request; None when sessions are closed or
+        this one was closed."""
+        with self._lock:
+            log = self._sessions.get(sid)
+            if log is None and self._session_budget is not None and sid not in self._closed:
+                log = self._sessions[sid] = EpisodeLog(sid, budget=self._session_budget)
+            return log
+
+    def close_session(self, sid: str) -> EpisodeLog | None:
+        """Session ``sid``'s log (None if it made no request); its later requests are refused."""
+        with self._lock:
+            self._forget(sid)
+            log = self._sessions.pop(sid, None)
+            if log is not None:
+                log.closed = True
+            return log
+
+    def close_sessions(self) -> list[EpisodeLog]:
+        """Stop accepting sessions; the logs of those still open (no episode claimed them), closed."""
+        with self._lock:
+            self._session_budget = None
+            logs = list(self._sessions.values())
+            self._sessions.clear()
+            for log in logs:
+                log.closed = True
+                self._forget(log.key)
+            return logs
+
+    def _forget(self, sid: str) -> None:
+        self._closed[sid] = None
+        while len(self._closed) > REMEMBERED:
+            self._closed.popitem(last=False)
+
+    # ------------------------------------------------------------------ limits
 
     def reserve(self, log: EpisodeLog, max_turns: int, want: int) -> int | str:
         """Admit one more request of ``log`` and grant it up to ``want`` tokens of the episode's budget:

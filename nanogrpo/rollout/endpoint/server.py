@@ -1,4 +1,5 @@
-"""The endpoint's life: an OpenAI-compatible server on 127.0.0.1 for the length of a rollout.
+"""The endpoint's life: an OpenAI-compatible server (and vLLM's token route) on 127.0.0.1 for the length
+of a rollout.
 
     with Endpoint(engine, tokenizer, params, EndpointSettings(max_len=2048, max_new_tokens=256,
                                                               vocab_size=len(tokenizer))) as ep:
@@ -59,6 +60,8 @@ class Endpoint:
         self.episodes = Episodes()
         self.batcher = Batcher(engine, tokenizer, params, linger_s=linger_s)
         self.unauthorized = 0
+        self.version: int | str = 0
+        """The policy version the engine samples under (the token route's ``weight_versions``)."""
         self._server = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -119,6 +122,23 @@ class Endpoint:
     def close_episode(self, key: str) -> EpisodeLog:
         """The episode's requests, in the order they were answered; its key is refused from now on."""
         return self.episodes.close(key)
+
+    @property
+    def session_key(self) -> str:
+        """The key of the token route's sessions (:mod:`~nanogrpo.rollout.endpoint.episodes`)."""
+        return self.episodes.session_key
+
+    def open_sessions(self) -> None:
+        """Accept sessions (each with the episode budget, ``max_new_tokens``) until :meth:`close_sessions`."""
+        self.episodes.open_sessions(self.settings.max_new_tokens)
+
+    def close_session(self, sid: str) -> EpisodeLog | None:
+        """Session ``sid``'s requests (None: it made none); refused from now on."""
+        return self.episodes.close_session(sid)
+
+    def close_sessions(self) -> list[EpisodeLog]:
+        """Stop accepting sessions; the logs no one claimed."""
+        return self.episodes.close_sessions()
 
     def serve(self, until, poll_s: float = 0.02) -> None:
         """Run the engine on this thread for the requests that arrive, until ``until()`` is true and

@@ -1,0 +1,320 @@
+"""The run monitor (nanogrpo.watch): each rule on metric streams made to trip it and on streams that
+must not; the monitor's events, screen line, metrics, stop and resume; the metrics it reads; the report's
+watch section. Fast: no model, except the replays of real runs' streams (tests/data/watch/), which are
+metric rows only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanogrpo.algo.corrections import logprob_gap_stats
+from nanogrpo.config import RULE_NAMES, Config, ConfigError, WatchConfig
+from nanogrpo.rollout.collect import distinct_ngrams, example_rows
+from nanogrpo.watch import RULES, WATCH_FILE, History, Monitor, read_events, replay, summary
+from nanogrpo.watch import rules as R
+
+DATA = Path(__file__).parent / "data" / "watch"
+
+
+def rows(n: int, **series) -> list[dict]:
+    """``n`` training rows; each keyword a constant, a list of n values, or a function of the step."""
+    out = []
+    for i in range(n):
+        r = {"step": i + 1, "reward_mean": 0.0, "reward_std": 1.0, "accuracy": 0.2, "groups_kept": 16}
+        for k, v in series.items():
+            r[k] = v(i + 1) if callable(v) else v[i] if isinstance(v, list) else v
+        out.append(r)
+    return out
+
+
+def history(rs: list[dict], weights=None) -> History:
+    h = History(dict(weights or {}))
+    for r in rs:
+        h.add(r)
+    return h
+
+
+def test_the_registry_is_the_configs_list_of_rules():
+    assert list(RULES) == list(RULE_NAMES)
+    assert all(hasattr(WatchConfig(), n) for n in RULES)
+
+
+# ----------------------------------------------------------------------------- each rule
+
+
+def test_reward_hacking_fires_when_the_reward_climbs_and_the_accuracy_does_not():
+    s = WatchConfig().reward_hacking
+    climb = rows(12, reward_mean=lambda t: 0.2 * t, accuracy=0.3)
+    f = R.reward_hacking(history(climb), s)
+    assert f is not None and f.rule == "reward_hacking" and f.step == 12
+    assert "train accuracy 30.0% -> 30.0%" in f.message
+    # the accuracy climbs with it: the run working
+    assert R.reward_hacking(history(rows(12, reward_mean=lambda t: 0.2 * t,
+                                         accuracy=lambda t: 0.1 + 0.05 * t)), s) is None
+    # a small rise (below min_gain start spreads) is noise
+    assert R.reward_hacking(history(rows(12, reward_mean=lambda t: 0.02 * t, accuracy=0.3)), s) is None
+    # before 2 x window steps: nothing
+    assert R.reward_hacking(history(climb[:2 * s.window - 1]), s) is None
+
+
+def test_reward_hacking_reads_held_out_accuracy_too_when_the_run_evaluates():
+    s = WatchConfig().reward_hacking
+    rs = [{"step": 0, "eval/accuracy": 0.30}] + rows(12, reward_mean=lambda t: 0.2 * t, accuracy=0.2)
+    rs[10]["eval/accuracy"] = 0.29  # step 10: held-out flat, and train accuracy too
+    f = R.reward_hacking(history(rs), s)
+    assert f is not None and "train accuracy 20.0% -> 20.0% and held-out accuracy 30.0% (step 0) -> 29.0% " \
+                             "(step 10)" in f.message
+    rs[10]["eval/accuracy"] = 0.45  # held-out rose with the reward: no alarm
+    assert R.reward_hacking(history(rs), s) is None
+    # held-out flat while the training prompts' accuracy rose with the reward (the tag_format fault's run,
+    # learning correctness, had held-out 37% at step 5 and 38% at step 25): overfitting at worst, no hack
+    rs = [{"step": 0, "eval/accuracy": 0.30}] + rows(12, reward_mean=lambda t: 0.2 * t,
+                                                       accuracy=lambda t: 0.1 + 0.05 * t)
+    rs[10]["eval/accuracy"] = 0.29
+    assert R.reward_hacking(history(rs), s) is None
+
+
+def test_reward_hacking_also_fires_when_held_out_falls_from_its_best_while_the_reward_rises():
+    s = WatchConfig().reward_hacking
+    rs = [{"step": 0, "eval/accuracy": 0.1}] + rows(20, reward_mean=lambda t: 0.2 * t,
+                                                      accuracy=lambda t: 0.1 + 0.03 * t)
+    rs[5]["eval/accuracy"], rs[10]["eval/accuracy"], rs[20]["eval/accuracy"] = 0.5, 0.55, 0.35
+    f = R.reward_hacking(history(rs), s)
+    assert f is not None and f.since == 10 and "fell 55.0% (step 10) -> 35.0% (step 20)" in f.message
+    rs[20]["eval/accuracy"] = 0.45  # a 10-point dip: within the rule's noise allowance (max_drop 15)
+    assert R.reward_hacking(history(rs), s) is None
+
+
+def test_one_component_names_the_component_that_is_not_the_task():
+    s = WatchConfig().one_component
+    w = {"correctness": 1.0, "format": 1.0}
+    rs = rows(12, **{"reward/correctness": 0.0, "reward/format": lambda t: 0.2 * t})
+    f = R.one_component(history(rs, w), s)
+    assert f is not None and f.values["component"] == "format" and "format carries 100%" in f.message
+    # the task's own reward carrying the gain is the run working
+    rs = rows(12, **{"reward/correctness": lambda t: 0.2 * t, "reward/format": 0.0})
+    assert R.one_component(history(rs, w), s) is None
+    # two components sharing the gain
+    rs = rows(12, **{"reward/correctness": lambda t: 0.1 * t, "reward/format": lambda t: 0.1 * t})
+    assert R.one_component(history(rs, w), s) is None
+    # weights count: format's rise x 0.1 is small beside correctness's
+    rs = rows(12, **{"reward/correctness": lambda t: 0.1 * t, "reward/format": lambda t: 0.2 * t})
+    assert R.one_component(history(rs, {"correctness": 1.0, "format": 0.1}), s) is None
+    # one reward only: nothing to split
+    alone = rows(12, **{"reward/format": lambda t: 0.2 * t})
+    assert R.one_component(history(alone, {"format": 1}), s) is None
+
+
+def test_length_limit_fires_when_completions_grow_to_the_limit():
+    s = WatchConfig().length_limit
+    rs = rows(10, truncated_frac=[0.0] * 4 + [0.2, 0.4, 0.6, 0.7, 0.8, 0.9], completion_len_mean=40.0)
+    f = R.length_limit(history(rs), s)
+    assert f is not None and f.since == 7 and "80% of completions cut off" in f.message
+    # a run that starts long is not growing
+    assert R.length_limit(history(rows(10, truncated_frac=0.8)), s) is None
+
+
+def test_template_collapse_fires_when_the_distinct_ngram_ratio_halves():
+    s = WatchConfig().template_collapse
+    rs = rows(10, distinct_ngrams=[0.08] * 5 + [0.07, 0.05, 0.03, 0.02, 0.02])
+    f = R.template_collapse(history(rs), s)
+    assert f is not None and f.since == 8
+    assert R.template_collapse(history(rows(10, distinct_ngrams=[0.08] * 5 + [0.06] * 5)), s) is None
+
+
+def test_entropy_collapse_needs_both_the_fraction_and_the_floor():
+    s = WatchConfig().entropy_collapse
+    f = R.entropy_collapse(history(rows(10, entropy=[0.5] * 6 + [0.02, 0.004, 0.002, 0.001])), s)
+    assert f is not None and f.since == 8 and f.thresholds["entropy"] == pytest.approx(0.01)
+    # below 10% of the start but above the floor (a high-entropy start): not a collapse
+    assert R.entropy_collapse(history(rows(10, entropy=[2.0] * 6 + [0.15] * 4)), s) is None
+    # a policy that started sure of itself and stays so
+    assert R.entropy_collapse(history(rows(10, entropy=0.005)), s) is None
+    # sure of answers that are right: converged, not collapsed
+    solved = rows(10, entropy=[0.5] * 6 + [0.02, 0.004, 0.002, 0.001], accuracy=0.97)
+    assert R.entropy_collapse(history(solved), s) is None
+
+
+def test_spikes_compare_a_step_with_the_median_of_the_steps_before():
+    w = WatchConfig()
+    kl = [0.0, 0.004, 0.006, 0.005, 0.007, 0.006, 0.01, 0.012, 0.01, 0.011, 0.8, 0.7]
+    f = R.kl_spike(history(rows(12, kl=kl)), w.kl_spike)
+    assert f is not None and (f.since, f.step) == (11, 12) and "107.7x the median 0.0065" in f.message
+    # one step up, then back: a small batch's noisy estimate (the tool demo had a step at 13x)
+    assert R.kl_spike(history(rows(12, kl=kl[:-1] + [0.01])), w.kl_spike) is None
+    one = WatchConfig(kl_spike={"hold": 1}).kl_spike  # watch.kl_spike.hold=1: a single step is enough
+    f = R.kl_spike(history(rows(11, kl=kl[:-1])), one)
+    assert f is not None and (f.since, f.step) == (11, 11) and "for 1 step(s)" in f.message
+    high = [3 * x for x in kl[:-2]] + [0.15, 0.15]
+    assert R.kl_spike(history(rows(12, kl=high)), w.kl_spike) is None   # 7.7x the median: not a jump
+    assert R.kl_spike(history(rows(12, kl=[0.0] * 10 + [0.05] * 2)), w.kl_spike) is None  # from 0, small
+    assert R.kl_spike(history(rows(11, kl=kl[1:])), w.kl_spike) is None  # before 10 steps to compare with
+    clip = [0.01, 0.02, 0.02, 0.03, 0.02, 0.01, 0.02, 0.02, 0.03, 0.02, 0.3, 0.35]
+    assert R.clip_spike(history(rows(12, clip_frac=clip)), w.clip_spike) is not None
+    assert R.clip_spike(history(rows(12, clip_frac=[0.0] * 12)), w.clip_spike) is None
+
+
+def test_engine_drift_fires_on_a_gap_and_skips_stale_steps():
+    s = WatchConfig().engine_drift
+    gap = [1e-7] * 6 + [0.25, 0.24, 0.26]
+    f = R.engine_drift(history(rows(9, logprob_gap=gap)), s)
+    assert f is not None and f.since == 7
+    assert R.engine_drift(history(rows(9, logprob_gap=1e-7)), s) is None
+    # an engine in lower precision: its own gap from the start, steady
+    assert R.engine_drift(history(rows(9, logprob_gap=0.03)), s) is None
+    assert R.engine_drift(history(rows(9, logprob_gap=[0.03] * 6 + [0.2] * 3)), s) is not None
+    # stale samples' gap is the policy's lag too: left out
+    rs = rows(9, logprob_gap=gap, **{"staleness/max": [0] * 6 + [2] * 3})
+    assert R.engine_drift(history(rs), s) is None
+
+
+def test_no_signal_fires_after_window_steps_without_a_group_unless_solved():
+    s = WatchConfig().no_signal
+    f = R.no_signal(history(rows(6, groups_kept=[8, 8, 8, 0, 0, 0], accuracy=0.4)), s)
+    assert f is not None and f.since == 4
+    assert R.no_signal(history(rows(6, groups_kept=[8, 8, 8, 0, 0, 0], accuracy=1.0)), s) is None
+    assert R.no_signal(history(rows(6, groups_kept=[8, 8, 8, 0, 1, 0], accuracy=0.4)), s) is None
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_the_watch_config_is_typed_and_checked():
+    cfg = Config.load("demo", ["watch.entropy_collapse={fraction: 0.05}", "watch.stop_on=[engine_drift]"])
+    assert cfg.watch.entropy_collapse.fraction == 0.05 and cfg.watch.entropy_collapse.window == 3
+    cfg = Config.load("demo", ["watch.entropy_collapse.floor=0.005", "watch.kl_spike.hold=3"])  # one key
+    assert (cfg.watch.entropy_collapse.floor, cfg.watch.entropy_collapse.fraction) == (0.005, 0.1)
+    assert cfg.watch.kl_spike.hold == 3
+    with pytest.raises(ConfigError, match="grpo.beta is not a table"):
+        Config.load("demo", ["grpo.beta.x=1"])
+    assert cfg.watch.active() == list(RULE_NAMES)
+    assert Config.load("demo", ['watch.off=["kl_spike"]']).watch.active() == \
+        [n for n in RULE_NAMES if n != "kl_spike"]
+    assert Config.load("demo", ["watch.enabled=false"]).watch.active() == []
+    with pytest.raises(ConfigError, match="watch.stop_on: unknown rule 'entropy'"):
+        Config.load("demo", ["watch.stop_on=[entropy]"])
+    with pytest.raises(ConfigError, match="did you mean 'fraction'"):
+        Config.load("demo", ["watch.entropy_collapse={fractoin: 0.05}"])
+    with pytest.raises(ConfigError, match="turns off"):
+        Config.load("demo", ["watch.stop_on=[kl_spike]", "watch.off=[kl_spike]"])
+
+
+# ----------------------------------------------------------------------------- the monitor
+
+
+def _collapse(n: int = 10) -> list[dict]:
+    return rows(n, entropy=[0.5] * 6 + [0.004] * (n - 6))
+
+
+def test_the_monitor_says_it_once_logs_it_and_keeps_the_completions(tmp_path, caplog):
+    cfg = WatchConfig(stop_on=["entropy_collapse"])
+    m = Monitor(cfg, tmp_path, {"correctness": 1.0})
+    first = [{"question": "q1", "completion": "<think>1+1=2</think><answer>2</answer>", "reward": 2.25,
+              "advantage": 0.7, "images": ["data:image/png;base64,xx"]}]
+    with caplog.at_level(logging.WARNING, logger="nanogrpo.watch"):
+        out = [m.observe(r, first if r["step"] in (1, 9) else None) for r in _collapse()]
+    assert [o["watch/entropy_collapse"] for o in out] == [0.0] * 8 + [1.0, 1.0]
+    assert set(out[0]) == {f"watch/{n}" for n in RULE_NAMES}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("step 9: entropy_collapse since step 7: entropy 0.0040")
+    assert lines[0].endswith("stopping the run (watch.stop_on)")
+    events = read_events(tmp_path)
+    assert len(events) == 1 and events[0]["stop"] and m.stop is not None and m.stop.step == 9
+    ex = events[0]["examples"]
+    assert ex["before"]["step"] == 1 and ex["now"]["step"] == 9
+    assert "images" not in ex["now"]["rows"][0] and ex["now"]["rows"][0]["advantage"] == 0.7
+    assert summary(events) == "watch: entropy_collapse at step 9 (since 7); stopped the run at step 9"
+    assert summary([]) == "watch: no alarm"
+
+
+def test_a_resumed_monitor_remembers_without_saying_it_again(tmp_path, caplog):
+    rs = _collapse(12)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs[:10]))
+    m = Monitor(WatchConfig(), tmp_path)
+    for r in rs[:10]:
+        m.observe(r)
+    assert len(read_events(tmp_path)) == 1
+    # killed after step 10, resumed from a checkpoint at step 8: the event at step 9 is dropped with the
+    # rows after the checkpoint, and seen again when step 9 is trained again
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs[:8]))
+    m = Monitor(WatchConfig(), tmp_path, resume_step=8)
+    assert read_events(tmp_path) == [] and m.history.steps == 8
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanogrpo.watch"):
+        for r in rs[8:]:
+            m.observe(r)
+    assert [e["step"] for e in read_events(tmp_path)] == [9] and len(caplog.records) == 1
+    # resumed after the event: it stays said
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    m = Monitor(WatchConfig(), tmp_path, resume_step=10)
+    assert "entropy_collapse" in m.firing and len(read_events(tmp_path)) == 1
+
+
+def test_replay_is_the_monitor_without_its_side_effects():
+    found = replay(_collapse(), WatchConfig())
+    assert [(f.rule, f.step, f.since) for f in found] == [("entropy_collapse", 9, 7)]
+    assert replay(_collapse(), WatchConfig(off=["entropy_collapse"])) == []
+
+
+# ----------------------------------------------------------------------------- the metrics it reads
+
+
+def test_distinct_ngrams_counts_a_groups_repeats_once():
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    assert distinct_ngrams([a, a, b, b], 2) == 1.0             # each prompt sure of its own answer
+    assert distinct_ngrams([a, a, a, a], 2) == 0.5              # two prompts, one template
+    assert distinct_ngrams([a, [1, 2, 3, 4, 6], b, b], 2) == pytest.approx(5 / 6)
+    assert math.isnan(distinct_ngrams([[1, 2]] * 4, 2))
+
+
+def test_logprob_gap_is_measured_on_the_trained_tokens_only():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    engine = torch.tensor([[-1.1, -2.0, -9.0], [-0.5, -0.2, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    st = logprob_gap_stats(trainer, engine, mask)
+    assert st["logprob_gap_sum"].item() == pytest.approx(0.4) and st["logprob_gap_max"].item() == \
+        pytest.approx(0.3)
+
+
+def test_the_rollout_table_takes_two_of_each_group():
+    assert example_rows(32, 8, 8) == [0, 1, 8, 9, 16, 17, 24, 25]
+    assert example_rows(16, 8, 2) == [0, 1]
+    assert example_rows(4, 1, 3) == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- real runs, replayed
+
+
+@pytest.mark.parametrize("stream", sorted(p.name for p in DATA.glob("*.jsonl")))
+def test_no_rule_fires_on_the_shipped_demos_full_runs(stream):
+    """The metric streams of the demos' full runs (docs/figures.md, "The run monitor"), replayed through
+    every rule at its defaults: 0 alarms."""
+    lines = (DATA / stream).read_text().splitlines()
+    meta, rs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert len(rs) >= meta["steps"]
+    assert replay(rs, WatchConfig(), meta["weights"]) == []
+
+
+@pytest.mark.slow  # matplotlib: the whole report, ~5 s
+def test_the_report_draws_each_event(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nanogrpo.report import main as report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rs = _collapse()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    m = Monitor(WatchConfig(), run)
+    for r in rs:
+        m.observe(r, [{"question": "q", "completion": f"step {r['step']}", "reward": 1.0, "advantage": 0.5}])
+    assert report([str(run)]) == 0
+    md = (run / "report" / "report.md").read_text()
+    assert "## Watch" in md and "**entropy_collapse** at step 9 (since step 7)" in md
+    assert (run / "report" / "watch_run_entropy_collapse_9.png").stat().st_size > 10_000
+    assert (run / WATCH_FILE).is_file()
