@@ -18,6 +18,11 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
                                          output out (context the model reads, never trained on)
     truncated        bool    (N,)        the token limit cut the completion off (finish reason "length");
                                          optional (absent: unknown; grpo.mask_truncated then masks nothing)
+    correct          bool    (N,)        the completion is right (the task's accuracy); optional
+    teacher_logprobs float32 (N, C)      the distillation teacher's log-probs of the completion tokens
+                                         (0 where masked), optional ([distill])
+    teacher_topk_logprobs float32 (N, C, K)  the teacher's top-k log-probs at each completion position and
+    teacher_topk_ids      int64   (N, C, K)  their token ids, optional, the two together (distill.top_k)
     pixel_values     float32 (P, D)      the prompts' images as patch rows (vision-language models);
     image_grid_thw   int64   (I, 3)      optional, the three together: (t, h, w) patches per image, and
     image_counts     int64   (N,)        images per sequence, sequence 0's first (``nanogrpo.algo.vision``)
@@ -59,8 +64,15 @@ _SPEC: dict[str, tuple[torch.dtype, str]] = {
     "ref_logprobs": (torch.float32, "NC"),
     "loss_mask": (torch.bool, "NC"),
     "truncated": (torch.bool, "N"),
+    "correct": (torch.bool, "N"),
+    "teacher_logprobs": (torch.float32, "NC"),
+    "teacher_topk_logprobs": (torch.float32, "NCK"),
+    "teacher_topk_ids": (torch.int64, "NCK"),
 }
-_OPTIONAL = {"ref_logprobs", "loss_mask", "truncated"}
+_OPTIONAL = {"ref_logprobs", "loss_mask", "truncated", "correct", "teacher_logprobs", "teacher_topk_logprobs",
+             "teacher_topk_ids"}
+MAX_TOPK = 1000
+"""The most teacher top-k entries per position on the wire."""
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_counts")
 """Optional as a set: a batch carries all three (its prompts have images) or none."""
 MAX_IMAGES_PER_SEQ = 64
@@ -86,6 +98,10 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_counts: torch.Tensor | None = None
@@ -169,6 +185,19 @@ class RolloutBatch:
         return batch
 
 
+def _check_teacher(t: dict[str, torch.Tensor], vocab_size: int | None) -> None:
+    """The teacher's top-k tensors come as a pair, at most :data:`MAX_TOPK` wide, ids in the vocabulary."""
+    lp, ids = t.get("teacher_topk_logprobs"), t.get("teacher_topk_ids")
+    if (lp is None) != (ids is None):
+        raise BatchError("teacher_topk_logprobs and teacher_topk_ids come together")
+    if ids is None:
+        return
+    if not 1 <= ids.shape[-1] <= MAX_TOPK:
+        raise BatchError(f"teacher top-k of width {ids.shape[-1]}: must be 1..{MAX_TOPK}")
+    if ids.numel() and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+        raise BatchError(f"teacher_topk_ids outside the vocabulary [0, {vocab_size})")
+
+
 def _read_header(data: bytes) -> dict[str, Any]:
     if len(data) < 8:
         raise BatchError("body too short for safetensors")
@@ -223,7 +252,9 @@ def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: in
         raise BatchError(f"{n} sequences exceeds the limit {max_seqs}")
     if max_len is not None and seq > max_len:
         raise BatchError(f"sequence length {seq} exceeds the limit {max_len}")
-    shapes = {"NL": (n, seq), "NC": (n, c), "N": (n,)}
+    topk = t.get("teacher_topk_ids")
+    k = int(topk.shape[-1]) if topk is not None and topk.dim() == 3 else 1
+    shapes = {"NL": (n, seq), "NC": (n, c), "N": (n,), "NCK": (n, c, k)}
     for name, (_, kind) in _SPEC.items():
         if name in t and tuple(t[name].shape) != shapes[kind]:
             raise BatchError(f"{name} has shape {tuple(t[name].shape)}, expected {shapes[kind]}")
@@ -248,10 +279,12 @@ def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: in
             raise BatchError("loss_mask must be a subset of completion_mask")
         if not bool(lm.any(dim=1).all()):
             raise BatchError("every sequence needs at least one token in loss_mask")
-    for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs"):
+    _check_teacher(t, vocab_size)
+    for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs", "teacher_logprobs",
+                 "teacher_topk_logprobs"):
         if name in t and not bool(torch.isfinite(t[name]).all()):
             raise BatchError(f"{name} holds NaN or inf")
-    for name in ("old_logprobs", "ref_logprobs"):
+    for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "teacher_topk_logprobs"):
         if name in t and bool((t[name] > 1e-3).any()):
             raise BatchError(f"{name} must be <= 0 (log-probabilities)")
     present = [k for k in IMAGE_FIELDS if k in t]

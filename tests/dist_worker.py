@@ -51,11 +51,25 @@ def make_cfg(backend: str = "single", stage: int = 2, lora: int = 0) -> Config:
     extra = json.loads(os.environ.get("NANOGRPO_TEST_ALGO", "{}"))
     return Config.model_validate({
         "model": {"lora_r": lora},
+        "distill": extra.get("distill", {}),
         "grpo": {"beta": 0.04, **extra.get("grpo", {})},
         "train": {"lr": 1e-3, "backend": backend, "zero_stage": stage, "micro_batch_size": 3,
                   "micro_batch_tokens": 40, "optimizer_offload": backend == "deepspeed"},
         "rollout": {"max_new_tokens": 9, **extra.get("rollout", {})},
     })
+
+
+def make_distill(cfg: Config, tok, batch: RolloutBatch | None, share_prefix: bool = True):
+    """``distill`` in ``NANOGRPO_TEST_ALGO``: a teacher in the process (a tiny model of another seed) scoring
+    ``batch`` (this rank's share), as the trainer does; None without it."""
+    if not cfg.distill.teacher:
+        return None
+    from nanogrpo.training.distill import Distill, LocalTeacher
+
+    d = Distill.with_teacher(cfg, LocalTeacher(make_model("tiny", tok, seed=7), tok, "teacher"))
+    if batch is not None:
+        d.annotate(batch, cfg.train, share_prefix)
+    return d
 
 
 def main() -> None:
@@ -79,7 +93,8 @@ def main() -> None:
     batch = make_batch(len(tok))
     mine = batch.select(torch.arange(batch.num_seqs)[rank::world])
     res = policy_update(be.model, be.optimizer, mine, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be, rollout=cfg.rollout)
+                        backend=be, rollout=cfg.rollout,
+                        distill=make_distill(cfg, tok, mine, cfg.train.share_prefix and be.prefix_sharing))
     sd = be.full_state_dict()
     out = Path(a.out)
     be.save(out / "ckpt", 1, tok, {"policy_version": 1})

@@ -26,7 +26,7 @@ from nanogrpo.training.distributed import make_backend
 from nanogrpo.training.step import policy_update
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import make_batch, make_cfg  # noqa: E402
+from dist_worker import make_batch, make_cfg, make_distill  # noqa: E402
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 
@@ -42,8 +42,9 @@ def _single_step():
     model = make_model("tiny", tok, seed=0)
     cfg = make_cfg("single")
     be = make_backend(cfg, model)
-    res = policy_update(model, be.optimizer, make_batch(len(tok)), cfg.grpo, cfg.train, on_policy=True,
-                        max_new_tokens=9, backend=be, rollout=cfg.rollout)
+    batch = make_batch(len(tok))
+    res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
+                        backend=be, rollout=cfg.rollout, distill=make_distill(cfg, tok, batch))
     return model, res
 
 
@@ -150,6 +151,19 @@ def test_two_ranks_match_single_process_for_whole_batch_variants(tmp_path, monke
     monkeypatch.setenv("NANOGRPO_TEST_ALGO", json.dumps(ALGO))
     res = _launch(tmp_path, backend)
     assert "entropy_threshold" in res["metrics"] and "is_weight_max" in res["metrics"]
+    _check(tmp_path, res)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_single_process_with_a_teacher(tmp_path, monkeypatch):
+    """On-policy distillation under ranks: each rank's teacher runs in its update's micro-batches (``jsd``
+    over the vocabulary, under FSDP2's gathered head), the divergence's stats merged over ranks: 2 ranks ==
+    one process. (One launch, ~15 s of CI: the ``sampled`` signal's teacher scores a rank's share as the
+    reference model does, which the other two-rank tests cover.)"""
+    distill = {"teacher": "tiny-seed-7", "signal": "jsd", "beta": 0.5}
+    monkeypatch.setenv("NANOGRPO_TEST_ALGO", json.dumps({"distill": distill, "grpo": {"beta": 0.0}}))
+    res = _launch(tmp_path, "fsdp2")
+    assert abs(res["metrics"]["distill/reverse_kl"]) > 1e-4  # the teacher differs (tokens not sampled)
     _check(tmp_path, res)
 
 

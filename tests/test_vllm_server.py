@@ -316,3 +316,35 @@ def test_two_rank_trainer_with_the_asynchronous_pipeline(servers, tmp_path, back
         assert "pipeline/trainer_wait_s" in r and "pipeline/producer_wait_s" in r
     assert rows[0]["staleness/max"] == 0  # the first batch is sampled under the synced start weights
     assert any(r["staleness/max"] == 1 for r in rows[1:])  # the producers ran ahead of the update
+
+
+def test_a_vllm_server_is_a_distillation_teacher(servers):
+    """``distill.teacher = URL`` of a vLLM server: its prompt log-probs of a batch (the sampled tokens' and
+    the top-k) are those of the weights it holds, as a teacher in the process computes them; a temperature it
+    cannot apply (its prompt log-probs are untempered) is refused in one line."""
+    from nanogrpo.batch import RolloutBatch
+    from nanogrpo.config import ConfigError, TrainConfig
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.rollout.collect import pad_batch
+    from nanogrpo.training.distill import LocalTeacher
+    from nanogrpo.training.distill.server import ServerTeacher
+
+    model = _model(seed=4)
+    _, sync = _tier(servers, model)
+    sync.sync(10_000)
+    tok = load_tokenizer(str(servers.tmp / "tokenizer"))
+    enc = [tok(t, add_special_tokens=False).input_ids for t in
+           ("Q: 12+34?", "<think>12+34=46</think>", "Q: 5+16?", "<think>5+16=21</think><answer>5</answer>")]
+    zeros = [[0.0] * len(c) for c in enc[1::2]]
+    ids, am, cm, lp, p = pad_batch(enc[0::2], enc[1::2], zeros, tok.pad_token_id)
+    batch = RolloutBatch(ids, am, cm, torch.zeros(2), torch.zeros(2), torch.tensor([0, 1]), lp, p, 1)
+    remote, local = ServerTeacher(servers.urls[0], tok), LocalTeacher(model, tok, "local")
+    for k in (0, 4):
+        a = remote.score(batch, TrainConfig(), True, 1.0, None, k)
+        b = local.score(batch, TrainConfig(), True, 1.0, None, k)
+        assert set(a) == set(b)
+        for key in a:
+            assert float((a[key].double() - b[key].double()).abs().max()) < 1e-4, key
+        assert float(a["teacher_logprobs"][cm].max()) < 0
+    with pytest.raises(ConfigError, match="untempered"):
+        remote.check(0.7, None)

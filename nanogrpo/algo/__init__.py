@@ -6,6 +6,7 @@
     losses.py       OBJECTIVES, IMPORTANCE, REDUCTIONS, KL_ESTIMATORS, LossSpec, policy_loss
     corrections.py  CORRECTIONS (rollout importance sampling), off_policy_mask
     entropy.py      entropy_threshold / entropy_mask (top-ρ tokens), EntropyControl (bonus coefficient)
+    distill.py      SIGNALS (on-policy distillation: sampled, jsd), generalized_jsd, distill_terms
     support.py      the top-k / top-p support and log-probs over it (no truncated-support bias)
     logprobs.py     chunked token log-probs and entropies (no batch x length x vocabulary tensor)
 
@@ -25,6 +26,7 @@ _WHERE = {
     "policy_loss": "losses",
     "CORRECTIONS": "corrections", "off_policy_mask": "corrections",
     "EntropyControl": "entropy", "entropy_mask": "entropy", "entropy_threshold": "entropy",
+    "SIGNALS": "distill", "DistillSpec": "distill", "distill_terms": "distill", "generalized_jsd": "distill",
     "token_logprobs": "logprobs", "token_stats": "logprobs",
     "LOSS_PRESETS": "presets",
 }

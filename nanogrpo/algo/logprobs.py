@@ -47,6 +47,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from nanogrpo.algo.distill import chunked_divergence
 from nanogrpo.algo.support import MASKED, Support, active, keep_mask, support_threshold
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
@@ -226,6 +227,11 @@ def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
+Divergence = tuple
+"""``(fn, [teacher tensors (N, C, ...)])``: a per-token divergence the head computes beside the log-probs
+(:func:`nanogrpo.algo.distill.chunked_divergence`)."""
+
+
 class LeanHead(torch.nn.Linear):
     """An ``nn.Linear`` LM head that, while armed, returns completion-token log-probs instead of logits.
 
@@ -242,19 +248,26 @@ class LeanHead(torch.nn.Linear):
         spec = self.__dict__.get("_lean")
         if spec is None:
             return super().forward(x)
-        start, sel, targets, chunk, temperature, entropy, support = spec
+        start, sel, targets, chunk, temperature, entropy, support, divergence = spec
         if sel is None:                                                       # a prefix pass: no output
             return x.new_zeros(0)
         h = x[:, start:]                                                      # (N, C, H) predicts targets
         if h.shape[1] != sel.shape[1]:
             raise ValueError(f"LeanHead: {h.shape[1]} positions after {start} for {sel.shape[1]} targets")
-        return linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature,
-                               entropy, support)                              # (T,) or (T, 2)
+        out = linear_logprobs(h[sel], self.weight, self.bias, targets[sel], chunk, temperature,
+                              entropy, support)                               # (T,) or (T, 2)
+        if divergence is None:
+            return out
+        fn, extra = divergence
+        div = chunked_divergence(fn, h[sel], self.weight, self.bias, targets[sel],
+                                 [e[sel] for e in extra], chunk)              # (T,)
+        return torch.cat([out.reshape(out.shape[0], -1), div.to(out.dtype)], -1)  # (T, 3 | 4)
 
     @contextmanager
     def armed(self, start: int, sel: torch.Tensor | None, targets: torch.Tensor | None, chunk: int,
-              temperature: float = 1.0, entropy: str = "none", support: Support | None = None):
-        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature, entropy, support)
+              temperature: float = 1.0, entropy: str = "none", support: Support | None = None,
+              divergence: Divergence | None = None):
+        self.__dict__["_lean"] = (start, sel, targets, chunk, temperature, entropy, support, divergence)
         try:
             yield
         finally:
@@ -304,10 +317,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 prompt_len: int, completion_mask: torch.Tensor, chunk: int = 1024,
                 share_prefix: bool = True, temperature: float = 1.0, entropy: str = "none",
-                support: Support | None = None, mm=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                support: Support | None = None, mm=None, divergence: Divergence | None = None):
     """Log-probs (N, C) float32 of ``input_ids[:, prompt_len:]`` under ``model`` and, unless ``entropy``
     is "none", the policy's entropy (N, C) at the same positions ("value": no gradient; "grad": with
-    it); 0 where masked (float64 for a float64 model).
+    it); 0 where masked (float64 for a float64 model). With ``divergence`` = (fn, teacher tensors
+    (N, C, ...)) a third (N, C, 2): ``fn`` of each position's logits (:func:`chunked_divergence`; the
+    distillation's per-token divergence with its gradient, and the sampled token's log-prob gap).
 
     input_ids/attention_mask: (N, P + C), prompts left-padded to P, completions
     right-padded to C. completion_mask: (N, C) bool. ``model`` may be wrapped
@@ -328,25 +343,31 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         if mm is not None:
             raise ValueError("images need a model whose logits are its linear head's (PLAIN_HEAD_TYPES)")
         return _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature, entropy,
-                              support)
+                              support, divergence)
     sel = completion_mask.bool()                                              # (N, C)
     if sel.shape[1] == 0:
         z = torch.zeros(sel.shape, dtype=torch.float32, device=input_ids.device)
-        return z, (z if entropy != "none" else None)
+        return (z, (z if entropy != "none" else None)) + ((z[..., None].expand(*z.shape, 2),)
+                                                          if divergence is not None else ())
     # the last token predicts nothing: every forward below stops one short of it
     ids, am, pos = input_ids[:, :-1], attention_mask[:, :-1], pos[:, :-1]     # (N, L - 1)
     flat = None
     if share_prefix and prompt_len > 1 and not _checkpointing(model) and mm is None:
         flat = _prefix_shared(model, head, ids, am, pos, prompt_len, sel, targets, chunk, temperature,
-                              entropy, support)
+                              entropy, support, divergence)
     if flat is None:
         kw = {"position_ids": pos, **(mm(ids) if mm is not None else {})}
-        with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy, support):
-            flat = model(input_ids=ids, attention_mask=am, use_cache=False, **kw).logits  # (T,) or (T, 2)
+        with head.armed(prompt_len - 1, sel, targets, chunk, temperature, entropy, support, divergence):
+            flat = model(input_ids=ids, attention_mask=am, use_cache=False, **kw).logits  # (T,) or (T, k)
     res = torch.zeros(sel.shape, dtype=flat.dtype, device=flat.device)        # (N, C)
+    div = ()
+    if divergence is not None:
+        d = torch.zeros(*sel.shape, 2, dtype=flat.dtype, device=flat.device)  # (N, C, 2)
+        div = (d.masked_scatter(sel[..., None].expand_as(d), flat[:, -2:]),)
+        flat = flat[:, 0] if entropy == "none" else flat[:, :2]
     if entropy == "none":
-        return res.masked_scatter(sel, flat), None
-    return res.masked_scatter(sel, flat[:, 0]), res.masked_scatter(sel, flat[:, 1])  # (N, C) each
+        return (res.masked_scatter(sel, flat), None) + div
+    return (res.masked_scatter(sel, flat[:, 0]), res.masked_scatter(sel, flat[:, 1])) + div  # (N, C) each
 
 
 def _checkpointing(model) -> bool:
@@ -356,7 +377,8 @@ def _checkpointing(model) -> bool:
 
 def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt_len: int, sel, targets,
                    chunk: int, temperature: float, entropy: str = "none",
-                   support: Support | None = None) -> torch.Tensor | None:
+                   support: Support | None = None, divergence: Divergence | None = None
+                   ) -> torch.Tensor | None:
     """The selected log-probs (T,) (or (T, 2) with entropies) with each distinct prompt run once; None if
     no prompt repeats.
     input_ids, attention_mask, pos: (N, P + C - 1), the sequences without their last token."""
@@ -373,7 +395,8 @@ def _prefix_shared(model, head: LeanHead, input_ids, attention_mask, pos, prompt
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(inv)                                           # (N, p), differentiable gather
-    with head.armed(0, sel, targets, chunk, temperature, entropy, support):   # suffix position 0 predicts c_0
+    # suffix position 0 predicts c_0
+    with head.armed(0, sel, targets, chunk, temperature, entropy, support, divergence):
         return model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:],
                      use_cache=True, **{_cache_kwarg(model): cache}).logits   # (T,) float32
 
@@ -386,12 +409,16 @@ def _cache_kwarg(model) -> str:
 
 
 def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperature: float = 1.0,
-                   entropy: str = "none", support: Support | None = None):
-    rows, ents = [], []
+                   entropy: str = "none", support: Support | None = None,
+                   divergence: Divergence | None = None):
+    rows, ents, divs = [], [], []
     for i in range(input_ids.shape[0]):  # one row at a time bounds the (L, V) logits
         logits = model(input_ids=input_ids[i:i + 1], attention_mask=attention_mask[i:i + 1],
                        position_ids=pos[i:i + 1], use_cache=False).logits[0, prompt_len - 1:-1]  # (C, V)
         logits = logits.to(acc_dtype(logits.dtype))
+        if divergence is not None:
+            fn, extra = divergence
+            divs.append(fn(logits, input_ids[i, prompt_len:], *[e[i] for e in extra]))  # (C,)
         z = logits if temperature == 1.0 else logits / temperature                     # (C, V)
         if support is not None:
             with torch.no_grad():
@@ -402,7 +429,8 @@ def _full_logprobs(model, input_ids, attention_mask, pos, prompt_len, temperatur
         if entropy != "none":
             h = -(lp.exp() * lp).sum(-1)                                              # (C,)
             ents.append(h if entropy == "grad" else h.detach())
-    return torch.stack(rows), (torch.stack(ents) if entropy != "none" else None)      # (N, C) each
+    out = (torch.stack(rows), (torch.stack(ents) if entropy != "none" else None))     # (N, C) each
+    return out + ((torch.stack(divs),) if divergence is not None else ())
 
 
 @torch.no_grad()

@@ -221,12 +221,15 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
                 eps_low: float | None = None, eps_high: float | None = None,
                 behaviour: torch.Tensor | None = None, proximal: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                entropy_coef: float = 0.0, extra: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reduced loss for one micro-batch (its share of the whole batch's loss) and its stats.
 
     logp: (N, T) policy log-probs, requires grad; old: (N, T) the log-probs the ratio is anchored on,
     or None (on-policy: ``logp.detach()``); ref: (N, T) reference log-probs or None when beta == 0;
-    adv: (N,); mask: (N, T) the trained tokens; ``tot`` the same mask's whole-batch counts.
+    adv: (N,), or (N, T) per-token advantages (on-policy distillation, :mod:`nanogrpo.algo.distill`);
+    mask: (N, T) the trained tokens; ``tot`` the same mask's whole-batch counts. extra: (N, T) a per-token
+    loss added beside the KL term, reduced with the rest (the distillation divergence), or None.
     behaviour: (N, T) the engine's log-probs when the correction or the off-policy mask needs them, or
     for the mismatch stats; proximal: (N, T) the trainer's own log-probs before the update, which the
     correction weighs against ``behaviour`` (None: ``logp.detach()``, the first update's; with a
@@ -248,7 +251,8 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
     m = mask.bool()                                                    # (N, T)
     mf = m.to(logp.dtype)                                              # (N, T)
     old = logp.detach() if old is None else old.to(logp.dtype)         # (N, T)
-    a = adv.to(logp.dtype).unsqueeze(1)                                # (N, 1)
+    a = adv.to(logp.dtype)                                             # (N, 1) or (N, T)
+    a = a.unsqueeze(1) if a.dim() == 1 else a
     log_ratio = torch.where(m, logp - old, 0.0)                        # (N, T) 0 off the mask
     ratio = torch.exp(IMPORTANCE[spec.importance_sampling](log_ratio, mf))  # (N, T) or (N, 1)
     loss_t, clipped = OBJECTIVES[spec.objective](ratio, logp, a, spec)  # (N, T|1)
@@ -277,6 +281,8 @@ def policy_loss(spec: LossSpec | str, logp: torch.Tensor, old: torch.Tensor | No
         if spec.kl_is_weighted:
             kl = kl * ratio                                            # (N, T) DeepSeek-V3.2
         loss_t = loss_t + spec.beta * kl                               # (N, T)
+    if extra is not None:
+        loss_t = loss_t + torch.where(m, extra.to(logp.dtype), 0.0)    # (N, T)
     loss = REDUCTIONS[spec.reduction](loss_t.expand_as(mf), mf, tot)   # ()
     if entropy is not None:
         ent = torch.where(m, entropy.to(logp.dtype), 0.0)              # (N, T)

@@ -10,12 +10,13 @@ tokens, prompts of at most 400 tokens, save every 200 steps). The embedded CPU d
 ``nanogrpo train`` runs with no arguments is the preset ``demo`` layered on top of these.
 
 One module per section (``model``, ``data``, ``rollout`` with ``vllm``, ``grpo``, ``rewards``,
-``tools``, ``env``, ``run``: train / eval / log / server, ``watch``); ``root`` puts them together and reads
-files, presets and overrides.
+``distill``, ``tools``, ``env``, ``run``: train / eval / log / server, ``watch``); ``root`` puts them together
+and reads files, presets and overrides.
 """
 
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import PROMPT_TEMPLATES, R1_BOXED_INSTRUCTION, SEED_SYSTEM_PROMPT, DataConfig
+from nanogrpo.config.distill import DistillConfig
 from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import AdvantageName, GrpoConfig, LossName
 from nanogrpo.config.model import ModelConfig
@@ -39,7 +40,8 @@ from nanogrpo.config.watch import RULE_NAMES, WatchConfig
 from nanogrpo.errors import ConfigError
 
 __all__ = [
-    "AdvantageName", "Config", "ConfigError", "DEFAULT_PRELOAD", "DataConfig", "EnvConfig", "EvalConfig",
+    "AdvantageName", "Config", "ConfigError", "DEFAULT_PRELOAD", "DataConfig", "DistillConfig", "EnvConfig",
+    "EvalConfig",
     "GrpoConfig", "LogConfig", "LossName", "ModelConfig", "Overrides", "PROMPT_TEMPLATES",
     "R1_BOXED_INSTRUCTION",
     "RUN_CONFIG_FILE", "RewardsConfig", "RolloutConfig", "SEED_SYSTEM_PROMPT", "ServerConfig",

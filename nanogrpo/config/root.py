@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from nanogrpo import demos
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
+from nanogrpo.config.distill import DistillConfig
 from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import GrpoConfig
 from nanogrpo.config.model import ModelConfig
@@ -41,6 +42,7 @@ class Config(_Strict):
     vllm_server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -62,6 +64,7 @@ class Config(_Strict):
         if self.env.source:
             with_env(self.rewards)
         check_server_tier(self)
+        check_distill(self)
         if self.env.source and self.tools.enabled:
             raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
                              "environment runs model-written code through its sandbox handle)")
@@ -120,6 +123,20 @@ def check_server_tier(cfg: Config) -> None:
     if r.max_staleness and cfg.train.save_every_updates:
         raise ValueError("rollout.max_staleness > 0 with train.save_every_updates: mid-batch checkpoints "
                          "are for the on-policy loop; set one of them to 0")
+
+
+def check_distill(cfg: Config) -> None:
+    """``[distill]`` agrees with the rest (ValueError)."""
+    d = cfg.distill
+    if not d.teacher:
+        return
+    if cfg.grpo.dynamic_sampling:
+        raise ValueError("grpo.dynamic_sampling refills groups whose rewards all agree, but with "
+                         "distill.teacher every group carries the teacher's signal (none is dropped): "
+                         "set one of them off")
+    if cfg.grpo.importance_sampling == "sequence" or cfg.grpo.loss == "gspo":
+        raise ValueError("distill.teacher gives a signal per token; grpo.loss=gspo (a sequence-level ratio) "
+                         "cannot carry it: use a token-level loss (grpo, dapo, dr_grpo, bnpo, cispo, sapo)")
 
 
 def with_env(rewards: RewardsConfig) -> None:

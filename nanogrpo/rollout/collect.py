@@ -247,11 +247,13 @@ def _sum(reduce: Reduce | None, values: list[float]) -> list[float]:
 def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
             cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
             policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None,
-            more=None, env=None) -> tuple[RolloutBatch | None, RolloutStats]:
+            more=None, env=None, keep_all: bool = False) -> tuple[RolloutBatch | None, RolloutStats]:
     """Sample, score and package one step's groups; ``None`` when no group carries signal.
 
     ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None.
     ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes` (episodes with an environment), or None.
+    ``keep_all``: no group is dropped for rewards that all agree (on-policy distillation: the teacher's
+    signal is in every group).
     ``reduce``: several ranks roll out shares of one batch: sums over them for the batch-level
     advantage estimators and the refill decisions (every rank calls this function, with or without rows).
     ``more(n)``: this rank's share of the next ``n`` prompts of the (global) prompt stream, for
@@ -351,6 +353,8 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     for ex, i in zip(stats.examples, shown):  # the rollout table: each row's advantage and group
         ex.update(advantage=float(adv[i]), group=i // g, finish_reason=reasons[i])
     keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
+    if keep_all:
+        keep = torch.ones_like(keep)
     if dynamic:
         stats.groups_no_signal = int((~keep).sum())
         surplus = surplus_mask(keep, target)                                       # (groups,) past the batch
@@ -399,7 +403,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm, **vis,
                          rewards=r[rows_t], advantages=adv[rows_t], group_ids=group_ids,
                          old_logprobs=lp, prompt_len=p, group_size=size, policy_version=policy_version,
-                         truncated=torch.tensor(cut_b),
+                         truncated=torch.tensor(cut_b), correct=torch.tensor([acc[i] > 0 for i in rows_b]),
                          meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
     return batch, stats
 

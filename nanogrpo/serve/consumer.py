@@ -198,6 +198,9 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     vocab = model.get_input_embeddings().num_embeddings
+    from nanogrpo.training.distill import Distill
+
+    distill = Distill.from_config(cfg, model, tok, device)  # [distill]: this trainer scores its batches
     backend = make_backend(cfg, model, rollout_copy=bool(cfg.eval.every))
     version = 0
     control = EntropyControl.from_config(cfg.grpo)  # the entropy-bonus coefficient (adaptive: it moves)
@@ -312,6 +315,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             wait_s = time.perf_counter() - t0
             lag = int(entry["lag"])
             batch = batch.to(device)
+            if distill is not None:
+                distill.annotate(batch, cfg.train, cfg.train.share_prefix and backend.prefix_sharing)
             t1 = time.perf_counter()
             backend.set_lr(lr_at(step, cfg))
             if pending is not None and pending.step == step:  # resumed between two of its optimizer steps
@@ -337,7 +342,7 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
             exact = not batch.meta.get("behaviour_logprobs", False)
             run_updates(backend.module, backend.optimizer, batch, cfg, sched, fresh=lag == 0, exact=exact,
                         backend=backend, control=control, max_new_tokens=cfg.rollout.max_new_tokens,
-                        after_update=after_update)
+                        after_update=after_update, distill=distill)
             results = sched.results
             updates = updates_taken(sched)
             skipped = len(results) - updates

@@ -354,6 +354,10 @@ def create_app(st: ServerState) -> Starlette:
         Route("/weights", guarded(weights), methods=["GET"]),
         Route("/weights/version", guarded(weights_version), methods=["GET"]),
     ]
+    if st.teacher is not None:  # nanogrpo serve --teacher: prompts scored as a vLLM server scores them
+        from nanogrpo.serve.teacher import teacher_routes
+
+        routes += teacher_routes(st, guarded, read_body)
     app = Starlette(routes=routes)
     app.state.nanogrpo = st
     return app

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--ref-model", help="reference model (default: model.path)")
+    p.add_argument("--teacher", help="a distillation teacher to hold (default: distill.teacher when it is a "
+                                     "model): trainers with distill.teacher=http://HOST:PORT score with it")
     p.add_argument("--device", help="device of the reference model (default: model.device)")
     p.add_argument("--token-file", help="file holding the shared token")
     p.add_argument("--vocab-size", type=int, help="token ids must be below this (default: from the model)")
@@ -171,6 +173,19 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
         layout = layout_from_config(path, cfg.model.trust_remote_code)
         log.info("beta=0: no reference model; brokering batches only (published weights are checked "
                     "against %s)", "the model's config" if layout else "the first accepted publish")
+    teacher = None
+    remote = cfg.distill.teacher.startswith(("http:", "https:"))
+    path = a.teacher or ("" if remote else cfg.distill.teacher)
+    if path:
+        from nanogrpo.training.distill.local import LocalTeacher
+
+        device = resolve_device(cfg.model.device)
+        teacher = LocalTeacher.load(path, None, resolve_dtype(cfg.model.dtype, device), device,
+                                    cfg.model.attn_implementation, cfg.model.trust_remote_code,
+                                    cfg.model.cpu_linear)
+        teacher.head()  # a head the routes can project (one line otherwise)
+        vocab = vocab or teacher.model.get_input_embeddings().num_embeddings
+        log.info("distillation teacher %s loaded on %s: /v1/completions scores prompts", path, device)
     if vocab is None:
         raise ConfigError("cannot tell the vocabulary size: pass --vocab-size")
     settings.vocab_size = vocab
@@ -180,7 +195,7 @@ def build_state(a: argparse.Namespace) -> tuple[ServerState, str | None]:
 
         tok = load_tokenizer(str(resolve_model_path(cfg.model.path)), cfg.model.trust_remote_code)
         settings.max_len = longest_context(cfg, tok, cfg.rollout.max_new_tokens)
-    return ServerState(settings, token, ref_fn, layout), token
+    return ServerState(settings, token, ref_fn, layout, teacher), token
 
 
 def uvicorn_config(st: ServerState, host: str, port: int, access_log: bool = False):

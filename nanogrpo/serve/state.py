@@ -89,10 +89,13 @@ class ServerState:
     """Everything the app holds; bounded in size whatever clients send."""
 
     def __init__(self, settings: Settings, token: str | None = None, ref_fn: RefFn | None = None,
-                 layout: WeightLayout | None = None):
+                 layout: WeightLayout | None = None, teacher=None):
         self.s = settings
         self.token = token
         self.ref_fn = ref_fn
+        self.teacher = teacher
+        """A distillation teacher (:class:`~nanogrpo.training.distill.local.LocalTeacher`) the server scores
+        prompts with (:mod:`nanogrpo.serve.teacher`), or None."""
         self.log = log
         self.queue = BatchQueue(settings.queue_size, settings.lease_s)
         self.relay = WeightRelay(layout, settings.max_version_step, settings.weights_dir)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                        seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
                                        keep_examples=cfg.log.samples_per_step,
                                        more=sampler.next_batch,  # grpo.dynamic_sampling's refill rounds
-                                       env=episodes)
+                                       env=episodes, keep_all=bool(cfg.distill.teacher))
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)

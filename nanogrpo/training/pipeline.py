@@ -218,7 +218,8 @@ def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env, rank: int
                                 template=cfg.model.chat_template, seed=step_seed(cfg.train.seed, step) + rank,
                                 policy_version=engine.max_version, tools=tools, env=env, reduce=reduce,
                                 keep_examples=cfg.log.samples_per_step,
-                                more=lambda n: sampler.next_batch(n)[rank::world])
+                                more=lambda n: sampler.next_batch(n)[rank::world],
+                                keep_all=bool(cfg.distill.teacher))
     if batch is not None and versions:
         batch.policy_version = min(lo for lo, _ in versions)
         batch.meta["versions"] = [min(lo for lo, _ in versions), max(hi for _, hi in versions)]
@@ -227,7 +228,7 @@ def produce(cfg, step: int, tok, engine, sampler, rewards, tools, env, rank: int
     return Made(step, batch, roll, sampler.state_dict(), list(versions))
 
 
-def consume(cfg, made: Made, ref, device, backend=None):
+def consume(cfg, made: Made, ref, device, backend=None, distill=None):
     """The trainer's side of a produced batch: on its device, with the reference log-probs (computed here,
     in the trainer's thread: a LoRA reference is the policy itself with its adapters off), as the
     :class:`~nanogrpo.training.schedule.Pending` that ``train_step`` continues from. Several ranks: every
@@ -242,6 +243,8 @@ def consume(cfg, made: Made, ref, device, backend=None):
             batch.ref_logprobs = reference_logprobs(ref, batch, cfg.train, cfg.train.share_prefix,
                                                     temperature=cfg.rollout.logprob_temperature(),
                                                     support=cfg.rollout.logprob_support())
+        if distill is not None:  # the teacher scores it here too (its own device, its own thread)
+            distill.annotate(batch, cfg.train, cfg.train.share_prefix)
     several = backend is not None and backend.world_size > 1
     sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, backend)) \
         if batch is not None or several else None

@@ -43,11 +43,15 @@ from dataclasses import dataclass, field
 import torch
 
 from nanogrpo.algo.corrections import anchor, logprob_gap_stats
+from nanogrpo.algo.distill import DISTILL_STAT_OPS, distill_metrics, distill_terms
 from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
 from nanogrpo.algo.logprobs import acc_dtype, token_logprobs, token_stats
 from nanogrpo.algo.losses import STAT_OPS, BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import GrpoConfig, RolloutConfig, TrainConfig
+
+OPS = {**STAT_OPS, **DISTILL_STAT_OPS}
+"""How every stat of the update's losses combines over micro-batches and ranks."""
 
 
 @dataclass
@@ -249,7 +253,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                   logprob_temperature: float = 1.0, rollout: RolloutConfig | None = None,
                   logprob_support: tuple[int, float] | None = None,
                   old_logprobs: torch.Tensor | None = None,
-                  entropy_coef: float | None = None) -> UpdateResult:
+                  entropy_coef: float | None = None, distill=None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
     ``backend`` (a :class:`nanogrpo.training.distributed.Backend`) owns the wrapped model, the
@@ -266,6 +270,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     None on the first.
     ``entropy_coef``: the entropy-bonus coefficient of this step (``EntropyControl.applied()``); None:
     ``grpo.entropy_coef``.
+    ``distill``: the run's :class:`~nanogrpo.training.distill.Distill` (on-policy distillation: the
+    teacher's signal enters the advantages or the loss, :func:`nanogrpo.algo.distill.distill_terms`), or None.
     """
     from nanogrpo.training.distributed import SingleBackend
 
@@ -300,16 +306,25 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
             if k < len(mbs):
                 rows = mbs[k]
                 ids, am, p, lm, beh, ref, adv = _trim(batch, rows, mask_all)
-                logp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share,
-                                        temperature=logprob_temperature, entropy=ent_mode,
-                                        support=logprob_support, mm=_images(fwd, batch, rows))  # (n, c) each
+                dv = None if distill is None else distill.divergence(batch, rows, ids, am, p, lm.shape[1])
+                logp, ent, *div = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
+                                              share_prefix=share, temperature=logprob_temperature,
+                                              entropy=ent_mode, support=logprob_support,
+                                              mm=_images(fwd, batch, rows), divergence=dv)  # (n, c) each
+                extra = None
+                if distill is not None:  # the teacher's signal: per-token advantages or a per-token loss
+                    right = None if batch.correct is None else batch.correct[rows]
+                    adv, extra, dstats = distill_terms(
+                        distill.spec, logp, distill.teacher_logprobs(batch, rows, lm.shape[1]),
+                        div[0] if div else None, adv, lm, right)
+                    _accumulate(acc, dstats)
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
                 gap = logprob_gap_stats(logp if trainer_old is None else trainer_old, beh, lm.bool())
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
                 loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
                                           behaviour=beh, proximal=trainer_old, entropy=ent,
                                           entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
-                                          entropy_coef=coef)
+                                          entropy_coef=coef, extra=extra)
                 kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
                 _accumulate(acc, {**stats, **gap})
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
@@ -321,15 +336,17 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                 return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
         be.backward(loss * be.world_size, last=last)
         loss_sum += float(loss.detach())
-    keys = list(STAT_OPS)
+    keys = list(OPS)
     local = [loss_sum, bad] + _stat_values(acc, keys)
-    ops = ["sum", "max"] + [STAT_OPS[k] for k in keys]
+    ops = ["sum", "max"] + [OPS[k] for k in keys]
     tot = dict(zip(["loss", "bad"] + keys, be.all_reduce(local, ops)))
     if tot["bad"] > 0:
         be.zero_grad()
         return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
     grad_norm = be.clip_and_step(train.max_grad_norm)
     metrics = _metrics(tot, totals, spec, coef, thr, grpo)
+    if distill is not None:
+        metrics.update(distill_metrics(tot, distill.spec))
     bonus = tot["entropy_masked_sum"] / max(n_ent, 1) if thr is not None else metrics.get("entropy", math.nan)
     if not math.isfinite(grad_norm):
         return UpdateResult(tot["loss"], float("nan"), float("nan"), grad_norm, True, metrics, kept, bonus)
@@ -347,17 +364,17 @@ def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) ->
         v = v.detach().double()
         if k not in acc:
             acc[k] = v
-        elif STAT_OPS[k] == "sum":
+        elif OPS[k] == "sum":
             acc[k] = acc[k] + v
         else:
-            acc[k] = torch.minimum(acc[k], v) if STAT_OPS[k] == "min" else torch.maximum(acc[k], v)
+            acc[k] = torch.minimum(acc[k], v) if OPS[k] == "min" else torch.maximum(acc[k], v)
 
 
 def _stat_values(acc: dict[str, torch.Tensor], keys: list[str]) -> list[float]:
     """The accumulated stats as floats in ``keys`` order (one device transfer); identities where absent."""
     present = [k for k in keys if k in acc]
     vals = dict(zip(present, torch.stack([acc[k] for k in present]).tolist())) if present else {}
-    return [vals.get(k, _IDENTITY[STAT_OPS[k]]) for k in keys]
+    return [vals.get(k, _IDENTITY[OPS[k]]) for k in keys]
 
 
 def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: float, thr: float | None,

@@ -113,6 +113,10 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
             eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
         if model_path is None:
             model_path = check_model_source(cfg.model)
+        if cfg.distill.teacher and not cfg.distill.teacher.startswith(("http://", "https://")):
+            from nanogrpo.models.source import resolve_model_path
+
+            resolve_model_path(cfg.distill.teacher)  # a teacher that is not there: one line, no weights read
         from nanogrpo.models.vision import check_run_images
 
         check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
@@ -193,6 +197,9 @@ def train(run: PreparedRun) -> Path:
         from nanogrpo.models.lora import reference_for
 
         ref = reference_for(model)  # LoRA: the same model with adapters disabled, no copy
+    from nanogrpo.training.distill import Distill
+
+    distill = Distill.from_config(cfg, model, tok, device)  # [distill]: its teacher, loaded or reached
     servers = cfg.rollout.engine == "vllm_server"
     weights_dtype = next(model.parameters()).dtype  # what the servers hold (FSDP2 trains float32 masters)
     # single / ddp / fsdp2 / deepspeed (nanogrpo.training.distributed); the server tier generates on the
@@ -265,6 +272,8 @@ def train(run: PreparedRun) -> Path:
                 backend.before_rollout()
             if backend.is_main:
                 base = {"step": 0, **_held_out_eval(cfg, model, tok, engine, run, 0, eval_policy)}
+                if distill is not None and cfg.distill.eval_teacher:  # the student's target, once
+                    base.update(distill.evaluate(cfg, run.eval_rows, run.rewards, run.root))
                 if watch is not None:
                     watch.observe(base)  # the monitor's held-out baseline
                 logger.log_step(base)
@@ -288,7 +297,7 @@ def train(run: PreparedRun) -> Path:
             versions: list = []
             if pipe is not None:
                 made, waited = pipe.get(step)
-                resume = consume(cfg, made, ref, device, backend)
+                resume = consume(cfg, made, ref, device, backend, distill)
                 sampler_state, versions = made.sampler_state, made.versions
                 fresh = fresh_everywhere(not versions or min(lo for lo, _ in versions) == version, backend)
                 extra = {"pipeline/trainer_wait_s": waited,
@@ -296,7 +305,7 @@ def train(run: PreparedRun) -> Path:
             with engine.recording() if pipe is None and tier is not None else nullcontext([]) as rec:
                 row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, run.rewards, version,
                                  device, backend=backend, tools=run.tools, env=run.env, control=control,
-                                 resume=resume, fresh=fresh,
+                                 resume=resume, fresh=fresh, distill=distill,
                                  on_update=save_mid_batch if cfg.train.save_every_updates else None)
             row.update(extra)
             if tier is not None:
@@ -389,14 +398,16 @@ def _held_out_eval(cfg: Config, model, tok, engine, run: PreparedRun, step: int,
 def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampler, rewards, version: int,
                device: torch.device, backend=None, tools=None, env=None,
                control: EntropyControl | None = None,
-               resume: Pending | None = None, on_update=None, fresh: bool = True) -> dict[str, Any]:
+               resume: Pending | None = None, on_update=None, fresh: bool = True,
+               distill=None) -> dict[str, Any]:
     """One step: rollout, reference log-probs, the batch's optimizer steps (``grpo.mini_batches`` x
     ``grpo.updates_per_batch``, :mod:`nanogrpo.training.schedule`), the step's metrics.
     ``control``: the run's entropy-bonus coefficient (updated after each optimizer step).
     ``resume``: the step as a mid-batch checkpoint left it (its batch, rollout metrics and the optimizer
     steps already taken): no rollout, the schedule continues. ``on_update(step, batch, sched, rollout)``
     runs after each optimizer step (mid-batch checkpoints). ``fresh``: the batch was sampled under the
-    current weights (False: a stale batch of the asynchronous pipeline)."""
+    current weights (False: a stale batch of the asynchronous pipeline). ``distill``: the run's
+    :class:`~nanogrpo.training.distill.Distill` (its teacher scores the batch; no group is dropped)."""
     from nanogrpo.training.distributed import SingleBackend
 
     t0 = time.perf_counter()
@@ -416,7 +427,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                 policy_version=version, tools=tools, env=env,
                                 keep_examples=cfg.log.samples_per_step,
                                 reduce=be.all_reduce if world > 1 else None,
-                                more=lambda n: be.shard(sampler.next_batch(n)))  # dynamic sampling's refills
+                                more=lambda n: be.shard(sampler.next_batch(n)),  # dynamic sampling's refills
+                                keep_all=distill is not None)
         roll = {"metrics": rstats.metrics(), "examples": rstats.examples,
                 "rollout_time_s": time.perf_counter() - t0}
         if batch is not None:
@@ -426,6 +438,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
                                                         cfg.train.share_prefix and share_ok,
                                                         temperature=cfg.rollout.logprob_temperature(),
                                                         support=cfg.rollout.logprob_support())
+            if distill is not None:
+                distill.annotate(batch, cfg.train, cfg.train.share_prefix and share_ok)
         sched = Schedule(parts=mini_batch_count(batch, cfg.grpo.mini_batches, be)) \
             if batch is not None or world > 1 else None
     else:
@@ -438,7 +452,8 @@ def train_step(cfg: Config, step: int, model, ref, tok, engine, optimizer, sampl
         exact = not getattr(engine, "behaviour_logprobs", False)
         after = None if on_update is None else (lambda s, r: on_update(step, batch, s, roll))
         run_updates(model, optimizer, batch, cfg, sched, fresh=fresh, exact=exact, backend=be,
-                    control=control, max_new_tokens=cfg.rollout.max_new_tokens, after_update=after)
+                    control=control, max_new_tokens=cfg.rollout.max_new_tokens, after_update=after,
+                    distill=distill)
         # vllm keeps its own copy of the weights: push this step's update (vLLM servers: the loop syncs them)
         remote = getattr(engine, "remote", False)
         if updates_taken(sched) and getattr(engine, "owns_weights", False) and not remote:

@@ -1,0 +1,71 @@
+"""The distillation demo's teacher: the careless warm start, trained further on careful solutions.
+
+The student is the default demo's warm start (``embedded``, :mod:`nanogrpo.demos.arithmetic.build`): it
+writes the right equation in ``<think>`` and, in 60% of its training solutions, the question's first number
+in ``<answer>``, so greedy decoding is right 7% of the time. The teacher starts from those same weights
+and takes ``STEPS`` more supervised steps on fresh training problems whose every solution is careful (the
+answer is the result, ``CARELESS_RATE`` 0), on the warm start's recipe (AdamW, warm-up and cosine decay,
+one thread, fixed seeds). It keeps the student's shape and tokenizer (same vocabulary: the distillation's
+signals compare the two models' probabilities of the same token ids) and answers ~94% of the held-out
+problems right (2026-12-03). Nothing of the test split is trained on.
+
+Shipped in ``nanogrpo/demos/distill/weights/`` (model path ``embedded-distill``); rebuild with
+``python -m nanogrpo.demos.distill.build --out DIR`` (200 steps: about 4 minutes on a quiet 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from nanogrpo import demos
+from nanogrpo.config import load_config
+from nanogrpo.data import make_split
+from nanogrpo.demos.arithmetic.build import _encode, embedded_path, save, sft
+from nanogrpo.models.load import load_model, load_tokenizer
+
+SEED = 4321
+"""The teacher's problems and its run's seed (the warm start's are 1234)."""
+STEPS, BATCH_SIZE, LR = 200, 64, 1e-3
+
+
+def packaged_path() -> Path:
+    return demos.root() / "distill" / "weights"
+
+
+def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
+          log_every: int = 50) -> Path:
+    """Train the teacher from the shipped warm start and save it (HF format) to ``out`` atomically."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # built on one thread, as the warm start: the same reduction order
+    try:
+        torch.manual_seed(SEED)
+        src = str(embedded_path())
+        tok = load_tokenizer(src)
+        model = load_model(src, torch.float32, torch.device("cpu"), cpu_linear="torch")
+        data_cfg = load_config(preset="demo").data
+        rows = make_split("train", steps * batch_size, seed=SEED)
+        seqs, starts = _encode(tok, rows, data_cfg, rate=0.0)  # careful: every answer is the result
+        trained = [[False] * st + [True] * (len(s) - st) for s, st in zip(seqs, starts)]
+        sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
+        return save(model, tok, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Build the distillation demo's teacher.")
+    ap.add_argument("--out", type=Path, default=packaged_path())
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    ap.add_argument("--lr", type=float, default=LR)
+    a = ap.parse_args(argv)
+    build(a.out, a.steps, a.batch_size, a.lr)
+    print(f"saved {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

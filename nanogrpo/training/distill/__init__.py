@@ -1,0 +1,166 @@
+"""On-policy distillation in the trainer (``[distill]``): the run's teacher and its signal.
+
+    local.py    a teacher in the process: an HF model loaded beside the policy, frozen; the vocabulary check
+    server.py   a teacher behind HTTP: a vLLM server's /v1/completions with prompt_logprobs, or
+                ``nanogrpo serve --teacher MODEL`` answering the same route; retries, one-line refusals
+
+The loop calls two things, whatever the signal (:data:`nanogrpo.algo.distill.SIGNALS`; no branch per
+signal): :meth:`Distill.annotate` after each rollout, which puts the teacher's tensors on the batch as the
+reference log-probs are (``teacher_logprobs``, and ``teacher_topk_*`` for ``jsd`` on a sparse support), and
+:meth:`Distill.divergence` for each micro-batch of the update, which tells the student's head what to
+compute beside its log-probs (``jsd``: the per-token divergence; over the whole vocabulary the teacher's
+forward runs there, per micro-batch, as in TRL). The loss is :func:`nanogrpo.algo.distill.distill_terms`.
+
+Temperatures: the ``sampled`` signal compares the teacher's and the student's log-probs of each sampled
+token in the run's convention (``rollout.tempered_logprobs``: the temperature and top-k/top-p support the
+policy's and reference log-probs are taken with); ``jsd`` takes both distributions at
+``distill.temperature`` (default ``rollout.temperature``, TRL's one temperature).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from nanogrpo.algo.distill import DistillSpec, divergence_fn
+from nanogrpo.batch import RolloutBatch
+from nanogrpo.training.distill.local import LocalTeacher
+
+log = logging.getLogger("nanogrpo.distill")
+
+__all__ = ["Distill", "LocalTeacher"]
+
+
+def _token(token_file: str | None) -> str | None:
+    """The shared token a teacher behind ``nanogrpo serve`` asks for: ``server.token_file``'s, else
+    ``$NANOGRPO_TOKEN`` (as split mode's; None: none)."""
+    import os
+    from pathlib import Path
+
+    if token_file:
+        p = Path(token_file).expanduser()
+        if not p.is_file():
+            from nanogrpo.errors import ConfigError
+
+            raise ConfigError(f"token file not found: {p}")
+        return p.read_text().strip() or None
+    return os.environ.get("NANOGRPO_TOKEN", "").strip() or None
+
+
+@dataclass
+class Distill:
+    """The run's teacher and signal (:meth:`from_config`)."""
+
+    spec: DistillSpec
+    teacher: object
+    """A :class:`~nanogrpo.training.distill.local.LocalTeacher` or a
+    :class:`~nanogrpo.training.distill.server.ServerTeacher`."""
+    temperature: float
+    """The temperature the teacher's scores are taken at."""
+    support: tuple[int, float] | None = None
+    """``sampled``: the run's top-k / top-p support of the log-probs (None: the vocabulary)."""
+    fn: object = field(default=None, repr=False)
+    """The per-chunk divergence (:func:`nanogrpo.algo.distill.divergence_fn`), None for ``sampled``."""
+
+    @classmethod
+    def from_config(cls, cfg, student: torch.nn.Module, tokenizer, device: torch.device) -> Distill | None:
+        """The teacher of ``cfg.distill`` loaded (beside ``student``, same dtype and device) or reached (a
+        server: its tokenizer checked); None when ``distill.teacher`` is empty. One-line errors."""
+        d = cfg.distill
+        if not d.teacher:
+            return None
+        if d.teacher.startswith(("http://", "https://")):
+            from nanogrpo.training.distill.server import ServerTeacher
+
+            teacher = ServerTeacher(d.teacher, tokenizer, timeout_s=d.timeout_s, retry_for_s=d.retry_for_s,
+                                    token=_token(cfg.server.token_file),
+                                    vocab_size=student.get_output_embeddings().weight.shape[0])
+        else:
+            dtype = next(student.parameters()).dtype
+            teacher = LocalTeacher.load(d.teacher, tokenizer, dtype, device, cfg.model.attn_implementation,
+                                        cfg.model.trust_remote_code, cfg.model.cpu_linear)
+            teacher.rows = student.get_output_embeddings().weight.shape[0]  # its top-k: ids the student has
+        return cls.with_teacher(cfg, teacher, student)
+
+    @classmethod
+    def with_teacher(cls, cfg, teacher, student: torch.nn.Module | None = None) -> Distill:
+        """The run's distillation with ``teacher`` (a :class:`LocalTeacher` or a server's client) given;
+        ``student``: checked against the teacher's head where the signal compares whole distributions."""
+        spec = DistillSpec.from_config(cfg.distill, cfg.rollout)
+        head = None
+        if spec.needs == "full":
+            if student is not None:
+                teacher.check_vocab_size(student)
+            head = teacher.head()
+        elif spec.signal == "jsd" and not teacher.remote:
+            teacher.head()  # a soft-capped head: refused now, not at the first step
+        sampled = spec.signal == "sampled"
+        out = cls(spec, teacher,
+                  temperature=cfg.rollout.logprob_temperature() if sampled else spec.temperature,
+                  support=cfg.rollout.logprob_support() if sampled else None, fn=divergence_fn(spec, head))
+        if teacher.remote:
+            teacher.check(out.temperature, out.support)  # what the server cannot give: one line, now
+        return out
+
+    def annotate(self, batch: RolloutBatch, train, share_prefix: bool) -> None:
+        """Put the teacher's tensors the signal needs on ``batch`` (nothing for ``jsd`` over the vocabulary:
+        the update runs the teacher); raises (one line) when the teacher cannot give them."""
+        if batch.has_images:
+            from nanogrpo.errors import ConfigError
+
+            raise ConfigError("distill.teacher with images in the prompts is not supported yet: the teacher "
+                              "would score the tokens without the pictures")
+        if self.spec.needs == "full":
+            return
+        k = self.spec.top_k if self.spec.needs == "topk" else 0
+        scores = self.teacher.score(batch, train, share_prefix, self.temperature, self.support, k)
+        for name, value in scores.items():
+            setattr(batch, name, value.to(batch.input_ids.device))
+        batch.meta["teacher_temperature"] = self.temperature
+
+    def divergence(self, batch: RolloutBatch, rows: torch.Tensor, ids: torch.Tensor, am: torch.Tensor,
+                   prompt_len: int, c: int):
+        """What the student's head computes beside its log-probs for one micro-batch of the update
+        (``token_stats(divergence=...)``): (fn, teacher tensors (n, c, ...)), or None (``sampled``).
+        ``ids``, ``am``: the micro-batch's trimmed rows (prompt ``prompt_len`` + ``c`` completion columns)."""
+        if self.fn is None:
+            return None
+        if self.spec.needs == "full":
+            return self.fn, [self.teacher.hidden(ids, am, prompt_len)]
+        if batch.teacher_topk_ids is None:
+            raise ValueError("distill.signal=jsd: the batch carries no teacher top-k (it was not annotated)")
+        return self.fn, [batch.teacher_topk_logprobs[rows][:, :c], batch.teacher_topk_ids[rows][:, :c],
+                         batch.teacher_logprobs[rows][:, :c]]
+
+    def teacher_logprobs(self, batch: RolloutBatch, rows: torch.Tensor, c: int) -> torch.Tensor | None:
+        """(n, c) the teacher's log-probs of the micro-batch's sampled tokens (``sampled``), else None."""
+        if self.fn is not None:
+            return None
+        if batch.teacher_logprobs is None:
+            raise ValueError("distill.signal=sampled: the batch carries no teacher log-probs (it was not "
+                             "annotated)")
+        return batch.teacher_logprobs[rows][:, :c]
+
+    def evaluate(self, cfg, rows: list[dict], rewards, root) -> dict[str, float]:
+        """The teacher's held-out figures (``eval/teacher/*``: greedy accuracy, format rate, ...) on the rows
+        the student is evaluated on, written to ``root/eval/teacher.json``; a server teacher: none (it is
+        asked for scores, not completions)."""
+        if self.teacher.remote or not rows:
+            return {}
+        from pathlib import Path
+
+        from nanogrpo.evaluation import evaluate_rows, write_results
+        from nanogrpo.rollout.factory import make_engine
+
+        new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        t = self.teacher
+        engine = make_engine("auto", t.model, t.tokenizer, max_len=cfg.data.max_prompt_tokens + new)
+        with torch.no_grad():
+            summary, records = evaluate_rows(engine, t.tokenizer, rows, cfg, rewards, new,
+                                             cfg.eval.batch_size, k=1, seed=cfg.eval.seed)
+        summary["model"] = t.name
+        write_results(summary, records, Path(root) / "eval" / "teacher.json")
+        keep = ("accuracy", "format_rate", "reward_mean", "completion_len_mean")
+        return {f"eval/teacher/{k}": summary[k] for k in keep if k in summary}
