@@ -33,8 +33,8 @@ issue 38 (the server's 200 arriving before the trainer's broadcast reports done)
 **Repetitions.** The injection is deterministic (hooks at protocol points), so what varies between runs
 is thread timing: the liveness watch against the sync's own calls, retried generation requests, the
 gloo completion against the HTTP answer. Each stall / fail / refuse case runs ``NANOGRPO_FAULT_REPEATS``
-times (CI and locally: 2; set it higher to hunt a race, at ~20 s per repeat and case); each kill
-case once (every kill costs a server restart, 30-90 s on a 2-core CPU).
+times (CI: 1, to keep it inside its hour; locally 2 before landing; higher to hunt a race, at ~20 s per
+repeat and case); each kill case once (every kill costs a server restart, 30-90 s on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -309,6 +309,18 @@ def test_a_success_answer_before_the_broadcast_completes(servers):
 
         def wait(self):
             return self.work.wait()
+
+        def get_future(self):  # (the trainer waits on this: it too completes only after the answer)
+            fut = torch.futures.Future()
+
+            def finish() -> None:
+                self.work.wait()
+                if self.last:
+                    answered.wait(300)
+                fut.set_result(None)
+
+            threading.Thread(target=finish, daemon=True).start()
+            return fut
 
     class LateGroup:
         def __init__(self, group, buckets: int):
