@@ -101,6 +101,7 @@ def test_verifiers_multiturn_env_through_the_endpoint(policy):
     assert gen.env_metrics["agent/requests"] == sum(x["num_turns"] for x in gen.infos)
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_an_openai_sdk_agent_trains_through_the_endpoint(policy):
     _, tok = policy
     gen = play(agent_episodes("agent:tests.adapter_fixtures:sdk_agent"), policy, n=4, seed=1)
@@ -118,6 +119,7 @@ def test_an_openai_sdk_agent_trains_through_the_endpoint(policy):
     assert gen.env_metrics["agent/extra_sequences"] == 0
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_a_history_rewrite_is_an_extra_sequence_said_in_the_metrics(policy):
     _, tok = policy
     gen = play(agent_episodes("agent:tests.adapter_fixtures:forgetful_agent"), policy, n=2)
@@ -133,6 +135,7 @@ def test_a_history_rewrite_is_an_extra_sequence_said_in_the_metrics(policy):
     assert m["agent/sequences_per_episode"] == 2.0
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_a_program_that_raises_answers_nan_or_hangs_gets_the_penalty_and_the_run_goes_on(policy):
     gen = play(agent_episodes("agent:tests.adapter_fixtures:broken_agent", error_penalty=-2.0), policy)
     assert gen.finish_reasons == ["env_error"] * 4
@@ -153,6 +156,7 @@ def test_verifiers_load_environment_and_objects_from_python():
     assert resolve(retry_env())().env.max_turns == 2  # a verifiers Environment object given from Python
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_sources_that_cannot_load_are_one_line_errors():
     # (verifiers 0.4 says a taskset is missing either when its config type is looked up or when the env
     # config is resolved, depending on what else is installed; both are one line naming it)
@@ -227,6 +231,7 @@ def openenv_server():
     t.join(10)
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_openenv_server_episodes(openenv_server):
     from nanogrpo.envs.runner import EnvRunner
 
@@ -248,6 +253,7 @@ def test_openenv_server_episodes(openenv_server):
         runner.close()
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_openenv_observations_are_bounded_by_what_the_rollout_can_show(openenv_server):
     """The WebSocket read stops at what an observation may hold (max_observation_bytes, JSON-escaped):
     a 10 MiB answer ends the episode as too_long without being read (issue 44), well under 1 MiB."""

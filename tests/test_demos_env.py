@@ -62,6 +62,7 @@ def test_the_simulated_customer_replies_to_the_first_answer():
     assert all(r["answer"] == f"{r['size']} {r['item']}" for r in test)
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_the_guide_examples_run():
     text = (REPO / "docs" / "guides" / "environments.md").read_text()
     blocks = re.findall(r"(\*Not run here[^\n]*\*\n\n)?```python\n(.*?)```", text, flags=re.S)

@@ -150,6 +150,7 @@ def test_greedy_episodes_keep_the_cache_exactly(demo, engine_name):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_broken_environments_end_their_episodes_not_the_run(demo):
     cfg, model, tok = demo
     env_fixtures.RELEASE.clear()
@@ -223,6 +224,7 @@ def test_broken_environments_end_their_episodes_not_the_run(demo):
     assert again is None or again.num_seqs >= 0
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_the_sandbox_runs_model_written_code_for_an_environment():
     cfg = load_config(
         preset="demo", overrides={"env.source": "tests.env_fixtures:RunsCode", "tools.timeout_s": 1.5}

@@ -76,6 +76,7 @@ def test_500s_are_retried_then_scored_the_penalty(template) -> None:
         judge.close()
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_a_reply_past_the_batch_deadline_is_a_timeout_and_the_batch_ends_on_time(template) -> None:
     """A 2 s deadline: time enough for the prompt answered at once even when a shared machine's cores are
     busy; the slow reply (30 s, within the request timeout) is cut at the deadline, not waited for."""
@@ -114,6 +115,7 @@ def test_malformed_bodies_and_replies_without_a_score_get_the_penalty(template) 
         judge.close()
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_the_runner_scores_faults_with_the_penalty_and_counts_them(template, tmp_path, caplog) -> None:
     with FaultServer() as srv:
         cfg = RewardsConfig(functions=[f"judge:{srv.url}", "tests.reward_fixtures:length"], workers=0,

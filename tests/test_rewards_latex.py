@@ -48,6 +48,7 @@ def test_latex_set_is_what_it_claims() -> None:
     assert 0.3 < sum(r["correct"] for r in ROWS) / len(ROWS) < 0.8
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_latex_set_agreement_is_total_in_every_category() -> None:
     """Every row (a change to the plain-number path that costs this set one case fails here); the
     comparison with math_verify alone and the seed's rule, per category, is the slow bench test

@@ -277,6 +277,7 @@ def test_versions_move_forward_by_a_bounded_step_and_a_publisher_behind_is_told_
         assert c.weights_version() == 510
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 @pytest.mark.parametrize("first_attempt_s", [0.0, 1.5], ids=["quick", "slower-than-the-retry-window"])
 def test_a_retried_publish_whose_first_attempt_landed_is_a_success(first_attempt_s):
     st = ServerState(Settings(vocab_size=VOCAB), TOKEN)

@@ -400,6 +400,7 @@ def test_closing_the_pool_ends_waiting_and_in_flight_requests_at_once(two):
     b.stalled.clear()
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
     from nanogrpo.rollout.vllm_server.contact import ServerUnreachable, connect
     from nanogrpo.rollout.vllm_server.http import ServerRefused
@@ -418,6 +419,7 @@ def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
     assert time.monotonic() - t0 < 4
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
     from nanogrpo.rollout.vllm_server.contact import connect
 
@@ -459,6 +461,7 @@ def test_model_facts_of_a_text_and_a_vision_language_config():
     assert differences(facts, {"vocab_size": 100}) == []  # what one side does not state is not compared
 
 
+@pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_a_fatal_error_ends_the_process_whatever_its_threads_are_doing():
     """The CLI's end (nanogrpo.cli.run): after an error's one line, a thread that would hold the exit for
     minutes (a request waiting out its timeout) does not; the exit code is the error's."""
@@ -493,6 +496,7 @@ def test_a_lost_connection_to_a_server_that_answers_is_sent_again_not_a_server_o
     assert eng.pool.retries == 1 and eng.pool.taken_out == 0
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_a_server_out_by_mistake_that_holds_its_weights_is_taken_back_when_none_serves(two):
     a, b = two
     eng = engine_over(a, b, wait_s=10.0)

@@ -305,6 +305,7 @@ def test_the_vision_tower_runs_once_per_group(family):
     assert torch.allclose(lp_shared, lp_rows, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_lora_and_gradient_checkpointing_with_images(tmp_path):
     """LoRA adapts the language model only; gradient checkpointing and micro-batches of one row run the
     images through; the adapter checkpoint resumes."""

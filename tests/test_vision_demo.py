@@ -28,6 +28,7 @@ def test_the_splits_never_share_a_number_and_rows_are_reproducible():
     assert test[0]["images"][0].size == (24, 8) and test[0]["question"].startswith("<image>")
 
 
+@pytest.mark.slow  # (over 1.3 s: the fast suite stays under a minute)
 def test_eval_scores_held_out_pictures_with_the_shipped_warm_start(tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert main(["eval", "--config", str(REPO / "configs" / "demo-vision.toml"), "--model", "embedded-vision",
