@@ -27,3 +27,8 @@ class RewardError(NanoGRPOError):
 
 class ToolError(NanoGRPOError):
     """A tool cannot be resolved or its sandbox cannot start."""
+
+
+class InstallError(NanoGRPOError):
+    """nanogrpo's install is incomplete or a package registered with it is broken (its package metadata:
+    the demos' registry, :mod:`nanogrpo.registry`)."""

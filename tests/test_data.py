@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.config import DataConfig
-from nanogrpo.data import (
-    PromptSampler,
-    build_messages,
-    encode_prompts,
-    load_rows,
-    make_split,
-    render_prompt,
-    solution,
-)
+from nanogrpo.data import PromptSampler, build_messages, encode_prompts, load_rows, render_prompt
+from nanogrpo.demos.arithmetic.task import make_split, solution
 from nanogrpo.errors import DataError, ModelError
 from nanogrpo.models.tiny import make_tokenizer
 
@@ -236,7 +229,7 @@ def test_arithmetic_deterministic_across_processes():
     def digest(rows):
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
-    code = ("import hashlib, json; from nanogrpo.data import make_split; "
+    code = ("import hashlib, json; from nanogrpo.demos.arithmetic.task import make_split; "
             "rows = json.dumps(make_split('train', 300, seed=3), sort_keys=True); "
             "print(hashlib.sha256(rows.encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -4,12 +4,14 @@ that is never run by the other tests:
 - **no import circles** between modules, counting every import: module level, inside functions,
   and ``if TYPE_CHECKING:`` blocks alike (a circle that only typing sees is still one in the design);
 - **no import up the layers**: each top-level part of ``nanogrpo`` may import its own modules and the
-  parts of lower layers, never a part of its own layer or of a higher one.
+  parts of lower layers, never a part of its own layer or of a higher one;
+- **the library imports no demo**: the demos are examples over the library, as a user's package is;
+  data, models and config find them by name through the registry (package metadata), never by import.
 
 The layers, lowest first (README, "The source tree"):
 
     errors
-    demos                                    the demos' registry and their tasks (rows made in code)
+    registry                                 the demos' registry: package metadata, read by name
     algo, http_limits                        the algorithm's pure functions, HTTP bodies read with a cap
                                              (by clients of every layer above)
     batch                                    the wire record (its images' tensors: algo.vision)
@@ -23,22 +25,26 @@ The layers, lowest first (README, "The source tree"):
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
-    serve, report, bench, demos.programs,    split mode, plots, benchmarks (each over training); the
-    launch                                   demos' builders and environments (anything in a demo's
-                                             folder but its task); the vLLM servers' command line
+    serve, report, launch                    split mode, plots (each over training); the vLLM servers'
+                                             command line
+    demos                                    the demos' constants and tasks (rows made in code): found
+                                             through the registry, imported by nothing below
+    bench, demos.programs                    benchmarks (they run the demos); the demos' builders and
+                                             environments (anything in a demo's folder but its task)
     api                                      the public functions (nanogrpo.train, ...)
     cli                                      the command line, a thin layer over api
     __init__                                 the package: lazy names from api
 
 A package's ``__init__`` re-exporting its submodules (``from nanogrpo.data.sources import
-load_rows``) is no circle: ``from nanogrpo.data import arithmetic`` imports the module
-``nanogrpo.demos.arithmetic.task``, and is counted as that.
+load_rows``) is no circle: ``from nanogrpo.data import sources`` imports the module
+``nanogrpo.data.sources``, and is counted as that.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +55,7 @@ PKG = Path(nanogrpo.__file__).parent
 
 LAYERS = [
     {"errors"},
-    {"demos"},
+    {"registry"},
     {"algo", "http_limits"},
     {"batch"},
     {"config"},
@@ -60,7 +66,9 @@ LAYERS = [
     {"rollout"},
     {"evaluation"},
     {"training"},
-    {"serve", "report", "bench", "demos.programs", "launch"},
+    {"serve", "report", "launch"},
+    {"demos"},
+    {"bench", "demos.programs"},
     {"api"},
     {"cli"},
     {"__init__"},
@@ -163,6 +171,43 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
+LIBRARY = ("data", "models", "config", "rewards", "rollout", "algo", "training", "transfer", "serve", "envs",
+           "watch", "registry")
+"""The parts that find the demos by name (:mod:`nanogrpo.registry`) and must never import one."""
+
+
+def demo_imports(graph: dict[str, set[str]], sources: dict[str, str]) -> list[str]:
+    """``A imports B`` for each module of a :data:`LIBRARY` part that imports a demo module, by an
+    import statement (``graph``) or by its name in a string (``importlib.import_module("nanogrpo.demos.x")``,
+    read from ``sources``)."""
+    bad = []
+    for src in sorted(graph):
+        if _part(src) not in LIBRARY:
+            continue
+        named = demo_names_in(sources[src]) if src in sources else []
+        for dst in sorted(set(graph[src]) | set(named)):
+            if dst == "nanogrpo.demos" or dst.startswith("nanogrpo.demos."):
+                bad.append(f"{src} imports {dst}")
+    return bad
+
+
+def demo_names_in(source: str) -> list[str]:
+    """Strings that are a demo submodule's whole dotted name (what ``importlib.import_module`` takes); a
+    docstring that mentions one is prose, not a name."""
+    pattern = re.compile(r"nanogrpo\.demos(\.\w+)+")  # the package alone is also the entry points' group
+    return sorted({node.value for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                   and pattern.fullmatch(node.value)})
+
+
+def test_the_library_imports_no_demo():
+    """data, models, config and the layers around them name no demo module: the demos register in package
+    metadata and are found by name (issue: they were imported by data/sources.py, models/, config/)."""
+    mods = _modules()
+    sources = {name: path.read_text() for name, path in mods.items() if _part(name) in LIBRARY}
+    assert demo_imports(import_graph(), sources) == []
+
+
 def test_every_part_has_a_layer():
     parts = {_part(m) for m in _modules()}
     assert parts <= set(LAYER), f"parts without a layer in LAYERS: {sorted(parts - set(LAYER))}"
@@ -193,10 +238,16 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 12, cli layer 14)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 12, cli layer 16)"]
     graph = import_graph()
     assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
-    assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.data.sources"]  # not the package __init__
+    assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.demos.tools.task"]  # not the package __init__
+    assert demo_imports({"nanogrpo.data.sources": {"nanogrpo.demos.game.task", "nanogrpo.errors"},
+                         "nanogrpo.bench.variants": {"nanogrpo.demos.arithmetic"}}, {}) == [
+        "nanogrpo.data.sources imports nanogrpo.demos.game.task"]
+    named = 'import importlib\ndef f():\n    return importlib.import_module("nanogrpo.demos.game.task")\n'
+    assert demo_names_in(named) == ["nanogrpo.demos.game.task"]
+    assert demo_names_in('"""See :mod:`nanogrpo.demos.game.task`."""\nX = f"nanogrpo.demos.{1}"\n') == []
 
 
 def test_import_nanogrpo_is_cheap():

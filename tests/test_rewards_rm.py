@@ -226,7 +226,7 @@ def test_on_a_gpu_the_reward_model_runs_in_bf16_close_to_float32(tmp_path) -> No
 
 
 def test_the_demo_reward_models_contrasts_carry_the_rules_labels() -> None:
-    from nanogrpo.data import make_split
+    from nanogrpo.demos.arithmetic.task import make_split
     from nanogrpo.demos.rm.build import NEGATIVE_KINDS, POSITIVE_KINDS, contrasts, label, training_pairs
 
     rng = random.Random(0)

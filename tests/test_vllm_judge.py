@@ -30,8 +30,8 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 from nanogrpo.config import RewardsConfig  # noqa: E402
-from nanogrpo.data import make_split  # noqa: E402
 from nanogrpo.demos.arithmetic.build import embedded_path  # noqa: E402
+from nanogrpo.demos.arithmetic.task import make_split  # noqa: E402
 from nanogrpo.models.load import load_tokenizer  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
 from nanogrpo.rewards.judge_prompts import parse_number  # noqa: E402

@@ -118,8 +118,8 @@ def test_passes_at_once_each_yield_the_whole_model_from_one_state():
 
 
 def test_stop_strings_are_stopped_by_the_server(servers):
-    from nanogrpo.data import make_split
     from nanogrpo.data.prompts import encode_prompts
+    from nanogrpo.demos.arithmetic.task import make_split
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.stops import StopStrings
@@ -144,8 +144,8 @@ def test_stop_strings_are_stopped_by_the_server(servers):
 def test_multi_turn_sessions_run_on_the_servers(servers):
     """The tool turns' session (rollout/turns.py opens it) over the server engine: turn 2 of each trajectory
     is what the servers sample from its whole context (prompt, turn 1, the fed tool output)."""
-    from nanogrpo.data import make_split
     from nanogrpo.data.prompts import encode_prompts
+    from nanogrpo.demos.arithmetic.task import make_split
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.session import open_session

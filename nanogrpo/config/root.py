@@ -14,7 +14,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from nanogrpo import demos
+from nanogrpo import registry
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
 from nanogrpo.config.distill import DistillConfig
@@ -157,8 +157,9 @@ RUN_CONFIG_FILE = "config.yaml"
 
 
 def preset_names() -> list[str]:
-    """The presets shipped with the package (``demo``, ``demo-NAME``: one per demo)."""
-    return [demos.preset_name(n) for n in demos.names()]
+    """The presets of the registered demos (``demo``, ``demo-NAME``: one per demo; and any an installed
+    package registers, :mod:`nanogrpo.registry`), sorted."""
+    return registry.preset_names()
 
 
 def _not_found(path: Path) -> ConfigError:
@@ -195,10 +196,13 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def preset_path(name: str) -> Path:
-    """Path of a config shipped inside the package: a demo's ``preset.toml`` (``demo`` is
-    ``nanogrpo/demos/arithmetic/preset.toml``, ``demo-NAME`` ``nanogrpo/demos/NAME/preset.toml``)."""
-    found = demos.preset_file(name)
-    return found if found is not None else demos.root() / f"{name}.toml"  # absent: reads as not found
+    """Path of a preset: the ``preset.toml`` of the demo that registers it (``demo`` is
+    ``nanogrpo/demos/arithmetic/preset.toml``, ``demo-NAME`` ``nanogrpo/demos/NAME/preset.toml``); for a
+    name no demo registers, the one-line ``config file not found`` that lists the presets."""
+    found = registry.preset_file(name)
+    if found is None:
+        raise _not_found(Path(name))
+    return found
 
 
 def _parse_value(raw: str) -> Any:
@@ -328,8 +332,8 @@ def _validate(data: dict[str, Any], origin: str) -> Config:
 
 
 def presets() -> list[str]:
-    """Names of the configs shipped inside the package."""
-    return sorted(demos.preset_name(n) for n in demos.names())
+    """Names of the presets (:func:`preset_names`)."""
+    return preset_names()
 
 
 def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
@@ -337,7 +341,7 @@ def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> 
     exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
     if source is None:
         return load_config(preset="demo", overrides=overrides)
-    if not Path(source).exists() and preset_path(str(source)).is_file():
+    if not Path(source).exists() and registry.preset_file(str(source)) is not None:
         return load_config(preset=str(source), overrides=overrides)
     return load_config(source, overrides)
 

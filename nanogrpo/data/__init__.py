@@ -1,5 +1,5 @@
-"""Datasets and prompts: sources (presets, files, HF datasets), the embedded
-arithmetic task, chat/plain prompt rendering, and a resumable prompt sampler.
+"""Datasets and prompts: sources (presets, files, HF datasets, the demos' tasks by their registered
+names), chat/plain prompt rendering, and a resumable prompt sampler.
 
 Nothing is loaded at import; ``datasets`` and ``pyarrow`` are imported only by
 the sources that need them.
@@ -9,7 +9,6 @@ from nanogrpo.data.prompts import build_messages, encode_prompts, render_prompt,
 from nanogrpo.data.sampler import PromptSampler
 from nanogrpo.data.samples import extract_answer, normalize_rows
 from nanogrpo.data.sources import PRESETS, load_eval_rows, load_rows
-from nanogrpo.demos.arithmetic.task import make_split, solution
 
 __all__ = [
     "PromptSampler",
@@ -19,9 +18,7 @@ __all__ = [
     "load_eval_rows",
     "load_rows",
     "PRESETS",
-    "make_split",
     "normalize_rows",
     "render_prompt",
     "render_samples",
-    "solution",
 ]

@@ -14,14 +14,12 @@
   (``agentica-org/DeepScaleR-Preview-Dataset``, 40k problems, ``answer``; train
   only). Offline, point ``source`` at a local copy in the same format (the
   reference is found as ``data.answer_from=auto`` finds it).
-- ``arithmetic``: the embedded synthetic task (:mod:`nanogrpo.demos.arithmetic.task`);
-  split ``train`` has ``arithmetic_train_size`` rows, any other split
-  (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
-- ``multidigit``: the tool demo's multi-digit arithmetic (:mod:`nanogrpo.demos.tools.task`),
-  sized by the same two settings.
-- ``game``, ``dialogue``: the rows that start the multi-turn demos' episodes (guess the number,
-  :mod:`nanogrpo.demos.game.task`; a simulated user, :mod:`nanogrpo.demos.dialogue.task`), sized
-  likewise; they are played with an environment (``[env]``).
+- a demo's task, by the name its package registers (:mod:`nanogrpo.registry`; this module imports
+  no demo): ``arithmetic``, the default demo's word problems (``nanogrpo/demos/arithmetic/task.py``);
+  ``multidigit``, the tool demo's; ``game``, ``dialogue``, the rows that start the multi-turn demos'
+  episodes (played with an environment, ``[env]``); ``vision``; and any installed package's own.
+  The task's ``make_split`` makes the rows: split ``train`` has ``arithmetic_train_size`` rows, any
+  other split (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
@@ -41,16 +39,12 @@ import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from nanogrpo import hub
+from nanogrpo import hub, registry
 from nanogrpo.config import DataConfig
 from nanogrpo.data.samples import normalize_rows
-from nanogrpo.demos.arithmetic import task as arithmetic
-from nanogrpo.demos.dialogue import task as dialogue
-from nanogrpo.demos.game import task as game
-from nanogrpo.demos.tools import task as multidigit
-from nanogrpo.demos.vision import task as vision
 from nanogrpo.errors import DataError
 
 
@@ -200,12 +194,16 @@ def _reachable(name: str) -> None:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _arithmetic_rows(cfg: DataConfig, split: str, task=arithmetic) -> list[dict[str, Any]]:
+def _task_rows(cfg: DataConfig, split: str, source: str, task: ModuleType) -> list[dict[str, Any]]:
+    """A demo task's rows (its ``make_split(split, n)``), sized by the ``arithmetic_*_size`` settings."""
+    make_split = getattr(task, "make_split", None)
+    if not callable(make_split):
+        raise DataError(f"data source {source}: its task module {task.__name__} has no make_split(split, n)")
     if split == "train":
-        return task.make_split("train", cfg.arithmetic_train_size)
+        return make_split("train", cfg.arithmetic_train_size)
     if split in ("test", "eval", "validation"):
-        return task.make_split("test", cfg.arithmetic_eval_size)
-    raise DataError(f"data source {cfg.source} has no split {split!r} (use train or test)")
+        return make_split("test", cfg.arithmetic_eval_size)
+    raise DataError(f"data source {source} has no split {split!r} (use train or test)")
 
 
 def _preset_rows(cfg: DataConfig, source: str, split: str) -> list[dict[str, Any]]:
@@ -248,14 +246,6 @@ def with_images(rows: list[dict[str, Any]], cfg: DataConfig, origin: str,
 def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]:
     fields = {"question_field": cfg.question_field, "answer_field": cfg.answer_field,
               "answer_delimiter": cfg.answer_delimiter, "answer_from": cfg.answer_from}
-    if source == "arithmetic":
-        return _arithmetic_rows(cfg, split)
-    if source == "multidigit":
-        return _arithmetic_rows(cfg, split, multidigit)
-    if source in ("game", "dialogue"):
-        return _arithmetic_rows(cfg, split, game if source == "game" else dialogue)
-    if source == "vision":
-        return _arithmetic_rows(cfg, split, vision)
     if source in PRESETS:
         return _preset_rows(cfg, source, split)
     if source.startswith("verifiers:"):  # a verifiers 0.4 taskset's own tasks
@@ -270,10 +260,13 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
         rows = read_hf(name, cfg.hf_config, split)
         return normalize_rows(rows, origin=f"HF dataset {name} (split {split})", **fields)
     path = Path(source.replace("{split}", split))
-    if path.suffix.lower() not in READERS:
-        raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}, arithmetic, "
-                        f"multidigit, game, dialogue, vision), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
-    return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
+    if path.suffix.lower() in READERS:  # a file: the registry is not asked
+        return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
+    task = registry.task_module(source)
+    if task is not None:
+        return _task_rows(cfg, split, source, task)
+    raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}), a demo's task "
+                    f"({', '.join(registry.source_names())}), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
 
 
 def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, Any]]:

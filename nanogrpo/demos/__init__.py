@@ -3,6 +3,7 @@
 A demo's folder holds everything that makes it:
 
     demos/NAME/
+      __init__.py   what it provides, as plain constants: PRESET, SOURCES, MODEL
       task.py       the task: rows generated in code (train and held-out splits), or an environment
       build.py      the program that builds its warm start (or reward model) from scratch, offline
       weights/      what build.py made, shipped with the package (a few MB)
@@ -10,56 +11,17 @@ A demo's folder holds everything that makes it:
 
 ``arithmetic`` is the default demo (preset ``demo``, model ``embedded``); every other folder's
 preset is ``demo-NAME`` and its weights load as model ``embedded-NAME`` (``rm`` ships a reward
-model: ``rm:embedded-rm``). This module only finds the folders (no demo is imported here): a
-task module imports nothing above ``nanogrpo.errors``; a builder may import anything.
+model: ``rm:embedded-rm``).
+
+The demos sit over the library, as a user's own package would: nothing in nanogrpo's layers imports
+them. Each registers itself in nanogrpo's ``pyproject.toml`` (entry points ``nanogrpo.demos``), and the
+data sources, models and presets are found there by name (:mod:`nanogrpo.registry`). A package of
+your own registers its tasks the same way: copy a folder into it, change its constants, and name it
+in your ``pyproject.toml``::
+
+    [project.entry-points."nanogrpo.demos"]
+    mytask = "mypkg.mytask"
+
+This module is documentation only: nothing runs on import. A task module imports nothing above
+``nanogrpo.errors``; a builder or environment may import anything.
 """
-
-from __future__ import annotations
-
-from importlib import resources
-from pathlib import Path
-
-DEFAULT = "arithmetic"
-"""The demo ``nanogrpo train`` runs with no arguments (preset ``demo``, model ``embedded``)."""
-EMBEDDED = "embedded"
-
-
-def root() -> Path:
-    return Path(str(resources.files("nanogrpo") / "demos"))
-
-
-def names() -> list[str]:
-    """The demos shipped (folders with a ``preset.toml``), sorted."""
-    return sorted(p.name for p in root().iterdir() if (p / "preset.toml").is_file())
-
-
-def preset_name(name: str) -> str:
-    """The preset that runs demo ``name``: ``demo`` for the default one, else ``demo-NAME``."""
-    return "demo" if name == DEFAULT else f"demo-{name}"
-
-
-def preset_file(preset: str) -> Path | None:
-    """The ``preset.toml`` of the demo a preset name (``demo``, ``demo-tools``, ...) runs; None if
-    no demo has that preset."""
-    for name in names():
-        if preset_name(name) == preset:
-            return root() / name / "preset.toml"
-    return None
-
-
-def model_name(name: str) -> str:
-    """The model path a demo's shipped weights load by: ``embedded`` or ``embedded-NAME``."""
-    return EMBEDDED if name == DEFAULT else f"{EMBEDDED}-{name}"
-
-
-def weights_dir(model: str) -> Path | None:
-    """The shipped weights a model path names (``embedded``, ``embedded-tools``, ``embedded-rm``, ...);
-    None if ``model`` names no demo."""
-    if model == EMBEDDED:
-        return root() / DEFAULT / "weights"
-    prefix = f"{EMBEDDED}-"
-    if model.startswith(prefix) and "/" not in model:
-        name = model[len(prefix):]
-        if name and name != DEFAULT and (root() / name).is_dir():
-            return root() / name / "weights"
-    return None

@@ -2,9 +2,9 @@
 
 ``embedded`` names nanogrpo's own tiny model: a Qwen2-architecture model with a
 character-level tokenizer, warm-started by a short supervised stage on the
-embedded arithmetic task (``nanogrpo.demos.arithmetic.build``), shipped with the package
+embedded arithmetic task (``nanogrpo/demos/arithmetic/build.py``), shipped with the package
 (``nanogrpo/demos/arithmetic/weights``), so ``nanogrpo train`` works offline with no arguments;
-``embedded-NAME`` is demo NAME's (:mod:`nanogrpo.demos`).
+``embedded-NAME`` is demo NAME's (found by name: :mod:`nanogrpo.registry`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from nanogrpo.errors import ModelError
 from nanogrpo.models.cpu_linear import apply_cpu_linear
 from nanogrpo.models.source import (  # noqa: F401 - where a model comes from: re-exported here
     EMBEDDED,
-    EMBEDDED_TOOLS,
     check_model_source,
     resolve_model_path,
 )

@@ -8,7 +8,8 @@ The model is a Hugging Face ``AutoModelForSequenceClassification`` with one outp
 the OpenAssistant DeBERTa reward models and the like; a local directory or a hub id), loaded once, on
 first use, on ``rewards.rm_device`` (``auto``: the trainer's device; in split mode the rollout
 worker's), in bfloat16 on a GPU and float32 on the CPU. ``rm:embedded-rm`` is the demo's own reward
-model, in the package directory once :mod:`nanogrpo.demos.rm.build` has built it.
+model, found by the model name its package registers (:mod:`nanogrpo.registry`), as a policy's
+``embedded-NAME`` is; it ships in ``nanogrpo/demos/rm/weights``, built by ``nanogrpo/demos/rm/build.py``.
 
 What it reads, as such models expect it:
 
@@ -31,10 +32,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from nanogrpo import demos
 from nanogrpo.errors import ModelError, RewardError
 from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES, _saved_tokenizer_class, resolve_device
 from nanogrpo.models.source import resolve_model_path
@@ -48,22 +47,12 @@ __all__ = ["RewardModel", "EMBEDDED_RM", "prompt_turns_of", "resolve_rm_source",
 log = logging.getLogger("nanogrpo.rewards")
 
 EMBEDDED_RM = "embedded-rm"
-"""The demo's reward model, shipped with the package (:mod:`nanogrpo.demos.rm.build`)."""
-
-
-def embedded_rm_dir() -> Path:
-    """Where the package ships the demo reward model (``nanogrpo/demos/rm/weights``)."""
-    return demos.root() / "rm" / "weights"
+"""The demo's reward model, shipped with the package (``nanogrpo/demos/rm/weights``)."""
 
 
 def resolve_rm_source(source: str) -> str:
-    """A local directory (checked) or a hub id; ``embedded-rm`` is the shipped demo reward model."""
-    if source == EMBEDDED_RM:
-        path = embedded_rm_dir()
-        if not (path / "model.safetensors").is_file():
-            raise RewardError(f"reward 'rm:{EMBEDDED_RM}': not in this install ({path}); build it with "
-                              f"python -m nanogrpo.demos.rm.build --out {path}")
-        return str(path)
+    """A demo's shipped weights (``embedded-rm``), a local directory (checked) or a hub id, as a policy's
+    path is resolved (:func:`~nanogrpo.models.source.resolve_model_path`)."""
     try:
         return resolve_model_path(source)
     except ModelError as e:

@@ -1,4 +1,8 @@
-"""Where a model is loaded from: ``embedded``, a local directory, or an HF hub id, checked in seconds.
+"""Where a model is loaded from: a demo's shipped weights (``embedded``, ``embedded-NAME``), a local
+directory, or an HF hub id, checked in seconds.
+
+A demo's weights are found by the model name its package registers (:mod:`nanogrpo.registry`;
+nothing here imports a demo), asked only for a bare name (no ``/``, not ``.``/``~``-relative).
 
 Nothing here imports torch or transformers, so a bad model path is reported before they load.
 
@@ -17,22 +21,27 @@ import logging
 import re
 from pathlib import Path
 
-from nanogrpo import demos, hub
+from nanogrpo import hub, registry
 from nanogrpo.errors import ModelError
 
-__all__ = ["EMBEDDED", "EMBEDDED_TOOLS", "check_model_source", "hub_source", "resolve_model_path"]
+__all__ = ["EMBEDDED", "check_model_source", "hub_source", "resolve_model_path"]
 
 log = logging.getLogger("nanogrpo.models")
 
-EMBEDDED = demos.EMBEDDED
-"""The default demo's warm start (``nanogrpo/demos/arithmetic/weights``); ``embedded-NAME`` is demo
-NAME's (:mod:`nanogrpo.demos`)."""
-EMBEDDED_TOOLS = demos.model_name("tools")
-"""The tool demo's warm start (:mod:`nanogrpo.demos.tools.build`), same shape and tokenizer."""
+EMBEDDED = "embedded"
+"""The model ``model.path`` defaults to: the default demo's warm start, by the name it registers
+(``nanogrpo/demos/arithmetic/weights``); ``embedded-NAME`` is demo NAME's."""
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _demo(path: str) -> registry.Demo | None:
+    """The demo whose shipped weights ``path`` names; a path or an ``org/name`` id is none (not asked)."""
+    if "/" in path or path.startswith((".", "~")):
+        return None
+    return registry.model_demo(path)
 
 
 def _looks_like_path(s: str) -> bool:
@@ -44,12 +53,12 @@ def resolve_model_path(path: str) -> str:
     """Where to load ``path`` from: a demo's shipped weights (``embedded``, ``embedded-NAME``), a local
     directory (checked to hold an HF model), or for a hub id the id itself or, offline, its
     directory in the HF cache (:func:`hub_source`)."""
-    shipped = demos.weights_dir(path)
-    if shipped is not None:
+    demo = _demo(path)
+    if demo is not None:
+        shipped = demo.weights
         if not (shipped / "config.json").is_file() or not (shipped / "model.safetensors").is_file():
-            name = shipped.parent.name
             raise ModelError(f"model {path!r}: the demo's weights are not in this install ({shipped}); build "
-                             f"them with: python -m nanogrpo.demos.{name}.build --out {shipped}")
+                             f"them with: python -m {demo.builder} --out {shipped}")
         return str(shipped)
     p = Path(path).expanduser()
     if p.exists():
@@ -84,7 +93,7 @@ def _holding(folder: Path, name: str) -> str:
 def check_model_source(cfg) -> str | None:
     """Cheap early check of ``cfg.model.path`` (a :class:`~nanogrpo.config.ModelConfig`), no weights
     read: where the model will load from, or None for a demo's shipped weights (checked here too)."""
-    if demos.weights_dir(cfg.path) is not None:
+    if _demo(cfg.path) is not None:
         resolve_model_path(cfg.path)
         return None
     return resolve_model_path(cfg.path)

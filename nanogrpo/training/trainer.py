@@ -1,7 +1,8 @@
 """The single-process GRPO loop: rollout -> reference log-probs -> update -> log -> checkpoint.
 
 Everything that can fail on user input (config, reward imports, dataset fields,
-model path) is checked in :func:`prepare` before any weights are read.
+model path) is checked in :func:`~nanogrpo.training.prepare.prepare` before any weights are read
+(re-exported here: ``from nanogrpo.training.trainer import prepare, train``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +21,14 @@ from tqdm import tqdm
 from nanogrpo.algo.entropy import EntropyControl
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, save_config
-from nanogrpo.data import PromptSampler, load_eval_rows, load_rows
+from nanogrpo.data import PromptSampler
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.cpu_linear import settle
-from nanogrpo.models.load import check_model_source, load_model, load_policy, resolve_device
-from nanogrpo.models.reward import reward_runner
-from nanogrpo.rewards import RewardRunner
+from nanogrpo.models.load import load_model, load_policy, resolve_device
 from nanogrpo.rollout.collect import rollout
-from nanogrpo.rollout.episodes import Episodes
 from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
-from nanogrpo.tools.registry import ToolRunner
-from nanogrpo.training.checkpoint import latest_checkpoint, load_state
+from nanogrpo.training.checkpoint import load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary
 from nanogrpo.training.metrics import merge_rank_metrics
 from nanogrpo.training.pipeline import (
@@ -45,6 +41,7 @@ from nanogrpo.training.pipeline import (
     staleness,
     step_seed,
 )
+from nanogrpo.training.prepare import PreparedRun, prepare  # noqa: F401 - prepare: re-exported
 from nanogrpo.training.schedule import (
     Pending,
     Schedule,
@@ -59,84 +56,6 @@ from nanogrpo.training.step import reference_logprobs, step_metrics
 from nanogrpo.watch import Monitor, stop_now
 
 log = logging.getLogger("nanogrpo.train")
-
-
-@dataclass
-class PreparedRun:
-    """A run checked and ready to start (:func:`prepare`); :func:`train` runs it."""
-
-    cfg: Config
-    root: Path
-    rewards: RewardRunner
-    rows: list[dict]
-    resume_from: Path | None
-    eval_rows: list[dict] | None = None
-    """Held-out problems for evaluation during training (``eval.every > 0``)."""
-    tools: ToolRunner | None = None
-    """The run's tool (``tools.enabled``); built from ``cfg.tools`` when not given (its sandbox
-    starts on first use and stops at :meth:`ToolRunner.close` or when the object goes)."""
-    env: Episodes | None = None
-    """The run's environment episodes (``env.source``, or an object given to ``nanogrpo.train(env=...)``);
-    None: plain completions (or ``[tools]``)."""
-    model_path: str | None = None
-    """Where ``cfg.model.path`` loads from (:func:`~nanogrpo.models.source.check_model_source`:
-    a hub id, a local directory, the HF cache's copy offline); None: resolved at load."""
-
-    def __post_init__(self) -> None:
-        if self.tools is None:
-            self.tools = ToolRunner.from_config(self.cfg.tools)
-
-
-_UNSET: Any = object()
-
-
-def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunner | None = None,
-            rows: list[dict] | None = None, eval_rows: list[dict] | None = _UNSET,
-            tools: ToolRunner | None = _UNSET, model_path: str | None = None, env=None) -> PreparedRun:
-    """Validate everything cheap first: rewards import, data fields, model path, run directory.
-
-    The keywords stand in for what the config would build (the public :func:`nanogrpo.train`
-    passes the caller's own): ``rewards`` a runner, ``rows`` / ``eval_rows`` samples already
-    normalised (``eval_rows=None``: no held-out evaluation), ``tools`` a runner or None,
-    ``model_path`` the model's resolved source, ``env`` an environment object (class, factory or
-    instance; else ``cfg.env.source``'s)."""
-    # the reward model (rm:) goes on the trainer's device; a judge's cache lives in the run directory
-    if rewards is None:
-        rewards = reward_runner(cfg, run_dir=Path(resume_dir or cfg.train.out))
-    try:
-        if tools is _UNSET:
-            tools = ToolRunner.from_config(cfg.tools)  # a tool that does not import fails here
-        episodes = Episodes.from_config(cfg, env)  # an environment that does not import fails here
-        if rows is None:
-            rows = load_rows(cfg.data, cfg.data.split)
-        if eval_rows is _UNSET:
-            eval_rows = load_eval_rows(cfg.data)[:cfg.eval.n] if cfg.eval.every else None
-        if model_path is None:
-            model_path = check_model_source(cfg.model)
-        if cfg.distill.teacher and not cfg.distill.teacher.startswith(("http://", "https://")):
-            from nanogrpo.models.source import resolve_model_path
-
-            resolve_model_path(cfg.distill.teacher)  # a teacher that is not there: one line, no weights read
-        from nanogrpo.models.vision import check_run_images
-
-        check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
-        if cfg.rollout.engine in ("vllm", "vllm_server"):
-            from nanogrpo.rollout.vllm_engine import import_vllm
-
-            import_vllm()  # installed? (a one-line error before any weights are read)
-        if cfg.rollout.engine == "vllm_server":
-            from nanogrpo.rollout.vllm_server.contact import preflight
-
-            preflight(cfg)  # a server answers? (a dead port said before the model loads)
-    except Exception:
-        rewards.close()
-        raise
-    root = Path(resume_dir or cfg.train.out)
-    resume_from = latest_checkpoint(root / "checkpoints") if resume_dir else None
-    if resume_dir is not None and resume_from is None:
-        # killed before its first checkpoint was complete: nothing to continue, so start over
-        log.info("--resume %s: no complete checkpoint yet; starting the run from the beginning", resume_dir)
-    return PreparedRun(cfg, root, rewards, rows, resume_from, eval_rows or None, tools, episodes, model_path)
 
 
 def lr_at(step: int, cfg: Config) -> float:

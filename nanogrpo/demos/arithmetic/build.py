@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
-from nanogrpo.data import build_messages, make_split, render_prompt, solution
+from nanogrpo.data import build_messages, render_prompt
+from nanogrpo.demos.arithmetic.task import make_split, solution
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
 SHAPE = "demo"
@@ -47,7 +47,8 @@ STEPS, BATCH_SIZE, LR = 600, 64, 3e-3
 
 
 def packaged_path() -> Path:
-    return demos.root() / "arithmetic" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def cache_path() -> Path:

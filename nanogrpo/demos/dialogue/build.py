@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
 from nanogrpo.demos.dialogue.env import reply
@@ -41,7 +40,8 @@ PRESET = "demo-dialogue"
 
 
 def packaged_path() -> Path:
-    return demos.root() / "dialogue" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def dialogue(row: dict, rng: random.Random) -> list[tuple[str, str | None]]:

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
-from nanogrpo.data import make_split
 from nanogrpo.demos.arithmetic.build import _encode, embedded_path, save, sft
+from nanogrpo.demos.arithmetic.task import make_split
 from nanogrpo.models.load import load_model, load_tokenizer
 
 SEED = 4321
@@ -32,7 +31,8 @@ STEPS, BATCH_SIZE, LR = 200, 64, 1e-3
 
 
 def packaged_path() -> Path:
-    return demos.root() / "distill" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,

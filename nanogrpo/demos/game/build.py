@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
 from nanogrpo.demos.game.env import feedback
@@ -40,7 +39,8 @@ PRESET = "demo-game"
 
 
 def packaged_path() -> Path:
-    return demos.root() / "game" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def episode_ids(

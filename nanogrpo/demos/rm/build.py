@@ -58,9 +58,8 @@ EPOCHS, PAIRS_PER_BATCH, LR = 1, 32, 3e-4
 
 
 def packaged_path() -> Path:
-    from nanogrpo.models.reward import embedded_rm_dir
-
-    return embedded_rm_dir()
+    """This folder's ``weights/``: where the package ships the reward model (``rm:embedded-rm``)."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def label(completion: str, row: dict) -> float:
@@ -246,8 +245,8 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
     from transformers import Qwen2ForSequenceClassification
 
     from nanogrpo.config import ModelConfig
-    from nanogrpo.data import make_split
     from nanogrpo.demos.arithmetic.build import embedded_path
+    from nanogrpo.demos.arithmetic.task import make_split
     from nanogrpo.models.load import load_policy
 
     t0 = time.time()

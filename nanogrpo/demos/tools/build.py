@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, render_prompt
 from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
@@ -45,7 +44,8 @@ PRESET = "demo-tools"
 
 
 def packaged_path() -> Path:
-    return demos.root() / "tools" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def embedded_path() -> Path:

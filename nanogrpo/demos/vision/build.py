@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from nanogrpo import demos
 from nanogrpo.config import load_config
 from nanogrpo.data.images import encode_with_images
 from nanogrpo.demos.arithmetic.build import save
@@ -36,7 +35,8 @@ MIN_PIXELS, MAX_PIXELS = 64, 8 * 24
 
 
 def packaged_path() -> Path:
-    return demos.root() / "vision" / "weights"
+    """This folder's ``weights/``: where the package ships what this program builds."""
+    return Path(__file__).resolve().parent / "weights"
 
 
 def completion(row: dict, rng: random.Random, rate: float = CARELESS_RATE) -> str:
