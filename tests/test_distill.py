@@ -255,6 +255,15 @@ def test_config_refuses_what_means_nothing(overrides, match):
         load_config(overrides=overrides)
 
 
+def test_an_empty_teacher_on_the_command_line_turns_distillation_off():
+    """``distill.teacher=`` (an empty value, which the override parser reads as null) is the default, off:
+    a run of the distillation preset as plain GRPO, not a type error."""
+    from nanogrpo.config import Config
+
+    assert Config.load("demo-distill", ["distill.teacher="]).distill.teacher == ""
+    assert load_config(overrides=["distill.teacher="]).distill.teacher == ""
+
+
 def test_top_k_defaults_as_trl_does():
     """Unset: the whole vocabulary for a teacher in the process (DistillationTrainer), the top-1 for a server
     (ServerDistillationTrainer's ``loss_top_k``); jsd with beta 1 (reverse KL) by default, as TRL."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nanogrpo.config.base import _Strict
 
@@ -53,6 +53,12 @@ class DistillConfig(_Strict):
     """A server teacher: how long a server that does not answer (refused, timed out, 5xx) is retried from
     the first failure before the run stops with one line (a vLLM server restarting a large teacher takes
     minutes); an answer that is not log-probs stops it at once."""
+
+    @field_validator("teacher", mode="before")
+    @classmethod
+    def _empty_is_off(cls, v):
+        """``distill.teacher=`` on the command line (an empty value reads as null): off, as the default."""
+        return "" if v is None else v
 
     @model_validator(mode="after")
     def _combinations(self) -> DistillConfig:
