@@ -15,7 +15,7 @@ import torch
 
 from nanogrpo.algo.corrections import logprob_gap_stats
 from nanogrpo.config import RULE_NAMES, Config, ConfigError, WatchConfig
-from nanogrpo.rollout.collect import distinct_ngrams, example_rows
+from nanogrpo.rollout.collect import distinct_ngrams, example_rows, sampled_nll
 from nanogrpo.watch import RULES, WATCH_FILE, History, Monitor, read_events, replay, summary
 from nanogrpo.watch import rules as R
 
@@ -271,6 +271,33 @@ def test_distinct_ngrams_counts_a_groups_repeats_once():
     assert distinct_ngrams([a, a, a, a], 2) == 0.5              # two prompts, one template
     assert distinct_ngrams([a, [1, 2, 3, 4, 6], b, b], 2) == pytest.approx(5 / 6)
     assert math.isnan(distinct_ngrams([[1, 2]] * 4, 2))
+
+
+def test_sampled_nll_is_the_mean_negative_logprob_of_the_models_own_tokens():
+    assert sampled_nll([[-1.0, -3.0], [-2.0]]) == pytest.approx(2.0)
+    # multi-turn: the fed (environment / tool) tokens are not the policy's samples
+    assert sampled_nll([[-1.0, -50.0, -3.0]], [[1, 0, 1]]) == pytest.approx(2.0)
+    assert math.isnan(sampled_nll([[]])) and math.isnan(sampled_nll([[-1.0]], [[0]]))
+    # an estimate of the entropy: tokens drawn from p, their mean -log p converges to H(p)
+    p = torch.tensor([0.7, 0.2, 0.1])
+    draws = torch.multinomial(p, 20000, replacement=True, generator=torch.Generator().manual_seed(0))
+    h = float(-(p * p.log()).sum())
+    assert sampled_nll([p.log()[draws].tolist()]) == pytest.approx(h, rel=0.02)
+
+
+def test_entropy_collapse_reads_every_completion_where_the_run_logs_sampled_nll():
+    """A collapsing policy's groups all agree, so the trainer trains on none and measures no ``entropy``
+    (NaN); ``sampled_nll`` comes from every completion, and the rule reads it."""
+    s = WatchConfig().entropy_collapse
+    nan = float("nan")
+    rs = rows(10, entropy=[0.5] * 6 + [nan] * 4, sampled_nll=[0.5] * 6 + [0.004, 0.002, 0.001, 0.001],
+              groups_kept=[16] * 6 + [0] * 4)
+    f = R.entropy_collapse(history(rs), s)
+    assert f is not None and f.since == 7 and f.metrics[0] == "sampled_nll" and f.values["read"] == "sampled_nll"
+    assert "estimated from the sampled tokens" in f.message
+    # the trainer's entropy still low on the few groups it trains on is not read when sampled_nll is logged
+    rs = rows(10, entropy=[0.5] * 6 + [0.001] * 4, sampled_nll=0.5)
+    assert R.entropy_collapse(history(rs), s) is None
 
 
 def test_logprob_gap_is_measured_on_the_trained_tokens_only():

@@ -74,7 +74,9 @@ class EntropyCollapseRule(_Strict):
     window: int = Field(3, ge=1)
     """Steps averaged."""
     fraction: float = Field(0.1, gt=0, lt=1)
-    """Fires when the mean per-token entropy falls below this fraction of its value at the start ..."""
+    """Fires when the mean per-token entropy falls below this fraction of its value at the start ... (read
+    from ``sampled_nll``, the sampled tokens' mean negative log-prob over every completion of the step,
+    where the run logs it; else from the trainer's ``entropy``, which sees only the groups it trains on)"""
     floor: float = Field(0.01, ge=0)
     """... and below this many nats per token ..."""
     solved_accuracy: float = Field(0.95, ge=0, le=1)

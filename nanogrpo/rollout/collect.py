@@ -54,6 +54,10 @@ class RolloutStats:
     """Distinct token 4-grams over the step's completions / all their 4-grams, each group's repeats of one
     completion counted once (:func:`distinct_ngrams`): near 1 when prompts get their own answers, falling
     towards 1 / prompts when every prompt gets the same text."""
+    sampled_nll: float = float("nan")
+    """Mean negative log-prob (the engine's, at the run's log-prob temperature) of the tokens the model
+    sampled, over every completion of the step (:func:`sampled_nll`): an estimate of the policy's per-token
+    entropy that, unlike the trainer's ``entropy``, counts the groups dropped for want of signal too."""
     reward_failures: int = 0
     reward_timeouts: int = 0
     reward_non_finite: int = 0
@@ -99,6 +103,24 @@ def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], leng
         extra = [{"completion_tokens": n, "max_new_tokens": max_new_tokens} for n in lengths]
     return [dict(row, finish_reason=finish_reasons[i * g + j], **extra[i * g + j])
             for i, row in enumerate(rows) for j in range(g)]
+
+
+def sampled_nll(logprobs: list[list[float]], masks: list[list[int]] | None = None) -> float:
+    """Mean -log p of the sampled tokens (``masks``: only where 1, the model's own tokens of a multi-turn
+    trajectory). The tokens are drawn from the policy, so at ``rollout.temperature`` 1 (or with
+    ``rollout.tempered_logprobs``) this is an unbiased estimate of its mean per-token entropy, otherwise the
+    cross-entropy of the tempered sampler against it; either falls to 0 as the policy comes to sample one
+    continuation. Free (the engine reports the log-probs anyway), and over every completion: the trainer's
+    ``entropy`` sees only the groups it trains on, which a collapsing policy leaves few or none of. NaN
+    without tokens."""
+    total, count = 0.0, 0
+    for i, lp in enumerate(logprobs):
+        m = masks[i] if masks is not None else None
+        for j, v in enumerate(lp):
+            if m is None or (j < len(m) and m[j]):
+                total -= v
+                count += 1
+    return total / count if count else float("nan")
 
 
 def distinct_ngrams(completions: list[list[int]], group_size: int, n: int = 4) -> float:
@@ -328,6 +350,7 @@ def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, 
     stats.stop_rate = sum(f in ("stop", "done") for f in reasons) / len(lens)  # done: an episode's end
     stats.truncated_frac = sum(f == "length" for f in reasons) / len(lens)
     stats.distinct_ngrams = distinct_ngrams(comp, g)
+    stats.sampled_nll = sampled_nll(lps, [m for x in live for m in x.gen.loss_masks] if multi else None)
     stats.reward_failures = sum(x.scored.failures for x in live)
     stats.reward_timeouts = sum(x.scored.timeouts for x in live)
     stats.reward_non_finite = sum(x.scored.non_finite for x in live)

@@ -57,7 +57,7 @@ COUNT_KEYS = ("completion_tokens", "num_completions", "groups_total", "groups_ke
 MAX_KEYS = ("rollout_time_s", "train_time_s", "step_time_s", "gpu_mem_gib")
 """The slowest (largest) rank's value."""
 MEAN_KEYS = ("reward_mean", "accuracy", "format_rate", "completion_len_mean", "stop_rate", "truncated_frac",
-             "distinct_ngrams")
+             "distinct_ngrams", "sampled_nll")
 """Per-completion means: weighted by each rank's completions (as are the ``reward/<function>`` means;
 ``distinct_ngrams``, a ratio within each rank's completions, is so averaged too)."""
 TOOL_KEYS = {"tools/calls": "sum", "tools/errors": "sum", "tools/timeouts": "sum", "tools/denied": "sum",

@@ -1,7 +1,7 @@
 """The rules: each a pure function ``(History, settings) -> Finding | None`` in :data:`RULES`.
 
-A rule reads the series a run already logs (plus ``truncated_frac``, ``distinct_ngrams`` and
-``logprob_gap``, which rollouts and updates measure for it) and says, with numbers, what went wrong
+A rule reads the series a run already logs (plus ``truncated_frac``, ``distinct_ngrams``,
+``sampled_nll`` and ``logprob_gap``, which rollouts and updates measure for it) and says, with numbers, what went wrong
 and since which step; None while the run looks as it should. "The start" is a rule's first
 ``window`` training steps; relative rules say nothing before ``2 x window`` steps. Thresholds and
 windows: :mod:`nanogrpo.config.watch`; why each rule signals what it signals:
@@ -190,20 +190,27 @@ def template_collapse(h: History, s: TemplateCollapseRule) -> Finding | None:
 
 
 def entropy_collapse(h: History, s: EntropyCollapseRule) -> Finding | None:
-    """The mean per-token entropy fell below ``fraction`` of the start's and below ``floor``, the task not
-    solved: the policy samples one answer; its groups stop differing and exploration ends."""
-    ends = _ends(h, "entropy", s.window)
+    """The policy's per-token entropy fell below ``fraction`` of the start's and below ``floor``, the task not
+    solved: the policy samples one answer; its groups stop differing and exploration ends. Read from
+    ``sampled_nll`` (every completion of the step) where the run logs it, else from the trainer's
+    ``entropy`` (the groups it trained on: a collapsing policy leaves fewer and fewer of them, and none once
+    every group agrees, when ``entropy`` is not measured at all)."""
+    key = "sampled_nll" if h.count("sampled_nll") >= 2 * s.window else "entropy"
+    ends = _ends(h, key, s.window)
     if ends is None:
         return None
     level = min(s.fraction * ends[0], s.floor)
     acc = mean(h.last("accuracy", s.window))
     if ends[1] >= level or (acc == acc and acc >= s.solved_accuracy):
         return None
-    pts = h.points("entropy")
+    pts = h.points(key)
+    what = "entropy (estimated from the sampled tokens' log-probs)" if key == "sampled_nll" else "entropy"
     return Finding("entropy_collapse", pts[-1][0], streak_start(pts, lambda v: v < level),
-                   f"entropy {ends[1]:.4f} nats/token, {ends[1] / ends[0]:.0%} of the start's {ends[0]:.4f} "
-                   f"(rule: below {s.fraction:.0%} of the start and {s.floor:g})",
-                   ["entropy"], {"start": ends[0], "now": ends[1]}, {"entropy": level})
+                   f"{what} {ends[1]:.4f} nats/token, {ends[1] / ends[0]:.0%} of the start's {ends[0]:.4f}, "
+                   f"accuracy {acc:.1%} (rule: below {s.fraction:.0%} of the start and {s.floor:g}, accuracy "
+                   f"below {s.solved_accuracy:.0%})",
+                   [key, "accuracy"], {"start": ends[0], "now": ends[1], "read": key, "accuracy": acc},
+                   {key: level})
 
 
 def _spike(rule: str, key: str, what: str, h: History, s: SpikeRule) -> Finding | None:
@@ -287,8 +294,8 @@ def no_signal(h: History, s: NoSignalRule) -> Finding | None:
 
 
 READS = ("reward_mean", "reward_std", "accuracy", "eval/accuracy", "truncated_frac", "completion_len_mean",
-         "distinct_ngrams", "entropy", "kl", "clip_frac", "logprob_gap", "logprob_gap_max", "staleness/max",
-         "staleness", "groups_kept")
+         "distinct_ngrams", "sampled_nll", "entropy", "kl", "clip_frac", "logprob_gap", "logprob_gap_max",
+         "staleness/max", "staleness", "groups_kept")
 """The metrics the rules read, besides each reward component's ``reward/<name>``."""
 
 Rule = Callable[[History, Any], "Finding | None"]
