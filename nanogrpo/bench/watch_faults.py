@@ -7,6 +7,9 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 - ``echo_judge``: a judge with a taste for a phrase (a local function standing in for an LLM judge): it
   prefers answers that echo the question's first number, which the warm start's careless habit writes
   half of the time; it is the only reward. The reward climbs, the accuracy falls: ``reward_hacking``;
+- ``majority_vote``: the reward is the group's agreement (1.0 for the answer most of the prompt's completions
+  give; no reference read: test-time RL's label-free reward), which pays the warm start's careless habit,
+  the majority of its answers: the reward climbs while the accuracy falls: ``reward_hacking``;
 - ``length_bonus``: a reward that pays 0.5 per sampled token beside correctness and format (what a reward
   model that likes long answers pays), sampled at temperature 1.5 with a 48-token limit and twice the
   demo's learning rate: the warm start ends its answers at EOS with probability ~0.999, so at the demo's
@@ -14,7 +17,7 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
   without the bonus) keeps 5-9% of its completions at the limit, the faulty one grows to all of them:
   ``length_limit``;
 - ``high_lr``: the demo's learning rate x 40: one update scrambles the policy (on these models a high
-  learning rate raises the entropy, 0.04 -> 0.59 nats here, rather than collapsing it), every completion
+  learning rate raises the entropy, 0.04 -> 1.25 nats per sampled token here, rather than collapsing it), every completion
   is wrong from step 3 on and no group carries signal: ``no_signal``;
 - ``perturbed_engine``: the fast engine behind :class:`PerturbedLogprobs`, which from its 6th sampling
   call adds Gaussian noise (sigma 0.3 nats) to the log-probs it reports: the fault injection of the
@@ -25,10 +28,13 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from nanogrpo.rewards import batched
 
 SMALL = ["rollout.prompts_per_step=16", "eval.every=5", "eval.n=100", "train.save_every=0",
          "log.samples_every=5"]
@@ -50,6 +56,19 @@ def echo_judge(completion: str, sample: dict) -> float:
     fooled into liking), else 0.0; it never checks the arithmetic."""
     first = re.search(r"\d+", str(sample.get("question", "")))
     return 1.0 if first and _answer(completion) == first.group(0) else 0.0
+
+
+@batched
+def majority_vote(completions: list[str], samples: list[dict]) -> list[float]:
+    """Self-consistency as the reward, no reference answer read (test-time RL's label: TTRL, Zuo et al. 2025):
+    1.0 when the completion's answer is the most common answer among its prompt's completions, else 0.0.
+    It pays the policy for agreeing with itself, so whatever it answers most often is reinforced."""
+    answers = [_answer(c) for c in completions]
+    by_prompt: dict[str, Counter] = {}
+    for a, s in zip(answers, samples):
+        by_prompt.setdefault(str(s.get("question", "")), Counter())[a] += 1
+    top = {q: c.most_common(1)[0][0] for q, c in by_prompt.items()}
+    return [1.0 if a == top[str(s.get("question", ""))] else 0.0 for a, s in zip(answers, samples)]
 
 
 class PerturbedLogprobs:
@@ -95,6 +114,8 @@ _HERE = "nanogrpo.bench.watch_faults"
 FAULTS: dict[str, Fault] = {
     "echo_judge": Fault([f'rewards.functions=["{_HERE}:echo_judge"]'], "reward_hacking", onset=1, within=14,
                         steps=20),
+    "majority_vote": Fault([f'rewards.functions=["{_HERE}:majority_vote"]'], "reward_hacking", onset=1,
+                           within=14, steps=20),
     "length_bonus": Fault([f'rewards.functions=["correctness", "format", "{_HERE}:length_bonus"]',
                            "rollout.temperature=1.5", "rollout.max_new_tokens=48", "train.lr=3e-4"],
                           "length_limit", onset=1, within=19, steps=25),
