@@ -293,7 +293,7 @@ def test_entropy_collapse_reads_every_completion_where_the_run_logs_sampled_nll(
     rs = rows(10, entropy=[0.5] * 6 + [nan] * 4, sampled_nll=[0.5] * 6 + [0.004, 0.002, 0.001, 0.001],
               groups_kept=[16] * 6 + [0] * 4)
     f = R.entropy_collapse(history(rs), s)
-    assert f is not None and f.since == 7 and f.metrics[0] == "sampled_nll" and f.values["read"] == "sampled_nll"
+    assert f is not None and f.since == 7 and f.metrics[0] == f.values["read"] == "sampled_nll"
     assert "estimated from the sampled tokens" in f.message
     # the trainer's entropy still low on the few groups it trains on is not read when sampled_nll is logged
     rs = rows(10, entropy=[0.5] * 6 + [0.001] * 4, sampled_nll=0.5)
@@ -326,6 +326,19 @@ def test_no_rule_fires_on_the_shipped_demos_full_runs(stream):
     meta, rs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
     assert len(rs) >= meta["steps"]
     assert replay(rs, WatchConfig(), meta["weights"]) == []
+
+
+def test_every_shipped_demo_has_its_full_run_replayed():
+    """A demo shipped without its stream here would go unchecked: nanogrpo bench watch --demos runs them all
+    (nanogrpo.bench.watch.DEMOS), --export writes the streams."""
+    from nanogrpo import registry
+    from nanogrpo.bench.watch import DEMOS
+
+    assert sorted(DEMOS) == registry.preset_names()
+    assert sorted(p.stem for p in DATA.glob("*.jsonl")) == registry.preset_names()
+    # the streams were recorded with the metric the entropy rule reads first
+    for p in DATA.glob("*.jsonl"):
+        assert any("sampled_nll" in json.loads(x) for x in p.read_text().splitlines()[1:]), p.name
 
 
 @pytest.mark.slow  # matplotlib: the whole report, ~5 s

@@ -17,8 +17,8 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
   without the bonus) keeps 5-9% of its completions at the limit, the faulty one grows to all of them:
   ``length_limit``;
 - ``high_lr``: the demo's learning rate x 40: one update scrambles the policy (on these models a high
-  learning rate raises the entropy, 0.04 -> 1.25 nats per sampled token here, rather than collapsing it), every completion
-  is wrong from step 3 on and no group carries signal: ``no_signal``;
+  learning rate raises the entropy, 0.04 -> 1.25 nats per sampled token here, rather than collapsing it),
+  every completion is wrong from step 3 on and no group carries signal: ``no_signal``;
 - ``perturbed_engine``: the fast engine behind :class:`PerturbedLogprobs`, which from its 6th sampling
   call adds Gaussian noise (sigma 0.3 nats) to the log-probs it reports: the fault injection of the
   engine-drift test (the tokens are the engine's own; only the reported log-probs are off, as with a

@@ -81,7 +81,8 @@ class EntropyCollapseRule(_Strict):
     """... and below this many nats per token ..."""
     solved_accuracy: float = Field(0.95, ge=0, le=1)
     """... unless the training accuracy (over the window) is at least this: a policy sure of answers that are
-    right has converged (the vision demo ends at 10-15% of its start's entropy, 94-99% right)."""
+    right has converged (the vision demo falls to a quarter of its start's entropy by ``sampled_nll``, 10-15%
+    by the trainer's ``entropy``, 90-99% right)."""
 
 
 class SpikeRule(_Strict):

@@ -1,8 +1,8 @@
 """The rules: each a pure function ``(History, settings) -> Finding | None`` in :data:`RULES`.
 
 A rule reads the series a run already logs (plus ``truncated_frac``, ``distinct_ngrams``,
-``sampled_nll`` and ``logprob_gap``, which rollouts and updates measure for it) and says, with numbers, what went wrong
-and since which step; None while the run looks as it should. "The start" is a rule's first
+``sampled_nll`` and ``logprob_gap``, which rollouts and updates measure for it) and says, with numbers,
+what went wrong and since which step; None while the run looks as it should. "The start" is a rule's first
 ``window`` training steps; relative rules say nothing before ``2 x window`` steps. Thresholds and
 windows: :mod:`nanogrpo.config.watch`; why each rule signals what it signals:
 docs/guides/watching-a-run.md.
