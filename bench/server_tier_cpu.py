@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -369,6 +370,10 @@ def bench_lora(shape: str, r: int, repeats: int, steps: int) -> None:
         _stop(procs)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -389,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--steps", type=int, default=40)
     k.add_argument("--ks", default="0,1,2")
     a = ap.parse_args(argv)
+    # SIGTERM / SIGHUP (a `timeout`, a closed terminal, CI's kill) end the bench through its finally
+    # blocks, which end the servers it started (each in a session of its own: they outlived it before)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     if a.what == "sync":
         bench_sync(a.shape, a.repeats, a.parts)
     elif a.what == "sync-ab":
