@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--ks", default="0,1,2")
     a = ap.parse_args(argv)
     # SIGTERM / SIGHUP (a `timeout`, a closed terminal, CI's kill) end the bench through its finally
-    # blocks, which end the servers it started (each in a session of its own: they outlived it before)
+    # blocks, which end the servers it started (each in a process group of its own: they outlived it before)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     if a.what == "sync":
