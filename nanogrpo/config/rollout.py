@@ -145,8 +145,8 @@ class VllmServerConfig(_Strict):
     2-core CPU with gloo (``bench/server_tier_cpu.py sync``): 1.09x faster for the demo model, 0.75x
     (slower) for Qwen2.5-0.5B's shape, where both servers load at once on too few cores (2026-12-03, a
     loaded machine); on 2026-12-04 (quiet, the servers as the launcher starts them now) 1.27x and 1.26x
-    faster, not yet the default: not yet measured on GPUs. Several trainer ranks always send one after another (FSDP2 gathers run in the
-    same order on every rank)."""
+    faster, not yet the default: not yet measured on GPUs. Several trainer ranks always send one after
+    another (FSDP2 gathers run in the same order on every rank)."""
     concurrency: int = Field(64, ge=1)
     """Generation requests one trainer rank keeps in flight (one request per sample)."""
     request_timeout_s: float = Field(600.0, gt=0)
