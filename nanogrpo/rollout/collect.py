@@ -105,7 +105,7 @@ def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], leng
             for i, row in enumerate(rows) for j in range(g)]
 
 
-def sampled_nll(logprobs: list[list[float]], masks: list[list[int]] | None = None) -> float:
+def sampled_nll(logprobs: list[list[float]], masks: list[list[bool]] | None = None) -> float:
     """Mean -log p of the sampled tokens (``masks``: only where 1, the model's own tokens of a multi-turn
     trajectory). The tokens are drawn from the policy, so at ``rollout.temperature`` 1 (or with
     ``rollout.tempered_logprobs``) this is an unbiased estimate of its mean per-token entropy, otherwise the

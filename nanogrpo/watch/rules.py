@@ -205,9 +205,10 @@ def entropy_collapse(h: History, s: EntropyCollapseRule) -> Finding | None:
         return None
     pts = h.points(key)
     what = "entropy (estimated from the sampled tokens' log-probs)" if key == "sampled_nll" else "entropy"
+    said = f"accuracy {acc:.1%}" if acc == acc else "no accuracy logged"
     return Finding("entropy_collapse", pts[-1][0], streak_start(pts, lambda v: v < level),
                    f"{what} {ends[1]:.4f} nats/token, {ends[1] / ends[0]:.0%} of the start's {ends[0]:.4f}, "
-                   f"accuracy {acc:.1%} (rule: below {s.fraction:.0%} of the start and {s.floor:g}, accuracy "
+                   f"{said} (rule: below {s.fraction:.0%} of the start and {s.floor:g}, accuracy "
                    f"below {s.solved_accuracy:.0%})",
                    [key, "accuracy"], {"start": ends[0], "now": ends[1], "read": key, "accuracy": acc},
                    {key: level})
