@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -339,3 +341,51 @@ def test_multiturn_greedy_equals_turn_by_turn_generate():
                       lps, why)
     assert comp == full.completion_ids and why == full.finish_reasons
     assert lps[0] == pytest.approx(full.logprobs[0], abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- the gloo transfer's wait
+
+
+class _LateWork:
+    """A collective that completes after ``after_s`` while its future's callback never fires: what a gloo
+    broadcast looked like inside a vLLM worker, where the completion callback ran late."""
+
+    def __init__(self, after_s: float):
+        self.done_at = time.monotonic() + after_s
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def get_future(self):
+        return torch.futures.Future()  # never completed
+
+    def wait(self) -> None:
+        assert self.is_completed()
+
+
+def test_a_bucket_wait_sees_completion_without_the_callback():
+    """``wait_for`` looks at the work every POLL_S, so a late callback costs milliseconds, not the check
+    interval (it cost 0.25 s a bucket, a 0.5B sync 1.7x); ``check`` still runs every ``every_s``, and at
+    once when ``wake`` is set."""
+    from nanogrpo.transfer.gloo import POLL_S, wait_for
+
+    checks = []
+    t0 = time.monotonic()
+    wait_for(_LateWork(0.05), lambda: checks.append(time.monotonic()), 0.25)
+    took = time.monotonic() - t0
+    assert took < 0.05 + 10 * POLL_S + 0.1 and checks == []  # done well before the first check
+    checks.clear()
+    wait_for(_LateWork(0.6), lambda: checks.append(time.monotonic()), 0.25)
+    assert len(checks) == 2  # at ~0.25 s and ~0.5 s
+    wake = threading.Event()
+    threading.Timer(0.05, wake.set).start()
+    t0 = time.monotonic()
+    checks.clear()
+    wait_for(_LateWork(0.3), lambda: checks.append(time.monotonic() - t0), 10.0, wake)
+    assert checks and checks[0] < 0.05 + 0.1  # the wake made it look at once, not after 10 s
+
+    def give_up() -> None:
+        raise RuntimeError("given up")
+
+    with pytest.raises(RuntimeError, match="given up"):
+        wait_for(_LateWork(5.0), give_up, 0.05)
