@@ -130,15 +130,29 @@ def test_template_collapse_fires_when_the_distinct_ngram_ratio_halves():
 
 def test_entropy_collapse_needs_both_the_fraction_and_the_floor():
     s = WatchConfig().entropy_collapse
-    f = R.entropy_collapse(history(rows(10, entropy=[0.5] * 6 + [0.02, 0.004, 0.002, 0.001])), s)
-    assert f is not None and f.since == 8 and f.thresholds["entropy"] == pytest.approx(0.01)
-    # below 10% of the start but above the floor (a high-entropy start): not a collapse
+    f = R.entropy_collapse(history(rows(10, entropy=[0.5] * 6 + [0.2, 0.02, 0.004, 0.002])), s)
+    assert f is not None and f.since == 8 and f.thresholds["entropy"] == pytest.approx(0.1)
+    # the lr_collapse fault's shape: 0.28 at the start, 0.07 once it samples one template (26%, under 0.1)
+    f = R.entropy_collapse(history(rows(10, entropy=[0.28] * 6 + [0.09, 0.07, 0.07, 0.07])), s)
+    assert f is not None and f.since == 8 and f.thresholds["entropy"] == pytest.approx(0.084)
+    # a 60% fall is not yet one
+    assert R.entropy_collapse(history(rows(10, entropy=[0.28] * 6 + [0.11] * 4)), s) is None
+    # below 30% of the start but above the floor (a high-entropy start): not a collapse
     assert R.entropy_collapse(history(rows(10, entropy=[2.0] * 6 + [0.15] * 4)), s) is None
     # a policy that started sure of itself and stays so
     assert R.entropy_collapse(history(rows(10, entropy=0.005)), s) is None
     # sure of answers that are right: converged, not collapsed
     solved = rows(10, entropy=[0.5] * 6 + [0.02, 0.004, 0.002, 0.001], accuracy=0.97)
     assert R.entropy_collapse(history(solved), s) is None
+    # entropy spent on answers that became right (the tool demo: 47% -> 80%): learning, not collapse; a
+    # smaller rise than ``learned`` is not enough
+    learning = rows(10, entropy=[0.5] * 6 + [0.05] * 4, accuracy=[0.47] * 3 + [0.6] * 3 + [0.8] * 4)
+    assert R.entropy_collapse(history(learning), s) is None
+    barely = rows(10, entropy=[0.5] * 6 + [0.05] * 4, accuracy=[0.47] * 3 + [0.5] * 3 + [0.52] * 4)
+    assert R.entropy_collapse(history(barely), s) is not None
+    # data without reference answers (accuracy NaN): nothing to guard with, and the line says so
+    f = R.entropy_collapse(history(rows(10, entropy=[0.5] * 6 + [0.05] * 4, accuracy=float("nan"))), s)
+    assert f is not None and "no accuracy logged" in f.message and "nan" not in f.message
 
 
 def test_spikes_compare_a_step_with_the_median_of_the_steps_before():
@@ -189,7 +203,7 @@ def test_the_watch_config_is_typed_and_checked():
     cfg = Config.load("demo", ["watch.entropy_collapse={fraction: 0.05}", "watch.stop_on=[engine_drift]"])
     assert cfg.watch.entropy_collapse.fraction == 0.05 and cfg.watch.entropy_collapse.window == 3
     cfg = Config.load("demo", ["watch.entropy_collapse.floor=0.005", "watch.kl_spike.hold=3"])  # one key
-    assert (cfg.watch.entropy_collapse.floor, cfg.watch.entropy_collapse.fraction) == (0.005, 0.1)
+    assert (cfg.watch.entropy_collapse.floor, cfg.watch.entropy_collapse.fraction) == (0.005, 0.3)
     assert cfg.watch.kl_spike.hold == 3
     with pytest.raises(ConfigError, match="grpo.beta is not a table"):
         Config.load("demo", ["grpo.beta.x=1"])

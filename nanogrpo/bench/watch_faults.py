@@ -19,6 +19,13 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 - ``high_lr``: the demo's learning rate x 40: one update scrambles the policy (on these models a high
   learning rate raises the entropy, 0.04 -> 1.25 nats per sampled token here, rather than collapsing it),
   every completion is wrong from step 3 on and no group carries signal: ``no_signal``;
+- ``lr_collapse``: ten times the demo's learning rate (5 warm-up steps), sampled at temperature 1.5 (its
+  log-probs tempered too) with no KL term: the policy sharpens onto what the format reward pays for,
+  whatever the text inside the tags, until it writes one template for every question
+  (``<think>===4</think><answer>=</answer>``); the sampled tokens' entropy falls to 27-29% of the start's
+  while the accuracy falls (8% -> 1%): ``entropy_collapse``. The same run at the demo's own learning rate
+  keeps 63% or more of its entropy over 60 steps (measured; ``one_component`` fires there too: at
+  temperature 1.5 the format reward carries the gain at any learning rate);
 - ``perturbed_engine``: the fast engine behind :class:`PerturbedLogprobs`, which from its 6th sampling
   call adds Gaussian noise (sigma 0.3 nats) to the log-probs it reports: the fault injection of the
   engine-drift test (the tokens are the engine's own; only the reported log-probs are off, as with a
@@ -120,6 +127,9 @@ FAULTS: dict[str, Fault] = {
                            "rollout.temperature=1.5", "rollout.max_new_tokens=48", "train.lr=3e-4"],
                           "length_limit", onset=1, within=19, steps=25),
     "high_lr": Fault(["train.lr=6e-3"], "no_signal", onset=1, within=6, steps=12),
+    "lr_collapse": Fault(["rollout.temperature=1.5", "rollout.tempered_logprobs=true", "grpo.beta=0",
+                          "train.lr=1.5e-3", "train.warmup_steps=5"], "entropy_collapse", onset=1, within=44,
+                         steps=50),
     "perturbed_engine": Fault([], "engine_drift", onset=6, within=2, steps=12,
                               perturb={"sigma": 0.3, "after": 6}),
 }

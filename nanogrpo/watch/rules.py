@@ -190,26 +190,30 @@ def template_collapse(h: History, s: TemplateCollapseRule) -> Finding | None:
 
 
 def entropy_collapse(h: History, s: EntropyCollapseRule) -> Finding | None:
-    """The policy's per-token entropy fell below ``fraction`` of the start's and below ``floor``, the task not
-    solved: the policy samples one answer; its groups stop differing and exploration ends. Read from
-    ``sampled_nll`` (every completion of the step) where the run logs it, else from the trainer's
-    ``entropy`` (the groups it trained on: a collapsing policy leaves fewer and fewer of them, and none once
-    every group agrees, when ``entropy`` is not measured at all)."""
+    """The policy's per-token entropy fell below ``fraction`` of the start's and below ``floor`` while the
+    accuracy rose less than ``learned`` and is below ``solved_accuracy``: the policy grew sure of itself
+    without growing right (it samples one answer, one template; its groups stop differing and exploration
+    ends). Entropy spent on answers that became right is learning (Cui et al. 2025's R = -a exp(H) + b),
+    not this. Read from ``sampled_nll`` (every completion of the step) where the run logs it, else from
+    the trainer's ``entropy`` (the groups it trained on: a collapsing policy leaves fewer and fewer of them,
+    and none once every group agrees, when ``entropy`` is not measured at all)."""
     key = "sampled_nll" if h.count("sampled_nll") >= 2 * s.window else "entropy"
     ends = _ends(h, key, s.window)
     if ends is None:
         return None
     level = min(s.fraction * ends[0], s.floor)
     acc = mean(h.last("accuracy", s.window))
-    if ends[1] >= level or (acc == acc and acc >= s.solved_accuracy):
+    rose = _accuracy_change(h, s.window)
+    if ends[1] >= level or (acc == acc and acc >= s.solved_accuracy) or (rose is not None
+                                                                        and rose[0] >= s.learned):
         return None
     pts = h.points(key)
     what = "entropy (estimated from the sampled tokens' log-probs)" if key == "sampled_nll" else "entropy"
-    said = f"accuracy {acc:.1%}" if acc == acc else "no accuracy logged"
+    said = rose[1] if rose is not None and rose[0] == rose[0] else "no accuracy logged"
     return Finding("entropy_collapse", pts[-1][0], streak_start(pts, lambda v: v < level),
                    f"{what} {ends[1]:.4f} nats/token, {ends[1] / ends[0]:.0%} of the start's {ends[0]:.4f}, "
-                   f"{said} (rule: below {s.fraction:.0%} of the start and {s.floor:g}, accuracy "
-                   f"below {s.solved_accuracy:.0%})",
+                   f"{said} (rule: below {s.fraction:.0%} of the start and {s.floor:g}, the accuracy up less "
+                   f"than {s.learned:.0%} and below {s.solved_accuracy:.0%})",
                    [key, "accuracy"], {"start": ends[0], "now": ends[1], "read": key, "accuracy": acc},
                    {key: level})
 
