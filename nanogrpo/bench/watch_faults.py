@@ -10,6 +10,10 @@ Each fault is the embedded demo (``nanogrpo train`` with no arguments) made smal
 - ``majority_vote``: the reward is the group's agreement (1.0 for the answer most of the prompt's completions
   give; no reference read: test-time RL's label-free reward), which pays the warm start's careless habit,
   the majority of its answers: the reward climbs while the accuracy falls: ``reward_hacking``;
+- ``tag_spam``: a format reward that any tag string satisfies, 0.25 per ``<x>`` or ``</x>`` of any name,
+  beside correctness (sampled at temperature 1.5, three times the demo's learning rate, no KL term): the
+  policy learns to write tags, then little but tags (``<think>14<ank><answer><answer>...`` to the token
+  limit), its answers gone: ``one_component`` (the tag reward carries the gain);
 - ``length_bonus``: a reward that pays 0.5 per sampled token beside correctness and format (what a reward
   model that likes long answers pays), sampled at temperature 1.5 with a 48-token limit and twice the
   demo's learning rate: the warm start ends its answers at EOS with probability ~0.999, so at the demo's
@@ -51,6 +55,15 @@ def length_bonus(completion: str, sample: dict) -> float:
     """0.5 per token the model sampled: a reward that pays for length (it outweighs correctness and format,
     +-1 and +1.25 / -1, as a reward model's length bias can)."""
     return 0.5 * float(sample.get("completion_tokens", len(completion)))
+
+
+_TAG = re.compile(r"</?[A-Za-z]+>")
+
+
+def tag_count(completion: str, sample: dict) -> float:
+    """0.25 per tag string of any name (``<x>`` or ``</x>``): a format reward that checks for tags, not for
+    the answer's format, so any tags satisfy it and more tags pay more."""
+    return 0.25 * len(_TAG.findall(completion))
 
 
 def _answer(completion: str) -> str:
@@ -123,6 +136,8 @@ FAULTS: dict[str, Fault] = {
                         steps=20),
     "majority_vote": Fault([f'rewards.functions=["{_HERE}:majority_vote"]'], "reward_hacking", onset=1,
                            within=14, steps=20),
+    "tag_spam": Fault([f'rewards.functions=["correctness", "{_HERE}:tag_count"]', "rollout.temperature=1.5",
+                       "grpo.beta=0", "train.lr=4.5e-4"], "one_component", onset=1, within=24, steps=30),
     "length_bonus": Fault([f'rewards.functions=["correctness", "format", "{_HERE}:length_bonus"]',
                            "rollout.temperature=1.5", "rollout.max_new_tokens=48", "train.lr=3e-4"],
                           "length_limit", onset=1, within=19, steps=25),
