@@ -143,8 +143,8 @@ FAULTS: dict[str, Fault] = {
                           "length_limit", onset=1, within=19, steps=25),
     "high_lr": Fault(["train.lr=6e-3"], "no_signal", onset=1, within=6, steps=12),
     "lr_collapse": Fault(["rollout.temperature=1.5", "rollout.tempered_logprobs=true", "grpo.beta=0",
-                          "train.lr=1.5e-3", "train.warmup_steps=5"], "entropy_collapse", onset=1, within=44,
-                         steps=50),
+                          "train.lr=1.5e-3", "train.warmup_steps=5"], "entropy_collapse", onset=1, within=54,
+                         steps=60),
     "perturbed_engine": Fault([], "engine_drift", onset=6, within=2, steps=12,
                               perturb={"sigma": 0.3, "after": 6}),
 }
