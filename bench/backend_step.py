@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         be.barrier()
         s = time.perf_counter()
-        res = policy_update(be.module, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True,
-                            max_new_tokens=a.len, backend=be)
+        res = policy_update(be, batch, cfg, on_policy=True)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - s)

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    import nanogrpo.training.micro as micro
     import nanogrpo.training.step as step
     from bench.backend_step import make_batch
     from nanogrpo.config import Config
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     model.config.use_cache = False
     be = Backend(model, lr=1e-7)
     batch = make_batch(a.rows, a.prompt, a.len, model.config.vocab_size).to(device)
-    stats = step.token_stats
+    stats = micro.token_stats
 
     def no_entropy(*args, entropy="none", **kw):
         return stats(*args, entropy="none", **kw)
@@ -61,18 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         coef = 0.01 if variant == "bonus" else 0.0
         cfg = Config.model_validate({"grpo": {"beta": 0.04, "entropy_coef": coef},
                                      "rollout": {"max_new_tokens": a.len}})
-        step.token_stats = no_entropy if variant == "off" else stats
+        micro.token_stats = no_entropy if variant == "off" else stats
         try:
             if cuda:
                 torch.cuda.synchronize()
             t0, c0 = time.perf_counter(), time.process_time()
-            step.policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True,
-                               max_new_tokens=a.len, backend=be)
+            step.policy_update(be, batch, cfg, on_policy=True)
             if cuda:
                 torch.cuda.synchronize()
             return time.perf_counter() - t0, time.process_time() - c0
         finally:
-            step.token_stats = stats
+            micro.token_stats = stats
 
     times: dict[str, list[tuple[float, float]]] = {"off": [], "on": [], "bonus": []}
     for _ in range(a.rounds):

@@ -69,14 +69,13 @@ def main() -> int:
                          old_logprobs=torch.zeros(n, c), prompt_len=p, group_size=n,
                          ref_logprobs=ref).to("cuda")
     train = {"micro_batch_size": a.micro_batch_size, "optimizer_offload": True}
-    cfg = Config.model_validate({"grpo": {"beta": 0.04}, "train": train})
+    cfg = Config.model_validate({"grpo": {"beta": 0.04}, "train": train, "rollout": {"max_new_tokens": c}})
     times, peaks, results = [], [], []
     for _ in range(a.steps):
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         s = time.perf_counter()
-        res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=c,
-                            backend=be)
+        res = policy_update(be, batch, cfg, on_policy=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - s)
         peaks.append(torch.cuda.max_memory_allocated() / 2**30)

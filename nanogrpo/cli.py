@@ -100,13 +100,14 @@ def cmd_train(a: argparse.Namespace) -> int:
     # a config mistake is reported before torch is imported
     cfg = run_config(a.resume, overrides) if a.resume is not None else config_from(a.config, overrides)
     if a.server:
-        from nanogrpo.serve.consumer import train_from_server
+        from nanogrpo.serve.feed import train_from_server
 
         train_from_server(cfg, a.server, resume_dir=a.resume)
+        root = a.resume or cfg.train.out
     else:
-        run = train(cfg, resume=a.resume)
-        if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
-            print(f"run directory: {run.root}")
+        root = train(cfg, resume=a.resume).root
+    if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
+        print(f"run directory: {root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched rank whose run is done (files written and closed): leave without interpreter
         # teardown, which aborted or deadlocked in gloo's process group now and then.

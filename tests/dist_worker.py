@@ -92,9 +92,8 @@ def main() -> None:
     be = make_backend(cfg, model)
     batch = make_batch(len(tok))
     mine = batch.select(torch.arange(batch.num_seqs)[rank::world])
-    res = policy_update(be.model, be.optimizer, mine, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be, rollout=cfg.rollout,
-                        distill=make_distill(cfg, tok, mine, cfg.train.share_prefix and be.prefix_sharing))
+    res = policy_update(be, mine, cfg, on_policy=True,
+                        terms=make_distill(cfg, tok, mine, cfg.train.share_prefix and be.prefix_sharing))
     sd = be.full_state_dict()
     out = Path(a.out)
     be.save(out / "ckpt", 1, tok, {"policy_version": 1})

@@ -26,16 +26,16 @@ QUICK = {"train.steps": 1, "rollout.prompts_per_step": 2, "grpo.group_size": 4, 
 @pytest.fixture
 def captured(monkeypatch):
     """The real rollout's batches and generations, kept as the trainer makes them."""
-    import nanogrpo.training.trainer as trainer
+    from nanogrpo.rollout.collect import Collector
 
     batches, gens = [], []
-    real = trainer.rollout
+    real = Collector.collect
 
-    def rollout(*a, **kw):
-        out = real(*a, **kw)
+    def collect(self, *a, **kw):
+        out = real(self, *a, **kw)
         batches.append(out[0])
         return out
-    monkeypatch.setattr(trainer, "rollout", rollout)
+    monkeypatch.setattr(Collector, "collect", collect)
     for cls in (AgentEpisodes, Episodes):
         def generate(self, *a, _real=cls.generate, **kw):
             gens.append(_real(self, *a, **kw))

@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ SMALL = {"rollout.prompts_per_step": 4, "grpo.group_size": 4, "rollout.max_new_t
 
 def test_the_package_exports_the_api_functions():
     assert set(nanogrpo.__all__) >= {"Config", "Run", "train", "evaluate", "load_checkpoint"}
-    for module in ("nanogrpo.evaluation", "nanogrpo.training.trainer"):  # modules do not shadow the functions
+    for module in ("nanogrpo.evaluation", "nanogrpo.training.loop"):  # modules do not shadow the functions
         importlib.import_module(module)
 
     assert callable(nanogrpo.train) and nanogrpo.train.__module__ == "nanogrpo.api"
@@ -174,6 +175,23 @@ def test_the_public_api_as_a_notebook_uses_it(tmp_path, capsys, caplog):
     resumed = nanogrpo.train(resume=out, config=run.config.with_overrides({"train.steps": 3}),
                              rewards=["correctness", lambda c, s: 0.5, knows_the_answer, guarded])
     assert [r["step"] for r in resumed.metrics] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_the_end_line_says_the_whole_time_in_parts_that_add_up(tmp_path, caplog):
+    """The end line's total and its parts come from one clock on the loop's thread (issue 50: "4 steps in
+    4.1 min (3.1 in steps, 1.4 in held-out evaluation, 0.0 loading ...)" did not add up)."""
+    cfg = nanogrpo.Config.load("demo", {"train.steps": 2, "train.out": str(tmp_path / "run"), "eval.every": 1,
+                                        **SMALL})
+    with caplog.at_level(logging.INFO, logger="nanogrpo"):
+        nanogrpo.train(cfg)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("nanogrpo: 2 steps in"))
+    m = re.match(r"nanogrpo: 2 steps in (\d+) s \((\d+) in steps, (\d+) in held-out evaluation, (\d+) in "
+                 r"checkpoints, (\d+) loading and the rest\)", line)
+    assert m, line
+    total, steps, evals, saves, rest = map(int, m.groups())
+    assert steps > 0 and evals > 0 and rest > 0   # the evaluations: step 0, 1 and 2
+    assert abs(steps + evals + saves + rest - total) <= 2, line  # each rounded to the second
 
 
 @pytest.mark.slow

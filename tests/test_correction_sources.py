@@ -23,10 +23,10 @@ K3 = W + SHIFT - 1              # k3 with log(pi_old / mu) = -SHIFT
 @pytest.mark.slow
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_in_process_engine_with_its_own_numerics(tmp_path, monkeypatch, mini_batches):
-    import nanogrpo.training.trainer as trainer
+    import nanogrpo.rollout.factory as factory  # where the run's setup takes its engine from
 
     d = write_tiny_run_assets(tmp_path)
-    monkeypatch.setattr(trainer, "engine_for", lambda cfg, model, tok, **kw: OwnCopyEngine(model, tok, True))
+    monkeypatch.setattr(factory, "engine_for", lambda cfg, model, tok, **kw: OwnCopyEngine(model, tok, True))
     out = tmp_path / "run"
     assert main(["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--out", str(out),
                  "--steps", "2", "rollout.prompts_per_step=4", "grpo.group_size=4",
@@ -59,7 +59,7 @@ def test_split_mode_batches_marked_or_stale(tmp_path, monkeypatch):
     from nanogrpo.algo.logprobs import token_logprobs
     from nanogrpo.config import load_config
     from nanogrpo.serve.client import ServerClient
-    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.feed import train_from_server
     from nanogrpo.serve.server import ServerState, Settings
     from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
 

@@ -244,8 +244,9 @@ def _math_file(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_two_step_run_on_a_math_shaped_file_with_the_r1_prompt(tmp_path) -> None:
+    from nanogrpo.training.loop import train
     from nanogrpo.training.metrics import read_metrics
-    from nanogrpo.training.trainer import prepare, train
+    from nanogrpo.training.prepare import prepare
 
     cfg = load_config(preset="demo", overrides=[
         f"data.source={json.dumps(str(_math_file(tmp_path)))}", "data.question_field=problem",

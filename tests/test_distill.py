@@ -106,7 +106,8 @@ def _batch() -> RolloutBatch:
 
 
 def _update(model, teacher, batch, overrides, lora: bool = False):
-    cfg = load_config(overrides=["grpo.group_size=3", "grpo.beta=0", "distill.teacher=x", *overrides])
+    cfg = load_config(overrides=["grpo.group_size=3", "grpo.beta=0", "distill.teacher=x",
+                                 "rollout.max_new_tokens=5", *overrides])
     d = Distill.with_teacher(cfg, teacher, model)
     d.annotate(batch, cfg.train, cfg.train.share_prefix)
     if lora:
@@ -114,8 +115,7 @@ def _update(model, teacher, batch, overrides, lora: bool = False):
 
         model = apply_lora(model, load_config(overrides=["model.lora_r=4"]).model)
     be = _GradTap(model, lr=1e-3)
-    res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=5,
-                        backend=be, rollout=cfg.rollout, distill=d)
+    res = policy_update(be, batch, cfg, on_policy=True, terms=d)
     return res, be.grads
 
 

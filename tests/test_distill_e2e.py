@@ -176,7 +176,7 @@ def test_split_mode_trainer_scores_its_batches_with_the_teacher(models, tmp_path
     from nanogrpo.config import load_config
     from nanogrpo.models.load import load_model
     from nanogrpo.serve.client import ServerClient
-    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.feed import train_from_server
     from nanogrpo.serve.server import ServerState, Settings
     from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
 

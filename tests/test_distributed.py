@@ -43,8 +43,7 @@ def _single_step():
     cfg = make_cfg("single")
     be = make_backend(cfg, model)
     batch = make_batch(len(tok))
-    res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be, rollout=cfg.rollout, distill=make_distill(cfg, tok, batch))
+    res = policy_update(be, batch, cfg, on_policy=True, terms=make_distill(cfg, tok, batch))
     return model, res
 
 
@@ -186,8 +185,7 @@ def test_token_budget_micro_batches_sum_to_full_batch_loss():
         be = make_backend(cfg, model)
         be.clip_and_step = lambda max_norm: 0.0  # keep the gradients, skip the step
         be.zero_grad = lambda: None
-        res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True,
-                            max_new_tokens=9, backend=be)
+        res = policy_update(be, batch, cfg, on_policy=True)
         losses.append(res.loss)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     for lo, g in zip(losses[1:], grads[1:]):
@@ -196,7 +194,7 @@ def test_token_budget_micro_batches_sum_to_full_batch_loss():
 
 
 def test_micro_batch_indices_respect_token_budget():
-    from nanogrpo.training.step import micro_batch_indices
+    from nanogrpo.training.micro import micro_batch_indices
 
     batch = make_batch(103, n=16)
     mbs = micro_batch_indices(batch, 5, 40)
@@ -210,7 +208,7 @@ def test_micro_batch_indices_respect_token_budget():
 
 def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing():
     from nanogrpo.batch import RolloutBatch
-    from nanogrpo.training.step import _forward_tokens, micro_batch_indices
+    from nanogrpo.training.micro import _forward_tokens, micro_batch_indices
 
     # 3 groups of 4 rows, a 40-token prompt each, completions 2..12 tokens spread inside every group
     n, p, c = 12, 40, 12

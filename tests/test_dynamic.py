@@ -13,7 +13,7 @@ from nanogrpo.data import PromptSampler
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner, overlong
-from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.collect import Collector
 from nanogrpo.rollout.engine import Generation
 
 TOK = make_tokenizer()
@@ -44,14 +44,14 @@ def _rows(flat: list[bool]) -> list[dict]:
 
 
 def _run(flat: list[bool], over: list[str], per_step: int = 4):
-    cfg = load_config(overrides=["data.system_prompt=''", "grpo.group_size=4",
+    cfg = load_config(overrides=["data.system_prompt=''", "grpo.group_size=4", "model.chat_template=plain",
                                  f"rollout.prompts_per_step={per_step}", "rollout.max_new_tokens=8", *over])
     rows = _rows(flat)
     sampler = PromptSampler(rows, per_step, seed=0, shuffle=False)
     rewards = RewardRunner([length_unless_flat], workers=0)
     engine = FakeEngine()
-    batch, stats = rollout(engine, TOK, sampler.next_batch(), rewards, cfg.data, cfg.rollout, cfg.grpo,
-                           template="plain", seed=1, more=sampler.next_batch)
+    batch, stats = Collector(engine, TOK, rewards, cfg).collect(sampler.next_batch(), seed=1,
+                                                                more=sampler.next_batch)
     return batch, stats, sampler, engine
 
 
@@ -137,10 +137,10 @@ def test_overlong_settings_reach_the_reward_in_and_out_of_process(workers):
 def test_overlong_in_a_rollout_reads_the_sampled_length():
     cfg = load_config(overrides=["data.system_prompt=''", "grpo.group_size=4", "rollout.prompts_per_step=2",
                                  "rollout.max_new_tokens=5", "rewards.overlong_buffer=2",
+                                 "model.chat_template=plain",
                                  "rewards.functions=['overlong']", "rewards.workers=0"])
     rewards = RewardRunner.from_config(cfg.rewards)
-    batch, stats = rollout(FakeEngine(), TOK, _rows([False, False]), rewards, cfg.data, cfg.rollout,
-                           cfg.grpo, template="plain", seed=1)
+    batch, stats = Collector(FakeEngine(), TOK, rewards, cfg).collect(_rows([False, False]), seed=1)
     # lengths 2..5 (with EOS) against a limit of 5, buffer 2: 0, 0, -0.5, -1
     assert batch.rewards[:4].tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
     assert stats.reward_by_function["overlong"] == pytest.approx(-0.375)

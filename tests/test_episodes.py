@@ -13,7 +13,7 @@ from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner
-from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.collect import Collector
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.episodes import Episodes, EpisodeSettings, episode_return, generate_episodes
 from nanogrpo.rollout.factory import make_engine
@@ -171,32 +171,11 @@ def test_broken_environments_end_their_episodes_not_the_run(demo):
     rows = [{"question": m, "mode": m, "answer": "0"} for m in modes]
     try:
         with RewardRunner(c.rewards.functions, workers=0) as rewards:
-            batch, stats = rollout(
-                make_engine("fast", model, tok),
-                tok,
-                rows,
-                rewards,
-                c.data,
-                c.rollout,
-                c.grpo,
-                template="auto",
-                seed=1,
-                env=eps,
-            )
+            collector = Collector(make_engine("fast", model, tok), tok, rewards, c, env=eps)
+            batch, stats = collector.collect(rows, seed=1)
             counts = dict(eps.runner.counts)
             # the run goes on: the same runner plays the next step's episodes
-            again, _ = rollout(
-                make_engine("fast", model, tok),
-                tok,
-                rows[:1],
-                rewards,
-                c.data,
-                c.rollout,
-                c.grpo,
-                template="auto",
-                seed=2,
-                env=eps,
-            )
+            again, _ = collector.collect(rows[:1], seed=2)
     finally:
         env_fixtures.RELEASE.set()
         eps.close()
@@ -310,8 +289,8 @@ def _roll(cfg, model, tok, source, modes, **over):
     rows = [{"question": m, "mode": m, "answer": "0"} for m in modes]
     try:
         with RewardRunner(c.rewards.functions, workers=0) as rewards:
-            batch, stats = rollout(make_engine("fast", model, tok), tok, rows, rewards, c.data, c.rollout,
-                                   c.grpo, template="auto", seed=3, env=eps)
+            engine = make_engine("fast", model, tok)
+            batch, stats = Collector(engine, tok, rewards, c, env=eps).collect(rows, seed=3)
         return batch, stats, dict(eps.runner.counts)
     finally:
         eps.close()

@@ -244,10 +244,12 @@ def test_the_end_line_says_the_whole_time_and_what_it_is_made_of(tmp_path):
         log.log_step(_row(s, step_time_s=35.325, **({"eval/time_s": 40.0, "eval/accuracy": 0.5}
                                                      if s % 10 == 0 else {})))
     log.close()
-    line = run_summary(tmp_path, wall_s=56.6 * 60)
+    clock = {"total": 56.6 * 60, "steps": 47.1 * 60, "eval": 6.0 * 60, "save": 0.4 * 60, "rest": 3.1 * 60}
+    line = run_summary(tmp_path, clock=clock)
     assert line.startswith("nanogrpo: 80 steps in 56.6 min (47.1 in steps, 6.0 in held-out evaluation, "
-                           "3.5 loading, checkpoints and the rest)"), line
+                           "0.4 in checkpoints, 3.1 loading and the rest)"), line
     assert "80 steps: 47.1 min in steps + 6.0 min in held-out evaluation (loading and checkpoints not " \
         "counted)" in run_summary(tmp_path)
-    resumed = run_summary(tmp_path, wall_s=13 * 60, start_step=60)  # steps 61-80 in this session
+    this = {"total": 13 * 60, "steps": 11.8 * 60, "eval": 1.3 * 60, "save": 0.1 * 60, "rest": 0.8 * 60}
+    resumed = run_summary(tmp_path, start_step=60, clock=this)  # steps 61-80 in this session
     assert "steps 61-80 (resumed) in 13.0 min (11.8 in steps, 1.3 in held-out evaluation" in resumed, resumed

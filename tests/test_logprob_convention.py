@@ -83,15 +83,16 @@ def test_trainer_uses_one_convention_for_engine_policy_and_reference(tmp_path, m
     seen = []
     real = trainer.policy_update
 
-    def spy(model, optimizer, batch, grpo, train, **kw):
+    def spy(be, batch, cfg, **kw):
         if batch is not None and not seen:
+            t = cfg.rollout.logprob_temperature()
             with torch.no_grad():
-                logp = token_logprobs(model, batch.input_ids, batch.attention_mask.long(), batch.prompt_len,
-                                      batch.completion_mask, temperature=kw["logprob_temperature"])
+                logp = token_logprobs(be.model, batch.input_ids, batch.attention_mask.long(),
+                                      batch.prompt_len, batch.completion_mask, temperature=t)
             cm = batch.completion_mask
-            seen.append((kw["logprob_temperature"], (logp - batch.old_logprobs)[cm].abs().max().item(),
+            seen.append((t, (logp - batch.old_logprobs)[cm].abs().max().item(),
                          (logp - batch.ref_logprobs)[cm].abs().max().item()))
-        return real(model, optimizer, batch, grpo, train, **kw)
+        return real(be, batch, cfg, **kw)
 
     monkeypatch.setattr(trainer, "policy_update", spy)
     assert main(["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--out",

@@ -31,8 +31,7 @@ def test_lora_step_reference_and_checkpoint(tmp_path):
     ref_lp = batch_token_logprobs(ref, batch.input_ids, batch.attention_mask, batch.prompt_len,
                                   batch.completion_mask)
     be = Backend(model, lr=1e-2)
-    res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=9,
-                        backend=be)
+    res = policy_update(be, batch, cfg, on_policy=True)
     assert not res.skipped_nonfinite
     # base weights untouched; the reference (adapters off) still equals the original model
     plain = make_model("tiny", tok, seed=0)
@@ -91,7 +90,7 @@ def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tmp_path):
 
 def test_resume_kind_must_fit_the_config(tmp_path):
     from nanogrpo.errors import ConfigError
-    from nanogrpo.training.trainer import check_resume_kind
+    from nanogrpo.training.setup import check_resume_kind
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter/adapter_config.json").write_text("{}")

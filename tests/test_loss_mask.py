@@ -77,10 +77,10 @@ def test_loss_and_gradient_skip_tool_tokens(variant):
     model.config.use_cache = True
     b = hand_built(tok)
     beta, max_new = 0.04, 12
-    cfg = load_config(overrides=[f"grpo.loss={variant}", f"grpo.beta={beta}", "train.micro_batch_size=3"])
+    cfg = load_config(overrides=[f"grpo.loss={variant}", f"grpo.beta={beta}", "train.micro_batch_size=3",
+                                 f"rollout.max_new_tokens={max_new}"])
     be = _GradTap(model, lr=1e-3)
-    res = policy_update(model, be.optimizer, b, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=max_new,
-                        backend=be)
+    res = policy_update(be, b, cfg, on_policy=True)
     model.zero_grad()
     ref = reference_loss(model, b, variant, beta, max_new)
     ref.backward()
@@ -95,7 +95,7 @@ def test_loss_and_gradient_skip_tool_tokens(variant):
 def test_tool_token_values_do_not_matter():
     """Whatever sits in old/ref log-probs at tool positions, the update is the same."""
     tok = make_tokenizer()
-    cfg = load_config(overrides=["grpo.beta=0.04", "train.micro_batch_size=4"])
+    cfg = load_config(overrides=["grpo.beta=0.04", "train.micro_batch_size=4", "rollout.max_new_tokens=12"])
     out = []
     for junk in (0.0, -7.0):
         model = make_model("tiny", tok, seed=1)
@@ -104,8 +104,7 @@ def test_tool_token_values_do_not_matter():
         b.ref_logprobs[tool] = junk
         b.old_logprobs[tool] = junk
         be = _GradTap(model, lr=1e-3)
-        res = policy_update(model, be.optimizer, b, cfg.grpo, cfg.train, on_policy=False, max_new_tokens=12,
-                            backend=be)
+        res = policy_update(be, b, cfg, on_policy=False)
         out.append((res.loss, res.kl, be.grads))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6) and out[0][1] == pytest.approx(out[1][1], rel=1e-6)
     for k in out[0][2]:

@@ -312,7 +312,7 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True,
     model = make_model("tiny", TOK, seed=1, dtype=torch.float64)
     model.load_state_dict(weights)
     cfg = load_config(overrides=["grpo.group_size=4", "grpo.beta=0.04", "train.micro_batch_size=5",
-                                 *case.ours])
+                                 f"rollout.max_new_tokens={C}", *case.ours])
     if case.vllm:       # the engine's log-probs; the ratio is anchored on the trainer's before the update
         behaviour = inputs["sampling_per_token_logps"]
         anchor = inputs["old_per_token_logps"] if off_policy else None
@@ -322,9 +322,7 @@ def _compare(model_dir, name: str, off_policy: bool, exact: bool = True,
         batch0 = _batch(inputs, torch.zeros(len(LENGTHS), C))
         behaviour, anchor = batch_logprobs(model, batch0, cfg.train, True)[0].double(), None
     be = _GradTap(model, lr=1e-3)
-    res = policy_update(model, be.optimizer, _batch(inputs, behaviour), cfg.grpo, cfg.train,
-                        on_policy=not off_policy, max_new_tokens=C, backend=be, rollout=cfg.rollout,
-                        old_logprobs=anchor)
+    res = policy_update(be, _batch(inputs, behaviour), cfg, on_policy=not off_policy, old_logprobs=anchor)
     assert not res.skipped_nonfinite
     loss_err = _close(_t(res.loss), loss.detach(), f"{name} loss", rel)
     grad_err = max(_close(be.grads[k], g, f"{name} grad {k}", rel) for k, g in theirs.items())
@@ -360,7 +358,8 @@ def test_adaptive_entropy_control_equals_trls(model_dir, target):
     model = make_model("tiny", TOK, seed=1, dtype=torch.float64)
     model.load_state_dict(tr.model.state_dict())
     over = ["grpo.group_size=4", "grpo.beta=0.04", "grpo.entropy_coef=0.02", f"grpo.entropy_target={target}",
-            "grpo.entropy_coef_step=0.01", "grpo.entropy_coef_max=0.035", "train.micro_batch_size=5"]
+            "grpo.entropy_coef_step=0.01", "grpo.entropy_coef_max=0.035", "train.micro_batch_size=5",
+            f"rollout.max_new_tokens={C}"]
     cfg = load_config(overrides=over)
     control = EntropyControl.from_config(cfg.grpo)
     be = _GradTap(model, lr=1e-3)
@@ -370,9 +369,7 @@ def test_adaptive_entropy_control_equals_trls(model_dir, target):
         with _float64():
             theirs = tr._compute_loss(tr.model, inputs)
         applied = control.applied()
-        res = policy_update(model, be.optimizer, _batch(inputs, behaviour.double()), cfg.grpo, cfg.train,
-                            on_policy=True, max_new_tokens=C, backend=be, rollout=cfg.rollout,
-                            entropy_coef=applied)
+        res = policy_update(be, _batch(inputs, behaviour.double()), cfg, on_policy=True, entropy_coef=applied)
         control.update(res.bonus_entropy)
         _close(_t(res.loss), theirs.detach(), f"adaptive step {step} loss", 1e-10)
         assert control.coef == pytest.approx(tr.entropy_coef, rel=1e-12), step

@@ -161,7 +161,7 @@ def _ours(models, weights: dict, beta: float, temperature: float, inputs: dict):
     cfg = load_config(overrides=["grpo.group_size=2", "grpo.beta=0", "grpo.loss_reduction=token-mean",
                                  "train.micro_batch_size=2", "distill.teacher=teacher", "distill.signal=jsd",
                                  f"distill.beta={beta}", f"distill.temperature={temperature}",
-                                 f"rollout.temperature={temperature}"])
+                                 f"rollout.temperature={temperature}", f"rollout.max_new_tokens={C}"])
     distill = Distill.with_teacher(cfg, teacher, model)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     cm = inputs["completion_mask"].bool()
@@ -170,8 +170,7 @@ def _ours(models, weights: dict, beta: float, temperature: float, inputs: dict):
                          advantages=torch.zeros(len(cm)), group_ids=torch.arange(len(cm)) // 2,
                          old_logprobs=torch.zeros(cm.shape), prompt_len=ids.shape[1] - C, group_size=2)
     be = _GradTap(model, lr=1e-3)
-    res = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True, max_new_tokens=C,
-                        backend=be, rollout=cfg.rollout, distill=distill)
+    res = policy_update(be, batch, cfg, on_policy=True, terms=distill)
     assert not res.skipped_nonfinite
     return res.loss, be.grads, res.metrics
 

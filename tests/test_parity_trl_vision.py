@@ -40,7 +40,7 @@ from nanogrpo.config import load_config  # noqa: E402
 from nanogrpo.models.tiny_vision import make_vlm, save_vlm  # noqa: E402
 from nanogrpo.models.vision import forward_kwargs, image_spec, llava_images  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
-from nanogrpo.rollout.collect import rollout  # noqa: E402
+from nanogrpo.rollout.collect import Collector  # noqa: E402
 from nanogrpo.rollout.hf import HFEngine  # noqa: E402
 from nanogrpo.training.distributed import Backend  # noqa: E402
 from nanogrpo.training.step import batch_logprobs, policy_update  # noqa: E402
@@ -142,7 +142,7 @@ def test_vision_loss_and_gradients_equal_trls(tmp_path, family, off_policy):
     second = "<image>Where is it" if family == "llava" else "Look: <image> now"
     rows = [{"question": "<image>What is it?", "answer": "1", "images": [picture(16, 16, 1)]},
             {"question": second, "answer": "2", "images": [picture(24, 40, 2)]}]
-    batch, _ = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo, template="auto", seed=3)
+    batch, _ = Collector(engine, tok, rewards, cfg).collect(rows, seed=3)
     assert batch is not None and batch.num_seqs == 2 * G
     ref = make_vlm(family, seed=1, dtype=torch.float64)[0]
     ref.load_state_dict(tr.model.state_dict())
@@ -175,8 +175,7 @@ def test_vision_loss_and_gradients_equal_trls(tmp_path, family, off_policy):
     ours.load_state_dict(weights)
     b = RolloutBatch(**dict(batch.tensors(), old_logprobs=behaviour), prompt_len=p, group_size=G)
     be = _GradTap(ours, lr=1e-3)
-    res = policy_update(ours, be.optimizer, b, cfg.grpo, cfg.train, on_policy=not off_policy,
-                        max_new_tokens=C, backend=be, rollout=cfg.rollout)
+    res = policy_update(be, b, cfg, on_policy=not off_policy)
     assert not res.skipped_nonfinite
     # the loss is a small difference of O(1) terms (each group's advantages sum to zero): within 1e-10 of
     # the terms' size, its advantages'

@@ -102,7 +102,7 @@ def test_split_mode_trainer_stopped_mid_batch_resumes_exactly(tmp_path, monkeypa
 
     from nanogrpo.config import load_config
     from nanogrpo.serve.client import ServerClient
-    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.feed import train_from_server
     from nanogrpo.serve.server import ServerState, Settings
     from tests.test_serve_helpers import TOKEN, LiveServer, make_batch
 

@@ -345,7 +345,7 @@ def test_rewards_see_how_each_completion_of_a_rollout_ended() -> None:
     from nanogrpo.config import load_config
     from nanogrpo.data import load_rows
     from nanogrpo.models.load import load_policy
-    from nanogrpo.rollout.collect import rollout
+    from nanogrpo.rollout.collect import Collector
     from nanogrpo.rollout.factory import make_engine
 
     cfg = load_config(preset="demo", overrides=["rewards.workers=0", "grpo.group_size=4"])
@@ -355,9 +355,8 @@ def test_rewards_see_how_each_completion_of_a_rollout_ended() -> None:
     specs = ["tests.reward_fixtures:cut_off", "correctness"]
     with RewardRunner(specs, workers=0, truncated_correct=False) as rewards:
         for max_new, expect_cut in ((6, True), (60, None)):
-            rcfg = cfg.rollout.model_copy(update={"max_new_tokens": max_new})
-            _, stats = rollout(engine, tok, rows, rewards, cfg.data, rcfg, cfg.grpo,
-                               template=cfg.model.chat_template, seed=0)
+            rcfg = cfg.with_overrides({"rollout.max_new_tokens": max_new})
+            _, stats = Collector(engine, tok, rewards, rcfg).collect(rows, seed=0)
             cut = stats.reward_by_function["tests.reward_fixtures:cut_off"]
             assert cut == pytest.approx(1.0 - stats.stop_rate)
             if expect_cut:

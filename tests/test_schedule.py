@@ -52,7 +52,7 @@ def _model():
 
 def _cfg(over: list[str], mbs: int = 8):
     return load_config(overrides=["grpo.beta=0.04", "train.lr=1e-2", f"train.micro_batch_size={mbs}",
-                                  "rollout.prompts_per_step=3", *over])
+                                  "rollout.prompts_per_step=3", "rollout.max_new_tokens=7", *over])
 
 
 def _run(over: list[str], mbs: int = 8, batch=None, fresh=True, exact=True):
@@ -61,8 +61,7 @@ def _run(over: list[str], mbs: int = 8, batch=None, fresh=True, exact=True):
     be = Backend(model, lr=1e-2)
     b = batch if batch is not None else _batch()
     sched = Schedule(parts=mini_batch_count(b, cfg.grpo.mini_batches))
-    run_updates(model, be.optimizer, b, cfg, sched, fresh=fresh, exact=exact, backend=be,
-                control=EntropyControl.from_config(cfg.grpo), max_new_tokens=7)
+    run_updates(be, b, cfg, sched, fresh=fresh, exact=exact, control=EntropyControl.from_config(cfg.grpo))
     return sched, model
 
 
@@ -90,8 +89,7 @@ def test_each_mini_batch_is_one_optimizer_step_with_its_own_totals():
     rows = mini_batch_rows(b, 2)
     for u in range(4):
         mb = b.select(rows[u % 2])
-        res = policy_update(ref_model, be.optimizer, mb, cfg.grpo, cfg.train, on_policy=(u == 0),
-                            max_new_tokens=7, backend=be, rollout=cfg.rollout)
+        res = policy_update(be, mb, cfg, on_policy=(u == 0))
         assert res.loss == pytest.approx(sched.results[u].loss, rel=1e-12), u
     for (k, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=k)
@@ -110,8 +108,7 @@ def test_constant_normaliser_uses_the_mini_batch_totals():
     for r in rows + [torch.arange(b.num_seqs)]:
         model = _model()
         be = Backend(model, lr=1e-2)
-        losses.append(policy_update(model, be.optimizer, b.select(r), cfg.grpo, cfg.train, on_policy=True,
-                                    max_new_tokens=7, backend=be, rollout=cfg.rollout).loss)
+        losses.append(policy_update(be, b.select(r), cfg, on_policy=True).loss)
     n0, n1 = len(rows[0]), len(rows[1])
     assert losses[0] * n0 / 12 + losses[1] * n1 / 12 == pytest.approx(losses[2], rel=1e-10)
 
@@ -178,8 +175,7 @@ def test_without_a_correction_later_mini_batches_take_the_behaviour_log_probs():
     model = _model()
     be = Backend(model, lr=1e-2)
     cfg = _cfg([])
-    policy_update(model, be.optimizer, b.select(mini_batch_rows(b, 2)[0]), cfg.grpo, cfg.train,
-                  on_policy=True, max_new_tokens=7, backend=be, rollout=cfg.rollout)
+    policy_update(be, b.select(mini_batch_rows(b, 2)[0]), cfg, on_policy=True)
     r = mini_batch_rows(b, 2)[1]
     after = batch_logprobs(model, b.select(r), cfg.train, True)[0]
     ratio = torch.exp(after - b.old_logprobs[r].double())[b.completion_mask[r]]

@@ -337,7 +337,7 @@ def test_fuzz_10k_malformed_requests_all_4xx(total):
 
 
 def test_staleness_policy_and_server_side_expiry():
-    from nanogrpo.serve.consumer import staleness_action
+    from nanogrpo.serve.feed import staleness_action
 
     assert staleness_action(0, 2) == "on_policy"
     assert staleness_action(2, 2) == "off_policy"

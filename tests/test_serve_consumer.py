@@ -66,7 +66,7 @@ def test_split_trainer_trains_each_batch_once_acks_it_and_drops_what_it_cannot_u
                                                                                     monkeypatch):
     from nanogrpo.config import load_config
     from nanogrpo.serve.client import ServerClient
-    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.feed import train_from_server
     from nanogrpo.serve.server import ServerState, Settings
 
     model_dir, vocab = tiny_model
@@ -102,7 +102,7 @@ def test_split_trainer_refuses_a_batch_at_another_logprob_temperature_and_leaves
     from nanogrpo.config import load_config
     from nanogrpo.errors import ConfigError
     from nanogrpo.serve.client import ServerClient
-    from nanogrpo.serve.consumer import train_from_server
+    from nanogrpo.serve.feed import train_from_server
     from nanogrpo.serve.server import ServerState, Settings
 
     model_dir, vocab = tiny_model

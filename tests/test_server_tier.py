@@ -24,7 +24,8 @@ from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.vllm_server.engine import ServerEngine
 from nanogrpo.rollout.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
 from nanogrpo.rollout.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
-from nanogrpo.training.pipeline import Made, Pipeline, staleness
+from nanogrpo.training.pipeline import Made, Pipeline
+from nanogrpo.training.server_tier import staleness
 
 
 class Fake(BaseHTTPRequestHandler):
@@ -273,7 +274,7 @@ def test_a_server_gone_before_the_syncs_probe_is_taken_out_not_fatal(two):
     import torch
 
     from nanogrpo.rollout.vllm_server.pool import OUT, UP
-    from nanogrpo.training.pipeline import ServerTier
+    from nanogrpo.training.server_tier import ServerTier
 
     a, b = two
     eng = engine_over(a, b)
@@ -299,13 +300,14 @@ _TWO_RANK_PIPELINE = """
 import json, sys, time
 import torch.distributed as dist
 from nanogrpo.training.distributed import Backend, leave_launched_rank
-from nanogrpo.training.pipeline import Made, Pipeline, fresh_everywhere, producer_reduce, staleness
+from nanogrpo.training.pipeline import Made, Pipeline, producer_reduce
+from nanogrpo.training.server_tier import fresh_everywhere, staleness
 import torch
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 be = Backend(torch.nn.Linear(2, 2))
 reduce = producer_reduce()
-def make(step):  # a producer's batch-wide sums (advantages, refills), as rollout() makes them
+def make(step):  # a producer's batch-wide sums (advantages, refills), as Collector.collect makes them
     sums = []
     for i in range(5):
         sums.append(reduce([float(rank + 1), float(step * 10 + i)]))

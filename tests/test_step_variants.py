@@ -52,11 +52,11 @@ def _model():
 
 
 def _update(over: list[str], mbs: int, batch=None, on_policy: bool = False, old=None, coef=None):
-    cfg = load_config(overrides=["grpo.beta=0.04", f"train.micro_batch_size={mbs}", *over])
+    cfg = load_config(overrides=["grpo.beta=0.04", f"train.micro_batch_size={mbs}",
+                                 "rollout.max_new_tokens=7", *over])
     model = _model()
     be = _GradTap(model, lr=1e-3)
-    res = policy_update(model, be.optimizer, batch if batch is not None else _batch(), cfg.grpo, cfg.train,
-                        on_policy=on_policy, max_new_tokens=7, backend=be, rollout=cfg.rollout,
+    res = policy_update(be, batch if batch is not None else _batch(), cfg, on_policy=on_policy,
                         old_logprobs=old, entropy_coef=coef)
     return res, be.grads
 
@@ -121,19 +121,18 @@ def test_top_entropy_quantile_keeps_the_top_tokens_of_the_whole_batch():
 
 def test_correction_anchors_later_updates_on_the_first_updates_log_probs():
     over = ["rollout.correction=token_truncate", "rollout.correction_max=1.5", "rollout.correction_min=0.5"]
-    cfg = load_config(overrides=["grpo.beta=0.04", "train.micro_batch_size=3", "train.lr=1e-2", *over])
+    cfg = load_config(overrides=["grpo.beta=0.04", "train.micro_batch_size=3", "train.lr=1e-2",
+                                 "rollout.max_new_tokens=7", *over])
     model = _model()
     be = Backend(model, lr=1e-2)
     b = _batch()
-    first = policy_update(model, be.optimizer, b, cfg.grpo, cfg.train, on_policy=False, max_new_tokens=7,
-                          backend=be, rollout=cfg.rollout)
+    first = policy_update(be, b, cfg, on_policy=False)
     # the first update is anchored on the policy's own log-probs (ratio 1), weighted against the engine's
     assert first.metrics["ratio_min"] == first.metrics["ratio_max"] == 1.0
     assert 0 < first.metrics["is_corrected_frac"] < 1 and first.metrics["is_kl"] > 0
     trained = batch_logprobs(_model(), b, cfg.train, True)[0]
     torch.testing.assert_close(first.logprobs, trained.to(first.logprobs), rtol=1e-9, atol=1e-12)
-    second = policy_update(model, be.optimizer, b, cfg.grpo, cfg.train, on_policy=False, max_new_tokens=7,
-                           backend=be, rollout=cfg.rollout, old_logprobs=first.logprobs)
+    second = policy_update(be, b, cfg, on_policy=False, old_logprobs=first.logprobs)
     assert second.metrics["ratio_min"] < 1 < second.metrics["ratio_max"]       # the update moved the policy
     # the weights are those of the first pass, unchanged by the update
     assert second.metrics["is_weight_mean"] == pytest.approx(first.metrics["is_weight_mean"], rel=1e-9)

@@ -10,6 +10,7 @@ import torch
 from nanogrpo.cli import main
 from nanogrpo.config import load_config
 from nanogrpo.models.tiny import make_model, make_tokenizer
+from nanogrpo.training.backend import Backend
 from nanogrpo.training.metrics import read_metrics
 from nanogrpo.training.optim import MasterAdamW
 from nanogrpo.training.step import policy_update
@@ -77,12 +78,12 @@ def test_nonfinite_loss_skips_the_update_and_keeps_weights():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = make_batch()
     batch.old_logprobs[0, 0] = float("nan")
-    cfg = load_config(overrides=["train.micro_batch_size=2"])
-    opt = MasterAdamW(model.parameters(), lr=1e-2)
-    res = policy_update(model, opt, batch, cfg.grpo, cfg.train, on_policy=False, max_new_tokens=5)
+    cfg = load_config(overrides=["train.micro_batch_size=2", "rollout.max_new_tokens=5"])
+    be = Backend(model, MasterAdamW(model.parameters(), lr=1e-2))
+    res = policy_update(be, batch, cfg, on_policy=False)
     assert res.skipped_nonfinite
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    res = policy_update(model, opt, make_batch(), cfg.grpo, cfg.train, on_policy=True, max_new_tokens=5)
+    res = policy_update(be, make_batch(), cfg, on_policy=True)
     assert not res.skipped_nonfinite
 
 

@@ -13,7 +13,7 @@ from nanogrpo.data import encode_prompts, load_rows
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rewards import RewardRunner
-from nanogrpo.rollout.collect import rollout
+from nanogrpo.rollout.collect import Collector
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.factory import make_engine
 from nanogrpo.rollout.session import WithoutSession
@@ -185,8 +185,7 @@ def test_rollout_batch_carries_the_loss_mask_and_rewards_see_the_turns(demo):
     rows = load_rows(cfg.data, "train")[:4]
     engine = make_engine("hf", model, tok)
     with RewardRunner(["correctness", "tests.tool_fixtures:calls_reward"], workers=0) as rewards:
-        batch, stats = rollout(engine, tok, rows, rewards, cfg.data, cfg.rollout, cfg.grpo, template="auto",
-                               seed=3, tools=tools)
+        batch, stats = Collector(engine, tok, rewards, cfg, tools=tools).collect(rows, seed=3)
     assert batch is not None
     batch.validate(vocab_size=len(tok))
     assert batch.loss_mask is not None and bool((batch.loss_mask <= batch.completion_mask).all())

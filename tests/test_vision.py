@@ -20,7 +20,7 @@ from nanogrpo.data.images import encode_with_images, render, smart_resize  # noq
 from nanogrpo.models.tiny_vision import FAMILIES, make_vlm  # noqa: E402
 from nanogrpo.models.vision import forward_kwargs, image_spec  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
-from nanogrpo.rollout.collect import rollout  # noqa: E402
+from nanogrpo.rollout.collect import Collector  # noqa: E402
 from nanogrpo.rollout.engine import SamplingParams  # noqa: E402
 from nanogrpo.rollout.hf import HFEngine  # noqa: E402
 from nanogrpo.training.step import batch_logprobs  # noqa: E402
@@ -36,8 +36,8 @@ def _cfg(**data) -> Config:
                                   "rollout": {"max_new_tokens": 6, "engine": "hf"}})
 
 
-def _sampled(cfg: Config):
-    return cfg.rollout.model_copy(update={"temperature": 1.0})
+def _sampled(cfg: Config) -> Config:
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"temperature": 1.0})})
 
 
 def _setup(family: str):
@@ -130,8 +130,7 @@ def test_engine_and_trainer_agree_with_model_generate_and_a_full_forward(family)
         assert (full - torch.tensor(gen.logprobs[i])).abs().max() <= TOL
     # the trainer: a real rollout batch (sampled), in train mode, per row and all rows at once
     rewards = RewardRunner([_spread], workers=0)
-    batch, _ = rollout(engine, tok, rows, rewards, cfg.data, _sampled(cfg),
-                       cfg.grpo, template="auto", seed=3)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(rows, seed=3)
     assert batch is not None and batch.has_images and batch.num_seqs == 6  # every group kept
     assert batch.image_counts.tolist() == [1, 1, 1, 1, 2, 2]
     model.train()
@@ -161,8 +160,7 @@ def test_micro_batches_never_mix_rows_images_and_sum_to_the_full_batch_gradient(
     model, tok, engine = _setup("qwen2_vl")
     cfg = _cfg()
     rewards = RewardRunner([_spread], workers=0)
-    batch, _ = rollout(engine, tok, _rows(), rewards, cfg.data, _sampled(cfg),
-                       cfg.grpo, template="auto", seed=5)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(_rows(), seed=5)
     batch.ref_logprobs = batch_logprobs(model, batch, cfg.train, True)[0].float()
     grads, losses = [], []
     for mbs in (1, 64):
@@ -170,7 +168,7 @@ def test_micro_batches_never_mix_rows_images_and_sum_to_the_full_batch_gradient(
         b = RolloutBatch(**batch.tensors(), prompt_len=batch.prompt_len, group_size=batch.group_size)
         be = _Recording(m, lr=0.0)
         train = cfg.train.model_copy(update={"micro_batch_size": mbs, "micro_batch_tokens": 0})
-        res = policy_update(m, be.optimizer, b, cfg.grpo, train, on_policy=True, max_new_tokens=6, backend=be)
+        res = policy_update(be, b, cfg.model_copy(update={"train": train}), on_policy=True)
         assert not res.skipped_nonfinite
         losses.append(res.loss)
         grads.append(be.grads)
@@ -182,8 +180,7 @@ def test_images_travel_on_the_wire_and_bad_ones_are_refused():
     model, tok, engine = _setup("qwen2_vl")
     cfg = _cfg()
     rewards = RewardRunner([_spread], workers=0)
-    batch, _ = rollout(engine, tok, _rows(), rewards, cfg.data, _sampled(cfg),
-                       cfg.grpo, template="auto", seed=7)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(_rows(), seed=7)
     back = RolloutBatch.from_bytes(batch.to_bytes(), vocab_size=len(tok))
     for k in ("pixel_values", "image_grid_thw", "image_counts"):
         assert torch.equal(getattr(back, k), getattr(batch, k))
@@ -289,8 +286,7 @@ def test_the_vision_tower_runs_once_per_group(family):
     model, tok, engine = _setup(family)
     cfg = _cfg()
     rewards = RewardRunner([_spread], workers=0)
-    batch, _ = rollout(engine, tok, _rows(), rewards, cfg.data, _sampled(cfg), cfg.grpo, template="auto",
-                       seed=4)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(_rows(), seed=4)
     seen = []
     hook = vision_tower(model).register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     try:
@@ -341,7 +337,7 @@ def test_rows_without_images_beside_rows_with_them(family):
     rows = [{"question": "What is it?", "answer": "1"}, {"question": "Look: now, longer", "answer": "2"},
             {"question": "<image>x", "answer": "3", "images": [picture(16, 16, 1)]}]
     rewards = RewardRunner([_spread], workers=0)
-    batch, _ = rollout(engine, tok, rows, rewards, cfg.data, _sampled(cfg), cfg.grpo, template="auto", seed=3)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(rows, seed=3)
     assert batch.image_counts.tolist() == [0, 0, 0, 0, 1, 1]
     for mbs in (1, 64):
         lp, _ = batch_logprobs(model, batch, cfg.train.model_copy(update={"micro_batch_size": mbs}), True)
@@ -354,8 +350,8 @@ def test_a_batch_whose_images_disagree_with_its_tokens_is_named():
 
     model, tok, engine = _setup("qwen2_vl")
     cfg = _cfg()
-    batch, _ = rollout(engine, tok, _rows(), RewardRunner([_spread], workers=0), cfg.data, _sampled(cfg),
-                       cfg.grpo, template="auto", seed=6)
+    rewards = RewardRunner([_spread], workers=0)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(_rows(), seed=6)
     assert image_token_error(model, batch) is None
     two = batch.select(torch.tensor([4, 0]))  # the two-image row first: its images go with it
     assert image_token_error(model, two) is None and two.image_counts.tolist() == [2, 1]

@@ -34,8 +34,7 @@ def test_two_ranks_with_images_update_as_one_process(tmp_path, backend):
     cfg = make_cfg("single")
     model, batch = make_batch(cfg)
     be = make_backend(cfg, model)
-    single = policy_update(model, be.optimizer, batch, cfg.grpo, cfg.train, on_policy=True,
-                           max_new_tokens=5, backend=be, rollout=cfg.rollout)
+    single = policy_update(be, batch, cfg, on_policy=True)
     assert res["world"] == 2 and not res["skipped"]
     assert res["loss"] == pytest.approx(single.loss, rel=1e-5, abs=1e-6)
     assert res["grad_norm"] == pytest.approx(single.grad_norm, rel=1e-4)

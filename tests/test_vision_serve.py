@@ -13,7 +13,7 @@ pytest.importorskip("httpx")
 
 from nanogrpo.batch import RolloutBatch  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
-from nanogrpo.rollout.collect import rollout  # noqa: E402
+from nanogrpo.rollout.collect import Collector  # noqa: E402
 from nanogrpo.serve.server import (  # noqa: E402
     ServerState,
     Settings,
@@ -31,8 +31,7 @@ def test_reference_server_uses_the_images_and_refuses_malformed_ones():
     model, tok, engine = _setup("qwen2_vl")
     cfg = _cfg()
     rewards = RewardRunner([lambda t, s: float(next(_COUNT))], workers=0)
-    batch, _ = rollout(engine, tok, _rows(), rewards, cfg.data, _sampled(cfg), cfg.grpo, template="auto",
-                       seed=9)
+    batch, _ = Collector(engine, tok, rewards, _sampled(cfg)).collect(_rows(), seed=9)
     st = ServerState(Settings(vocab_size=len(tok), max_seqs=64, max_len=64, max_body=1 << 20,  # pixels
                               max_weights_body=1 << 20), TOKEN, make_ref_fn(model, torch.device("cpu"), 2, 7))
     bad = RolloutBatch(**dict(batch.tensors(), image_counts=batch.image_counts + 1),

@@ -57,7 +57,7 @@ class OwnCopyEngine:
 @pytest.mark.slow
 def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(tmp_path, monkeypatch,
                                                                                 behaviour):
-    import nanogrpo.training.trainer as trainer
+    import nanogrpo.rollout.factory as factory  # where the run's setup takes its engine from
 
     d = write_tiny_run_assets(tmp_path)
     built = []
@@ -66,7 +66,7 @@ def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(t
         built.append(OwnCopyEngine(model, tok, behaviour))
         return built[-1]
 
-    monkeypatch.setattr(trainer, "engine_for", fake_engine_for)
+    monkeypatch.setattr(factory, "engine_for", fake_engine_for)
     out = tmp_path / "run"
     assert main(["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--out", str(out),
                  "--steps", "3", "rollout.prompts_per_step=2", "grpo.group_size=4",
@@ -75,7 +75,7 @@ def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(t
     rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]  # step 0: the held-out baseline
     engine = built[0]
     updates = sum(r["loss"] is not None for r in rows)
-    assert updates > 0 and engine.loads == updates               # one push per step that updated
+    assert updates > 0 and engine.loads == updates               # one push per version it ran with
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_3")

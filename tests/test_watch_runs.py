@@ -15,8 +15,9 @@ from nanogrpo.bench.watch import fault_config, perturbed_engine
 from nanogrpo.bench.watch_faults import FAULTS
 from nanogrpo.training.checkpoint import latest_checkpoint
 from nanogrpo.training.logging_sinks import run_summary
+from nanogrpo.training.loop import train
 from nanogrpo.training.metrics import read_metrics
-from nanogrpo.training.trainer import prepare, train
+from nanogrpo.training.prepare import prepare
 from nanogrpo.watch import read_events, replay
 
 pytestmark = pytest.mark.slow

@@ -80,8 +80,7 @@ def main() -> None:
     model, batch = make_batch(cfg)
     be = make_backend(cfg, model)
     mine = batch.select(torch.arange(batch.num_seqs)[rank::world])  # each rank's rows, their images with them
-    res = policy_update(be.model, be.optimizer, mine, cfg.grpo, cfg.train, on_policy=True,
-                        max_new_tokens=5, backend=be, rollout=cfg.rollout)
+    res = policy_update(be, mine, cfg, on_policy=True)
     sd = be.full_state_dict()
     if rank == 0:
         from safetensors.torch import save_file

@@ -100,8 +100,8 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
 
             model_path = check_model_source(cfg.model)  # a missing model or network: said before torch loads
             given = _config_rows(cfg, data.given)  # a dataset's mistakes too
-            from nanogrpo.training.trainer import prepare
-            from nanogrpo.training.trainer import train as run_training
+            from nanogrpo.training.loop import train as run_training
+            from nanogrpo.training.prepare import prepare
 
             prepared = prepare(cfg, Path(resume) if resume is not None else None, rewards=runner,
                                model_path=model_path, env=None if isinstance(env, str) else env, **given)

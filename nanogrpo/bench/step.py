@@ -147,8 +147,9 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     from nanogrpo.models.reward import reward_runner
     from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.rollout.factory import make_engine
+    from nanogrpo.training.loop import train_step
     from nanogrpo.training.optim import MasterAdamW
-    from nanogrpo.training.trainer import train_step
+    from nanogrpo.training.setup import local_run
 
     n = a.prompts * a.gens
     cfg = Config.model_validate({
@@ -176,17 +177,17 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     sampler = PromptSampler(question_rows(max(64, a.prompts * (a.steps + 2)), a.seed), a.prompts,
                             seed=a.seed, shuffle=True)
     rewards = reward_runner(cfg)
+    run = local_run(cfg, model, tok, engine, rewards, sampler, ref=ref, optimizer=optimizer)
     _reset_peak(device)
-    times, cpu, kept, version = [], [], [], 0
+    times, cpu, kept = [], [], []
     try:
         for step in range(1, a.steps + 1):
             _sync(device)
             t, c = time.perf_counter(), time.process_time()
-            row = train_step(cfg, step, model, ref, tok, engine, optimizer, sampler, rewards, version, device)
+            row = train_step(run, step)
             _sync(device)
             times.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
-            version += row.pop("_updates")
             kept.append(row["groups_kept"])
             if row["completion_tokens"] != n * a.max_new:
                 raise RuntimeError(f"step {step}: {row['completion_tokens']} completion tokens, "
@@ -198,7 +199,7 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
             "onednn": {"train": train_onednn,
                        "engine": getattr(engine.engine, "_lin", None) is onednn_linear},
             "grad_ckpt": int(cfg.train.gradient_checkpointing),
-            "micro_batch": cfg.train.micro_batch_size, "updates": version, "groups_kept": kept,
+            "micro_batch": cfg.train.micro_batch_size, "updates": run.version, "groups_kept": kept,
             **_summary(times, engine.times, n * a.max_new, cpu), **_peak(device),
             "step_times": [round(x, 4) for x in times],
             "gen_times": [round(x, 4) for x in engine.times]}

@@ -57,7 +57,8 @@ def fault_config(name: str, out: Path, steps: int | None = None, overrides: list
 
 def run_fault(name: str, out: Path, steps: int | None = None, overrides: list[str] = ()) -> Path:
     """Train fault ``name`` into ``out`` in this process (the engine fault's wrapper included)."""
-    from nanogrpo.training.trainer import prepare, train
+    from nanogrpo.training.loop import train
+    from nanogrpo.training.prepare import prepare
 
     cfg = fault_config(name, out, steps, overrides)
     f: Fault = FAULTS[name]

@@ -1,85 +1,38 @@
 """One rollout: prompts -> G completions each -> rewards -> advantages -> a RolloutBatch.
 
-The same function runs inside the single-process trainer and inside each
-``nanogrpo rollout`` worker; only where the batch goes differs. With a tool
-(``tools``), each completion is a multi-turn trajectory (:mod:`nanogrpo.rollout.turns`):
-the rewards see its whole text and, in the sample dict, its ``turns`` and
-``tool_calls``; the batch carries a ``loss_mask`` that leaves the tool output out. With an
-environment (``env``), each completion is an episode (:mod:`nanogrpo.rollout.episodes`): the
-sample dict carries its return (``env_reward``, the ``env`` reward), ``success`` (what ``accuracy``
-counts), ``turns`` and ``turn_rewards``; the environment's observations are left out of the loss.
+:class:`Collector` is built once per run (engine, tokenizer, rewards, tool or environment, config) and
+makes each step's batch (:meth:`Collector.collect`); the same object runs inside the trainer and inside
+each ``nanogrpo rollout`` worker, only where the batch goes differs. With a tool (``tools``), each
+completion is a multi-turn trajectory (:mod:`nanogrpo.rollout.turns`): the rewards see its whole text
+and, in the sample dict, its ``turns`` and ``tool_calls``; the batch carries a ``loss_mask`` that leaves
+the tool output out. With an environment (``env``), each completion is an episode
+(:mod:`nanogrpo.rollout.episodes`): the sample dict carries its return (``env_reward``, the ``env``
+reward), ``success`` (what ``accuracy`` counts), ``turns`` and ``turn_rewards``; the environment's
+observations are left out of the loss. The step's figures are :class:`~nanogrpo.rollout.stats.RolloutStats`.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, refill_size, signal_mask, surplus_mask
 from nanogrpo.batch import RolloutBatch
-from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
+from nanogrpo.config import Config, DataConfig, GrpoConfig
 from nanogrpo.data import encode_prompts
 from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
-
-
-@dataclass
-class RolloutStats:
-    reward_mean: float = float("nan")
-    reward_std: float = float("nan")
-    accuracy: float = float("nan")
-    format_rate: float = float("nan")
-    completion_len_mean: float = float("nan")
-    completion_tokens: int = 0
-    num_completions: int = 0
-    groups_total: int = 0
-    """Groups generated (all rounds of dynamic sampling)."""
-    groups_kept: int = 0
-    """Groups in the batch; the others carried no signal (or were dynamic sampling's surplus)."""
-    prompts_skipped: int = 0
-    refills: int | None = None
-    """``grpo.dynamic_sampling``: generation rounds after the first (None: not on)."""
-    groups_no_signal: int | None = None
-    """``grpo.dynamic_sampling``: generated groups dropped because their rewards all agreed."""
-    groups_surplus: int | None = None
-    """``grpo.dynamic_sampling``: informative groups generated beyond the batch, dropped."""
-    stop_rate: float = float("nan")
-    truncated_frac: float = float("nan")
-    """Share of the completions the token limit cut off (``finish_reason == "length"``)."""
-    distinct_ngrams: float = float("nan")
-    """Distinct token 4-grams over the step's completions / all their 4-grams, each group's repeats of one
-    completion counted once (:func:`distinct_ngrams`): near 1 when prompts get their own answers, falling
-    towards 1 / prompts when every prompt gets the same text."""
-    sampled_nll: float = float("nan")
-    """Mean negative log-prob (the engine's, at the run's log-prob temperature) of the tokens the model
-    sampled, over every completion of the step (:func:`sampled_nll`): an estimate of the policy's per-token
-    entropy that, unlike the trainer's ``entropy``, counts the groups dropped for want of signal too."""
-    reward_failures: int = 0
-    reward_timeouts: int = 0
-    reward_non_finite: int = 0
-    reward_by_function: dict[str, float] = field(default_factory=dict)
-    reward_failures_by_function: dict[str, int] = field(default_factory=dict)
-    """Rows each reward scored the penalty (raised, timed out, non-finite, unreadable judge reply)."""
-    reward_model_metrics: dict[str, float] = field(default_factory=dict)
-    """Model rewards' figures (``judge/…``, ``rm/…``), :attr:`nanogrpo.rewards.RewardResult.metrics`."""
-    tool_metrics: dict[str, float] = field(default_factory=dict)
-    """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`), ``env/…``
-    ones of episodes (:func:`nanogrpo.rollout.episodes.env_metrics`)."""
-    examples: list[dict[str, Any]] = field(default_factory=list)
-
-    def metrics(self) -> dict[str, float]:
-        out = {k: v for k, v in self.__dict__.items()
-               if k not in ("examples", "reward_by_function", "reward_failures_by_function",
-                            "reward_model_metrics", "tool_metrics") and v is not None}
-        out.update({f"reward/{k}": v for k, v in self.reward_by_function.items()})
-        out.update({f"reward/{k}/failures": v for k, v in self.reward_failures_by_function.items()})
-        out.update(self.reward_model_metrics)
-        out.update(self.tool_metrics)
-        return out
+from nanogrpo.rollout.stats import (
+    RolloutStats,
+    distinct_ngrams,
+    example_rows,
+    merge_tool_metrics,
+    sampled_nll,
+)
 
 
 def _metric_column(name: str, fn, per_function: dict[str, list[float]], texts: list[str],
@@ -103,34 +56,6 @@ def completion_samples(rows: list[dict], g: int, finish_reasons: list[str], leng
         extra = [{"completion_tokens": n, "max_new_tokens": max_new_tokens} for n in lengths]
     return [dict(row, finish_reason=finish_reasons[i * g + j], **extra[i * g + j])
             for i, row in enumerate(rows) for j in range(g)]
-
-
-def sampled_nll(logprobs: list[list[float]], masks: list[list[bool]] | None = None) -> float:
-    """Mean -log p of the sampled tokens (``masks``: only where 1, the model's own tokens of a multi-turn
-    trajectory). The tokens are drawn from the policy, so at ``rollout.temperature`` 1 (or with
-    ``rollout.tempered_logprobs``) this is an unbiased estimate of its mean per-token entropy, otherwise the
-    cross-entropy of the tempered sampler against it; either falls to 0 as the policy comes to sample one
-    continuation. Free (the engine reports the log-probs anyway), and over every completion: the trainer's
-    ``entropy`` sees only the groups it trains on, which a collapsing policy leaves few or none of. NaN
-    without tokens."""
-    if masks is None:  # builtin sums: the step's every token, at C speed
-        total, count = sum(map(sum, logprobs)), sum(map(len, logprobs))
-    else:
-        kept = [[v for v, k in zip(lp, m) if k] for lp, m in zip(logprobs, masks)]
-        total, count = sum(map(sum, kept)), sum(map(len, kept))
-    return -total / count if count else float("nan")
-
-
-def distinct_ngrams(completions: list[list[int]], group_size: int, n: int = 4) -> float:
-    """Distinct ``n``-grams of token ids over ``completions`` (``group_size`` per prompt, in order) divided by
-    their total count, after dropping each group's duplicate completions (a policy sure of its answer to
-    one prompt repeats it G times: that is not a template). 1.0: no n-gram shared between completions;
-    1 / prompts: every prompt got the same completion. NaN when no completion has ``n`` tokens."""
-    grams: list[tuple[int, ...]] = []
-    for start in range(0, len(completions), group_size):
-        for c in {tuple(c) for c in completions[start:start + group_size]}:
-            grams += [c[i:i + n] for i in range(len(c) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else float("nan")
 
 
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
@@ -193,248 +118,290 @@ class _Round:
     skipped: int
 
 
-def _generate_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
-                    cfg: RolloutConfig, grpo: GrpoConfig, template: str, seed: int | None, tools,
-                    env=None, version: int = 0) -> _Round:
-    """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
-    if env is not None:
-        return _episode_round(engine, tokenizer, rows, rewards, cfg, grpo, seed, env, version)
-    spec = getattr(engine, "vision", None)
-    images = None
-    if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
-        from nanogrpo.data.images import encode_with_images
+@dataclass
+class _Step:
+    """A step's completions over all its rounds (those with rows), flattened in order."""
 
-        prompt_ids, skipped, images = encode_with_images(tokenizer, rows, data, template, spec)
-    else:
-        prompt_ids, skipped = encode_prompts(tokenizer, rows, data, template)  # ids of the kept rows only
-    skipped_set = set(skipped)
-    kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
-    if not kept_rows:
-        return _Round([], [], None, [], [], None, len(skipped))
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, n=grpo.group_size, seed=seed,
-                            logprob_temperature=cfg.logprob_temperature(),
-                            support_logprobs=cfg.logprob_support() is not None)
-    gen = generate(engine, tokenizer, prompt_ids, kept_rows, params, tools, images)
-    if images is not None:
-        gen.images = [v for v in images for _ in range(grpo.group_size)]  # one per completion
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-    sampled = [sum(m) for m in gen.loss_masks] if tools is not None else [len(c) for c in gen.completion_ids]
-    samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons, sampled, cfg.max_new_tokens)
-    if tools is not None:
-        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
-    prompt_ids = [p for p in prompt_ids for _ in range(grpo.group_size)]  # one per completion
-    return _Round(prompt_ids, kept_rows, gen, texts, samples, rewards.score(texts, samples), len(skipped))
+    prompt_ids: list[list[int]]
+    rows: list[dict]
+    comp: list[list[int]]
+    lps: list[list[float]]
+    reasons: list[str]
+    texts: list[str]
+    samples: list[dict]
+    per_function: dict[str, list[float]]
+    total: list[float]
+    loss_masks: list[list[bool]] | None
+    """Multi-turn rollouts: per completion, the tokens the model sampled (1) and those fed to it (0)."""
+
+    @classmethod
+    def of(cls, live: list[_Round], multi: bool) -> _Step:
+        names = live[0].scored.per_function
+        return cls([p for r in live for p in r.prompt_ids], [row for r in live for row in r.rows],
+                   [c for r in live for c in r.gen.completion_ids],
+                   [lp for r in live for lp in r.gen.logprobs],
+                   [f for r in live for f in r.gen.finish_reasons], [t for r in live for t in r.texts],
+                   [x for r in live for x in r.samples],
+                   {k: [v for r in live for v in r.scored.per_function[k]] for k in names},
+                   [v for r in live for v in r.scored.total],
+                   [m for r in live for m in r.gen.loss_masks] if multi else None)
 
 
-def _episode_round(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, cfg: RolloutConfig,
-                   grpo: GrpoConfig, seed: int | None, env, version: int = 0) -> _Round:
-    """``grpo.group_size`` episodes per row with the environment (``env``: an
-    :class:`~nanogrpo.rollout.episodes.Episodes`), scored."""
-    if not rows:
-        return _Round([], [], None, [], [], None, 0)
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, n=grpo.group_size, seed=seed,
-                            logprob_temperature=cfg.logprob_temperature(),
-                            support_logprobs=cfg.logprob_support() is not None, resume_after_eos=True)
-    gen = env.generate(engine, tokenizer, rows, params, version=version)
-    kept_rows = [rows[i] for i in gen.kept]
-    if not kept_rows:  # every group dropped: the generation stays for its env/… counts
-        return _Round([], [], gen, [], [], None, len(rows))
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
-    samples = completion_samples(kept_rows, grpo.group_size, gen.finish_reasons,
-                                 [sum(m) for m in gen.loss_masks], cfg.max_new_tokens)
-    samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
-    return _Round(gen.prompt_ids, kept_rows, gen, texts, samples, rewards.score(texts, samples),
-                  len(rows) - len(kept_rows))
+class Collector:
+    """A run's rollout, built once: ``engine`` samples, ``rewards`` score, ``cfg`` (the run's config) says
+    how (``data``, ``rollout``, ``grpo``, the chat template, the rollout table's size; with
+    ``distill.teacher`` no group is dropped: the teacher's signal is in every group). ``tools``: a
+    :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts; ``env``: an
+    :class:`~nanogrpo.rollout.episodes.Episodes` (episodes with an environment). ``reduce``: several ranks
+    roll out shares of one batch: sums over them for the batch-level advantage estimators and the
+    refill decisions (every rank then calls :meth:`collect`, with or without rows)."""
 
+    def __init__(self, engine: Engine, tokenizer, rewards: RewardRunner, cfg: Config, *, tools=None, env=None,
+                 reduce: Reduce | None = None):
+        self.engine, self.tok, self.rewards, self.cfg = engine, tokenizer, rewards, cfg
+        self.tools, self.env, self.reduce = tools, env, reduce
+        self.keep_all = bool(cfg.distill.teacher)
+        self.multi = tools is not None or env is not None
 
-def _informative(rnd: _Round, rewards: RewardRunner, grpo: GrpoConfig) -> torch.Tensor:
-    """(groups,) bool: the round's groups whose scores (the reward aggregation's, as the advantages see them)
-    do not all agree."""
-    if not rnd.rows:
-        return torch.zeros(0, dtype=torch.bool)
-    per_fn = torch.tensor([rnd.scored.per_function[s] for s in rewards.specs], dtype=torch.float64).T
-    score = AGGREGATIONS[grpo.reward_aggregation](per_fn, torch.tensor(rewards.weights, dtype=torch.float64),
-                                                  grpo.group_size, grpo.std_eps).float()  # (N,)
-    return signal_mask(score, grpo.group_size, grpo.min_reward_spread)              # (groups,)
+    def collect(self, rows: list[dict], *, seed: int | None, version: int = 0,
+                more=None) -> tuple[RolloutBatch | None, RolloutStats]:
+        """Sample, score and package one step's groups; ``None`` when no group carries signal. ``version``:
+        the policy version the batch is sampled under.
 
+        ``more(n)``: this rank's share of the next ``n`` prompts of the (global) prompt stream, for
+        ``grpo.dynamic_sampling``'s refill rounds: while fewer informative groups than this rank's share of
+        ``rollout.prompts_per_step`` (its first ``rows``) are kept, on any rank, up to ``grpo.max_refills``
+        more rounds are generated (every rank the same number; a rank already full draws its share and
+        leaves it). The batch then keeps the first ``len(rows)`` informative groups; the rest are dropped
+        and counted (``groups_surplus``). Advantages are computed over every completion generated for the
+        step (so that batch-level estimators see the same population with or without refills)."""
+        grpo = self.cfg.grpo
+        stats = RolloutStats()
+        rounds = self._rounds(rows, seed, version, more, stats)
+        stats.prompts_skipped = sum(r.skipped for r in rounds)
+        if self.multi:  # every round's, those whose groups were all dropped included (env/groups_dropped)
+            parts = [(len(x.gen.completion_ids),
+                      x.gen.tool_metrics if self.env is None else x.gen.env_metrics)
+                     for x in rounds if x.gen is not None]
+            if parts:
+                stats.tool_metrics = merge_tool_metrics(parts)
+            elif self.env is not None:  # no row on this rank: the same keys, zero (every rank merges them)
+                stats.tool_metrics = self.env.metrics_of_nothing()
+        live = [r for r in rounds if r.rows]
+        if not live:
+            if self.reduce is not None:  # the other ranks' batch-level advantages wait for this rank's share
+                batch_advantages(torch.zeros(0, len(self.rewards.specs), dtype=torch.float64),
+                                 self.rewards.weights, torch.zeros(0), grpo, self.reduce)
+            return None, stats
+        s = _Step.of(live, self.multi)
+        acc = self._describe(s, live, stats)
+        per_fn = torch.tensor([s.per_function[k] for k in self.rewards.specs],
+                              dtype=torch.float64).T                                       # (N, F)
+        trained = [sum(m) for m in s.loss_masks] if self.multi else [len(c) for c in s.comp]  # (N,)
+        adv, score = batch_advantages(per_fn, self.rewards.weights,
+                                      torch.tensor(trained, dtype=torch.float64), grpo, self.reduce)  # (N,)
+        g = grpo.group_size
+        for ex, i in zip(stats.examples, example_rows(len(s.texts), g, self.cfg.log.samples_per_step)):
+            ex.update(advantage=float(adv[i]), group=i // g, finish_reason=s.reasons[i])  # the rollout table
+        keep = signal_mask(score, g, grpo.min_reward_spread)                               # (groups,)
+        if self.keep_all:
+            keep = torch.ones_like(keep)
+        if stats.refills is not None:  # dynamic sampling: the surplus past the batch is dropped, counted
+            stats.groups_no_signal = int((~keep).sum())
+            surplus = surplus_mask(keep, len(rows))                                        # (groups,) past it
+            stats.groups_surplus = int(surplus.sum())
+            keep &= ~surplus
+        stats.groups_kept = int(keep.sum())
+        if stats.groups_kept == 0:
+            return None, stats
+        return self._package(s, live, adv, keep, acc, version, stats)
 
-def _sum(reduce: Reduce | None, values: list[float]) -> list[float]:
-    return list(values) if reduce is None else list(reduce(values))
-
-
-def rollout(engine: Engine, tokenizer, rows: list[dict], rewards: RewardRunner, data: DataConfig,
-            cfg: RolloutConfig, grpo: GrpoConfig, *, template: str, seed: int | None,
-            policy_version: int = 0, keep_examples: int = 2, tools=None, reduce: Reduce | None = None,
-            more=None, env=None, keep_all: bool = False) -> tuple[RolloutBatch | None, RolloutStats]:
-    """Sample, score and package one step's groups; ``None`` when no group carries signal.
-
-    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts, or None.
-    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes` (episodes with an environment), or None.
-    ``keep_all``: no group is dropped for rewards that all agree (on-policy distillation: the teacher's
-    signal is in every group).
-    ``reduce``: several ranks roll out shares of one batch: sums over them for the batch-level
-    advantage estimators and the refill decisions (every rank calls this function, with or without rows).
-    ``more(n)``: this rank's share of the next ``n`` prompts of the (global) prompt stream, for
-    ``grpo.dynamic_sampling``'s refill rounds: while fewer informative groups than this rank's share of
-    ``rollout.prompts_per_step`` (its first ``rows``) are kept, on any rank, up to ``grpo.max_refills``
-    more rounds are generated (every rank the same number; a rank already full draws its share and
-    leaves it). The batch then keeps the first ``len(rows)`` informative groups; the rest are dropped
-    and counted (``groups_surplus``). Advantages are computed over every completion generated for the
-    step (so that batch-level estimators see the same population with or without refills)."""
-    g = grpo.group_size
-    stats = RolloutStats()
-    target = len(rows)
-    rounds = [_generate_round(engine, tokenizer, rows, rewards, data, cfg, grpo, template, seed, tools, env,
-                              policy_version)]
-    dynamic = grpo.dynamic_sampling and more is not None
-    if dynamic:
-        informative = [_informative(rounds[0], rewards, grpo)]
+    def _rounds(self, rows: list[dict], seed: int | None, version: int, more,
+                stats: RolloutStats) -> list[_Round]:
+        """The step's generation rounds: one, or with ``grpo.dynamic_sampling`` (and ``more``) refills while
+        too few informative groups are kept on any rank (``stats.refills`` counts them)."""
+        grpo = self.cfg.grpo
+        rounds = [self._round(rows, seed, version)]
+        if not (grpo.dynamic_sampling and more is not None):
+            return rounds
+        target = len(rows)
+        informative = [self._informative(rounds[0])]
         while True:
             kept, made = int(sum(int(m.sum()) for m in informative)), sum(len(m) for m in informative)
-            short, all_kept, all_made = _sum(reduce, [float(kept < target), float(kept), float(made)])
+            short, all_kept, all_made = self._sum([float(kept < target), float(kept), float(made)])
             if short == 0 or len(rounds) > grpo.max_refills:
                 break
-            n_total = _sum(reduce, [float(target)])[0]
+            n_total = self._sum([float(target)])[0]
             new_rows = more(refill_size(int(n_total), int(all_kept), int(all_made), int(n_total)))
             r_seed = None if seed is None else (seed + 1_000_003 * len(rounds)) % 2**31
-            rnd = _generate_round(engine, tokenizer, new_rows if kept < target else [], rewards, data, cfg,
-                                  grpo, template, r_seed, tools, env, policy_version)
+            rnd = self._round(new_rows if kept < target else [], r_seed, version)
             rounds.append(rnd)
-            informative.append(_informative(rnd, rewards, grpo))
+            informative.append(self._informative(rnd))
         stats.refills = len(rounds) - 1
-    stats.prompts_skipped = sum(r.skipped for r in rounds)
-    multi = tools is not None or env is not None
-    if multi:  # every round's, those whose groups were all dropped included (env/groups_dropped)
-        parts = [(len(x.gen.completion_ids), x.gen.tool_metrics if env is None else x.gen.env_metrics)
-                 for x in rounds if x.gen is not None]
-        if parts:
-            stats.tool_metrics = _merge_tool_metrics(parts)
-        elif env is not None:  # no row on this rank: the same keys, zero (every rank merges them)
-            stats.tool_metrics = env.metrics_of_nothing()
-    live = [r for r in rounds if r.rows]
-    if not live:
-        if reduce is not None:  # the other ranks' batch-level advantages wait for this rank's (empty) share
-            batch_advantages(torch.zeros(0, len(rewards.specs), dtype=torch.float64), rewards.weights,
-                             torch.zeros(0), grpo, reduce)
-        return None, stats
-    prompt_ids = [p for r in live for p in r.prompt_ids]
-    kept_rows = [row for r in live for row in r.rows]
-    comp = [c for r in live for c in r.gen.completion_ids]
-    lps = [lp for r in live for lp in r.gen.logprobs]
-    reasons = [f for r in live for f in r.gen.finish_reasons]
-    texts = [t for r in live for t in r.texts]
-    samples = [x for r in live for x in r.samples]
-    per_function = {k: [v for r in live for v in r.scored.per_function[k]]
-                    for k in live[0].scored.per_function}
-    total = [v for r in live for v in r.scored.total]
-    r = torch.tensor(total, dtype=torch.float32)                                  # (N,)
-    if env is not None:  # an episode's success (the environment's say, else a return above 0)
-        acc = [1.0 if s["success"] else 0.0 for s in samples]
-    else:
-        acc = _metric_column("correctness", correctness, per_function, texts, samples)
-    fmt_name = format_name(list(per_function))  # the run's own format reward (format_boxed, ...)
-    fmt = _metric_column(fmt_name, BUILTIN[fmt_name], per_function, texts, samples) \
-        if env is None or fmt_name in per_function else []
-    lens = [len(c) for c in comp]
-    stats.reward_mean = float(r.mean())
-    stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
-    stats.accuracy = sum(a > 0 for a in acc) / len(acc)
-    stats.format_rate = sum(f > 0 for f in fmt) / len(fmt) if fmt else float("nan")
-    stats.completion_len_mean = statistics.fmean(lens)
-    stats.completion_tokens = sum(lens)
-    stats.num_completions = len(lens)
-    stats.stop_rate = sum(f in ("stop", "done") for f in reasons) / len(lens)  # done: an episode's end
-    stats.truncated_frac = sum(f == "length" for f in reasons) / len(lens)
-    stats.distinct_ngrams = distinct_ngrams(comp, g)
-    stats.sampled_nll = sampled_nll(lps, [m for x in live for m in x.gen.loss_masks] if multi else None)
-    stats.reward_failures = sum(x.scored.failures for x in live)
-    stats.reward_timeouts = sum(x.scored.timeouts for x in live)
-    stats.reward_non_finite = sum(x.scored.non_finite for x in live)
-    stats.reward_by_function = {k: statistics.fmean(v) for k, v in per_function.items()}
-    fails: dict[str, int] = {}
-    for x in live:
-        for k, v in x.scored.failures_by_function.items():
-            fails[k] = fails.get(k, 0) + v
-    stats.reward_failures_by_function = fails
-    stats.reward_model_metrics = dict(live[-1].scored.metrics)
-    shown = example_rows(len(texts), g, keep_examples)
-    stats.examples = [{"question": samples[i].get("question", ""), "completion": texts[i], "reward": total[i],
-                       **{k: v[i] for k, v in per_function.items()}, **_example_images(samples[i], data)}
-                      for i in shown]
+        return rounds
 
-    groups = len(kept_rows)
-    stats.groups_total = groups
-    per_fn = torch.tensor([per_function[s] for s in rewards.specs], dtype=torch.float64).T  # (N, F)
-    loss_masks = [m for x in live for m in x.gen.loss_masks] if multi else None
-    trained = [sum(m) for m in loss_masks] if multi else lens                    # (N,)
-    adv, score = batch_advantages(per_fn, rewards.weights, torch.tensor(trained, dtype=torch.float64), grpo,
-                                  reduce)                                          # (N,) each
-    for ex, i in zip(stats.examples, shown):  # the rollout table: each row's advantage and group
-        ex.update(advantage=float(adv[i]), group=i // g, finish_reason=reasons[i])
-    keep = signal_mask(score, g, grpo.min_reward_spread)                           # (groups,)
-    if keep_all:
-        keep = torch.ones_like(keep)
-    if dynamic:
-        stats.groups_no_signal = int((~keep).sum())
-        surplus = surplus_mask(keep, target)                                       # (groups,) past the batch
-        stats.groups_surplus = int(surplus.sum())
-        keep &= ~surplus
-    stats.groups_kept = int(keep.sum())
-    if stats.groups_kept == 0:
-        return None, stats
-    rows_kept = torch.nonzero(keep.repeat_interleave(g)).squeeze(1)                # (n,)
-    idx = rows_kept.tolist()
-    prompts_b, comp_b, lps_b = [prompt_ids[i] for i in idx], [comp[i] for i in idx], [lps[i] for i in idx]
-    masks_b = [loss_masks[i] for i in idx] if multi else None
-    cut_b = [reasons[i] == "length" for i in idx]
-    rows_b, size = list(idx), g
-    extra = [e for x in live
-             for e in getattr(x.gen, "extra_sequences", None) or [[]] * len(x.gen.completion_ids)]
-    if any(extra[i] for i in idx):  # agent programs that rewrote their history: more rows, same advantage
-        for i in idx:
-            for sq in extra[i]:
-                prompts_b.append(sq.prompt_ids)
-                comp_b.append(sq.completion_ids)
-                lps_b.append(sq.logprobs)
-                masks_b.append(sq.loss_mask)
-                cut_b.append(sq.finish_reason == "length")
-                rows_b.append(i)
-        size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
-    if not any(comp_b):  # every episode kept broke before the model wrote a token: nothing to train
-        stats.groups_kept = 0
-        return None, stats
-    rows_t = torch.tensor(rows_b, dtype=torch.int64)
-    ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, tokenizer.pad_token_id)
-    group_ids = torch.tensor([i // g for i in rows_b], dtype=torch.int64)
-    lm = None
-    if multi:
-        lm = torch.zeros_like(cm)                                                  # (n, C)
-        for j, m in enumerate(masks_b):
-            lm[j, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    vis = {}
-    if live[0].gen is not None and getattr(live[0].gen, "images", None) is not None:
-        from nanogrpo.algo.vision import concat
+    def _sum(self, values: list[float]) -> list[float]:
+        return list(values) if self.reduce is None else list(self.reduce(values))
 
-        per = [v for x in live for v in x.gen.images]                              # one per completion
-        pv, grid, counts = concat([(per[i].pixel_values, per[i].grid) for i in rows_b],
-                                  per[0].pixel_values.shape[1])
-        vis = {"pixel_values": pv, "image_grid_thw": grid, "image_counts": counts}
-    batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm, **vis,
-                         rewards=r[rows_t], advantages=adv[rows_t], group_ids=group_ids,
-                         old_logprobs=lp, prompt_len=p, group_size=size, policy_version=policy_version,
-                         truncated=torch.tensor(cut_b), correct=torch.tensor([acc[i] > 0 for i in rows_b]),
-                         meta={"ids": [str(kept_rows[i // g].get("id", "")) for i in idx[::g]]})
-    return batch, stats
+    def _params(self, seed: int | None, episodes: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, n=self.cfg.grpo.group_size, seed=seed,
+                              logprob_temperature=r.logprob_temperature(),
+                              support_logprobs=r.logprob_support() is not None,
+                              **({"resume_after_eos": True} if episodes else {}))
+
+    def _round(self, rows: list[dict], seed: int | None, version: int) -> _Round:
+        """Encode, sample ``grpo.group_size`` completions per prompt, score them."""
+        if self.env is not None:
+            return self._episode_round(rows, seed, version)
+        cfg, tok, g = self.cfg, self.tok, self.cfg.grpo.group_size
+        spec = getattr(self.engine, "vision", None)
+        images = None
+        if spec is not None:  # a vision-language model: every prompt gets its images (maybe none)
+            from nanogrpo.data.images import encode_with_images
+
+            prompt_ids, skipped, images = encode_with_images(tok, rows, cfg.data, cfg.model.chat_template,
+                                                             spec)
+        else:  # ids of the kept rows only
+            prompt_ids, skipped = encode_prompts(tok, rows, cfg.data, cfg.model.chat_template)
+        skipped_set = set(skipped)
+        kept_rows = [r for i, r in enumerate(rows) if i not in skipped_set]
+        if not kept_rows:
+            return _Round([], [], None, [], [], None, len(skipped))
+        gen = generate(self.engine, tok, prompt_ids, kept_rows, self._params(seed), self.tools, images)
+        if images is not None:
+            gen.images = [v for v in images for _ in range(g)]  # one per completion
+        texts = [tok.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+        sampled = [sum(m) for m in gen.loss_masks] if self.tools is not None else \
+            [len(c) for c in gen.completion_ids]
+        samples = completion_samples(kept_rows, g, gen.finish_reasons, sampled, cfg.rollout.max_new_tokens)
+        if self.tools is not None:
+            samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+        prompt_ids = [p for p in prompt_ids for _ in range(g)]  # one per completion
+        return _Round(prompt_ids, kept_rows, gen, texts, samples, self.rewards.score(texts, samples),
+                      len(skipped))
+
+    def _episode_round(self, rows: list[dict], seed: int | None, version: int) -> _Round:
+        """``grpo.group_size`` episodes per row with the environment, scored."""
+        if not rows:
+            return _Round([], [], None, [], [], None, 0)
+        gen = self.env.generate(self.engine, self.tok, rows, self._params(seed, episodes=True),
+                                version=version)
+        kept_rows = [rows[i] for i in gen.kept]
+        if not kept_rows:  # every group dropped: the generation stays for its env/… counts
+            return _Round([], [], gen, [], [], None, len(rows))
+        texts = [self.tok.decode(c, skip_special_tokens=True) for c in gen.completion_ids]
+        samples = completion_samples(kept_rows, self.cfg.grpo.group_size, gen.finish_reasons,
+                                     [sum(m) for m in gen.loss_masks], self.cfg.rollout.max_new_tokens)
+        samples = [{**s, **info} for s, info in zip(samples, gen.infos, strict=True)]
+        return _Round(gen.prompt_ids, kept_rows, gen, texts, samples, self.rewards.score(texts, samples),
+                      len(rows) - len(kept_rows))
+
+    def _informative(self, rnd: _Round) -> torch.Tensor:
+        """(groups,) bool: the round's groups whose scores (the reward aggregation's, as the advantages see
+        them) do not all agree."""
+        grpo = self.cfg.grpo
+        if not rnd.rows:
+            return torch.zeros(0, dtype=torch.bool)
+        per_fn = torch.tensor([rnd.scored.per_function[s] for s in self.rewards.specs], dtype=torch.float64).T
+        score = AGGREGATIONS[grpo.reward_aggregation](per_fn, torch.tensor(self.rewards.weights,
+                                                                           dtype=torch.float64),
+                                                      grpo.group_size, grpo.std_eps).float()  # (N,)
+        return signal_mask(score, grpo.group_size, grpo.min_reward_spread)              # (groups,)
+
+    def _describe(self, s: _Step, live: list[_Round], stats: RolloutStats) -> list[float]:
+        """Fill ``stats`` with the step's figures; returns each completion's accuracy (> 0: correct)."""
+        if self.env is not None:  # an episode's success (the environment's say, else a return above 0)
+            acc = [1.0 if x["success"] else 0.0 for x in s.samples]
+        else:
+            acc = _metric_column("correctness", correctness, s.per_function, s.texts, s.samples)
+        fmt_name = format_name(list(s.per_function))  # the run's own format reward (format_boxed, ...)
+        fmt = _metric_column(fmt_name, BUILTIN[fmt_name], s.per_function, s.texts, s.samples) \
+            if self.env is None or fmt_name in s.per_function else []
+        r = torch.tensor(s.total, dtype=torch.float32)                                    # (N,)
+        lens = [len(c) for c in s.comp]
+        stats.reward_mean = float(r.mean())
+        stats.reward_std = float(r.std()) if r.numel() > 1 else 0.0
+        stats.accuracy = sum(a > 0 for a in acc) / len(acc)
+        stats.format_rate = sum(f > 0 for f in fmt) / len(fmt) if fmt else float("nan")
+        stats.completion_len_mean = statistics.fmean(lens)
+        stats.completion_tokens = sum(lens)
+        stats.num_completions = len(lens)
+        stats.stop_rate = sum(f in ("stop", "done") for f in s.reasons) / len(lens)  # done: an episode's end
+        stats.truncated_frac = sum(f == "length" for f in s.reasons) / len(lens)
+        stats.distinct_ngrams = distinct_ngrams(s.comp, self.cfg.grpo.group_size)
+        stats.sampled_nll = sampled_nll(s.lps, s.loss_masks)
+        stats.reward_failures = sum(x.scored.failures for x in live)
+        stats.reward_timeouts = sum(x.scored.timeouts for x in live)
+        stats.reward_non_finite = sum(x.scored.non_finite for x in live)
+        stats.reward_by_function = {k: statistics.fmean(v) for k, v in s.per_function.items()}
+        fails: dict[str, int] = {}
+        for x in live:
+            for k, v in x.scored.failures_by_function.items():
+                fails[k] = fails.get(k, 0) + v
+        stats.reward_failures_by_function = fails
+        stats.reward_model_metrics = dict(live[-1].scored.metrics)
+        shown = example_rows(len(s.texts), self.cfg.grpo.group_size, self.cfg.log.samples_per_step)
+        stats.examples = [{"question": s.samples[i].get("question", ""), "completion": s.texts[i],
+                           "reward": s.total[i], **{k: v[i] for k, v in s.per_function.items()},
+                           **_example_images(s.samples[i], self.cfg.data)} for i in shown]
+        stats.groups_total = len(s.rows)
+        return acc
+
+    def _package(self, s: _Step, live: list[_Round], adv: torch.Tensor, keep: torch.Tensor, acc: list[float],
+                 version: int, stats: RolloutStats) -> tuple[RolloutBatch | None, RolloutStats]:
+        """The kept groups as a :class:`RolloutBatch` (agent programs that rewrote their history add rows)."""
+        g = self.cfg.grpo.group_size
+        idx = torch.nonzero(keep.repeat_interleave(g)).squeeze(1).tolist()
+        prompts_b = [s.prompt_ids[i] for i in idx]
+        comp_b, lps_b = [s.comp[i] for i in idx], [s.lps[i] for i in idx]
+        masks_b = [s.loss_masks[i] for i in idx] if self.multi else None
+        cut_b = [s.reasons[i] == "length" for i in idx]
+        rows_b, size = list(idx), g
+        extra = [e for x in live
+                 for e in getattr(x.gen, "extra_sequences", None) or [[]] * len(x.gen.completion_ids)]
+        if any(extra[i] for i in idx):  # agent programs that rewrote their history: more rows, same advantage
+            for i in idx:
+                for sq in extra[i]:
+                    prompts_b.append(sq.prompt_ids)
+                    comp_b.append(sq.completion_ids)
+                    lps_b.append(sq.logprobs)
+                    masks_b.append(sq.loss_mask)
+                    cut_b.append(sq.finish_reason == "length")
+                    rows_b.append(i)
+            size = 1  # groups are no longer runs of group_size rows; group_ids still say which group
+        if not any(comp_b):  # every episode kept broke before the model wrote a token: nothing to train
+            stats.groups_kept = 0
+            return None, stats
+        rows_t = torch.tensor(rows_b, dtype=torch.int64)
+        ids, am, cm, lp, p = pad_batch(prompts_b, comp_b, lps_b, self.tok.pad_token_id)
+        lm = None
+        if self.multi:
+            lm = torch.zeros_like(cm)                                                  # (n, C)
+            for j, m in enumerate(masks_b):
+                lm[j, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        r = torch.tensor(s.total, dtype=torch.float32)                                 # (N,)
+        batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
+                             **_images_of(live, rows_b), rewards=r[rows_t], advantages=adv[rows_t],
+                             group_ids=torch.tensor([i // g for i in rows_b], dtype=torch.int64),
+                             old_logprobs=lp, prompt_len=p, group_size=size, policy_version=version,
+                             truncated=torch.tensor(cut_b),
+                             correct=torch.tensor([acc[i] > 0 for i in rows_b]),
+                             meta={"ids": [str(s.rows[i // g].get("id", "")) for i in idx[::g]]})
+        return batch, stats
 
 
-def example_rows(n: int, group_size: int, count: int) -> list[int]:
-    """Which of a step's ``n`` completions its rollout table shows: the first two of each group, group after
-    group, ``count`` in all (two of one group show its advantages' contrast; several groups, several
-    prompts)."""
-    per = min(2, group_size)
-    return [i * group_size + j for i in range(n // group_size) for j in range(per)][:count]
+def _images_of(live: list[_Round], rows: list[int]) -> dict:
+    """The batch's image fields for completions ``rows`` (vision-language rollouts), else nothing."""
+    if live[0].gen is None or getattr(live[0].gen, "images", None) is None:
+        return {}
+    from nanogrpo.algo.vision import concat
+
+    per = [v for x in live for v in x.gen.images]                              # one per completion
+    pv, grid, counts = concat([(per[i].pixel_values, per[i].grid) for i in rows],
+                              per[0].pixel_values.shape[1])
+    return {"pixel_values": pv, "image_grid_thw": grid, "image_counts": counts}
 
 
 def _example_images(sample: dict, data: DataConfig) -> dict:
@@ -448,15 +415,3 @@ def _example_images(sample: dict, data: DataConfig) -> dict:
     return {"images": [data_uri(x) for x in imgs]}
 
 
-def _merge_tool_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """Several rounds' ``tools/…`` (``env/…``) metrics as one: rates and means weighted by completions
-    (NaN when there is none: every group dropped), counts and times added."""
-    n = sum(k for k, _ in parts)
-    out: dict[str, float] = {}
-    for k in parts[0][1]:
-        mean = k.endswith(("_per_completion", "_per_episode", "_rate", "_mean"))
-        if mean:
-            out[k] = sum(c * m.get(k, 0.0) for c, m in parts if c) / n if n else float("nan")
-        else:
-            out[k] = sum(m.get(k, 0.0) for _, m in parts)
-    return out

@@ -2,8 +2,8 @@
 
 Loop: pick up newer policy weights if the trainer published some (copied in
 place into the engine), sample prompts, generate G completions each, score
-them, build the batch with :func:`nanogrpo.rollout.collect.rollout` (the very
-function the single-process trainer uses) and upload it. Each batch carries the
+them, build the batch with :class:`nanogrpo.rollout.collect.Collector` (what the
+single-process trainer uses) and upload it. Each batch carries the
 policy version that generated it and, in ``meta``, the worker's id and its
 rollout statistics, and travels under an id of its own (``WORKER-SESSION-N``,
 logged with each upload). Any number of workers may feed one server; each samples
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.data import PromptSampler, load_rows
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.models.reward import reward_runner
-    from nanogrpo.rollout.collect import rollout
+    from nanogrpo.rollout.collect import Collector
     from nanogrpo.rollout.episodes import Episodes
     from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         # batch ids: unique across workers and restarts of one, the same over an upload's retries
         id_prefix = f"{re.sub(r'[^A-Za-z0-9._:-]', '_', worker_id)[:40]}-{secrets.token_hex(3)}"
         uploaded = attempts = 0
+        collector = Collector(engine, tok, rewards, cfg, tools=tools, env=episodes)
         linears = getattr(engine, "cpu_linear", None)  # the fast engine's float32 CPU GEMMs
         log.info("worker %s: feeding %s (engine %s%s, %d prompts x %d samples per batch)", worker_id,
                  a.server, engine.name, f", float32 CPU linears on {linears}" if linears else "",
@@ -152,12 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 follower.poll()
                 version = follower.version
                 t0 = time.perf_counter()
-                batch, stats = rollout(engine, tok, sampler.next_batch(), rewards, cfg.data, cfg.rollout,
-                                       cfg.grpo, template=cfg.model.chat_template,
-                                       seed=(seed + attempts) % 2**31, policy_version=version, tools=tools,
-                                       keep_examples=cfg.log.samples_per_step,
-                                       more=sampler.next_batch,  # grpo.dynamic_sampling's refill rounds
-                                       env=episodes, keep_all=bool(cfg.distill.teacher))
+                batch, stats = collector.collect(sampler.next_batch(), seed=(seed + attempts) % 2**31,
+                                                 version=version,
+                                                 more=sampler.next_batch)  # dynamic sampling's refills
                 attempts += 1
                 if batch is None:
                     log.info("worker %s: no group carried signal; sampling again", worker_id)

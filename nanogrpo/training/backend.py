@@ -166,7 +166,7 @@ class Backend:
                     inner(d)
                 os.rename(stage, d / "pending")
         if self.is_main:
-            final = save_checkpoint(Path(ckpt_root), step, self.module, tokenizer, None, state,
+            final = save_checkpoint(Path(ckpt_root), step, self.module, tokenizer, state,
                                     state_dict=sd, optimizer_state=opt, extra=extra,
                                     save_merged=save_merged, name=name)
             log.info("checkpoint %s", final)

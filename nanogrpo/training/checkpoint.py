@@ -80,16 +80,16 @@ def _copy_processor_files(model, dest: Path) -> None:
             shutil.copyfile(Path(src) / name, dest / name)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None,
-                    state: dict[str, Any] | None = None, *, state_dict: dict[str, torch.Tensor] | None = None,
+def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any] | None = None, *,
+                    state_dict: dict[str, torch.Tensor] | None = None,
                     optimizer_state: dict[str, Any] | None = None, extra=None,
                     save_merged: bool = False, name: str | None = None) -> Path:
     """Write ``ckpt_root/step_{step}`` (or ``ckpt_root/name``) atomically and point ``latest`` at it.
 
-    Distributed backends pass the gathered ``state_dict`` (the model itself may be sharded),
-    ``optimizer_state`` instead of ``optimizer``, and ``extra(tmp_dir)`` to move their own
-    files in before the rename. A PEFT model saves its adapter; ``save_merged`` adds the
-    merged model under ``merged/``.
+    ``state``: the trainer's state (``trainer_state.json``); ``optimizer_state``: the optimizer's state dict
+    (``optimizer.pt``). Distributed backends pass the gathered ``state_dict`` (the model itself may be
+    sharded) and ``extra(tmp_dir)`` to move their own files in before the rename. A PEFT model saves its
+    adapter; ``save_merged`` adds the merged model under ``merged/``.
     """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-*"):
@@ -107,9 +107,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, optimizer=None
 
         _save_merged(model, tmp / "merged")
         tokenizer.save_pretrained(tmp / "merged")
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    elif optimizer_state is not None:
+    if optimizer_state is not None:
         torch.save(optimizer_state, tmp / "optimizer.pt")
     if extra is not None:
         extra(tmp)

@@ -171,29 +171,34 @@ def _minutes(rows: list[dict[str, Any]], key: str) -> float:
     return sum(v for r in rows if isinstance(v := r.get(key), (int, float)) and math.isfinite(v)) / 60
 
 
-def _time_part(rows: list[dict[str, Any]], wall_s: float | None, start_step: int) -> str:
-    """``80 steps in 56.6 min (47.1 in steps, 6.2 in held-out evaluation, 3.3 loading, checkpoints and the
-    rest)``: the whole time when it is known (``wall_s``, this session's), and what it is made of; from
-    the metrics alone (a run opened later), the steps' and evaluations' minutes, the rest said left out."""
+def _time_part(rows: list[dict[str, Any]], clock: dict[str, float] | None, start_step: int) -> str:
+    """``80 steps in 56.6 min (47.1 in steps, 6.0 in held-out evaluation, 0.4 in checkpoints, 3.1 loading
+    and the rest)`` (in seconds under ten minutes): with ``clock`` (the loop's own measures of this session,
+    one wall clock on its thread: ``total``, ``steps``, ``eval``, ``save``, ``rest``, seconds) the whole time
+    and parts that add up to it;
+    from the metrics alone (a run opened later), the steps' and evaluations' minutes, the rest said left out
+    (a step's time there may overlap another's: the async pipeline's rollouts run beside the updates)."""
     last = rows[-1]["step"]
-    mine = [r for r in rows if r["step"] > start_step] if start_step else rows
-    steps, evals = _minutes(mine, "step_time_s"), _minutes(mine, "eval/time_s")
-    held = f", {evals:.1f} in held-out evaluation" if evals else ""
-    if wall_s is None:
+    if clock is None:
+        mine = [r for r in rows if r["step"] > start_step] if start_step else rows
+        steps, evals = _minutes(mine, "step_time_s"), _minutes(mine, "eval/time_s")
         plus = f" + {evals:.1f} min in held-out evaluation" if evals else ""
         return f"{last} steps: {steps:.1f} min in steps{plus} (loading and checkpoints not counted)"
     what = f"steps {start_step + 1}-{last} (resumed)" if start_step else f"{last} steps"
-    rest = max(wall_s / 60 - steps - evals, 0.0)
-    return (f"{what} in {wall_s / 60:.1f} min ({steps:.1f} in steps{held}, {rest:.1f} loading, checkpoints "
-            "and the rest)")
+    short = clock["total"] < 600  # seconds under ten minutes, else minutes
+    f = (lambda v: f"{v:.0f}") if short else (lambda v: f"{v / 60:.1f}")
+    unit = "s" if short else "min"
+    held = f", {f(clock['eval'])} in held-out evaluation" if clock.get("eval") else ""
+    return (f"{what} in {f(clock['total'])} {unit} ({f(clock['steps'])} in steps{held}, "
+            f"{f(clock['save'])} in checkpoints, {f(clock['rest'])} loading and the rest)")
 
 
-def run_summary(root: Path, wall_s: float | None = None, start_step: int = 0) -> str:
+def run_summary(root: Path, start_step: int = 0, clock: dict[str, float] | None = None) -> str:
     """One line: steps and time, reward and accuracy first -> last, held-out accuracy at the first
     evaluation (step 0) and the last with the gain in points, throughput, the run monitor's alarms.
-    ``wall_s``: the seconds the run took in this process (the trainer's end line: the whole time),
-    ``start_step``: the step it resumed at; without them the time is the steps' and the evaluations', from
-    the metrics."""
+    ``clock``: where this session's time went (:meth:`nanogrpo.training.run.Clock.parts`; the trainer's end
+    line), ``start_step``: the step it resumed at; without them the time is the steps' and the evaluations',
+    from the metrics."""
     path = Path(root) / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
     if not rows:
@@ -202,7 +207,7 @@ def run_summary(root: Path, wall_s: float | None = None, start_step: int = 0) ->
     last = rows[-1]
     secs = sum(r.get("step_time_s") or 0.0 for r in rows)
     toks = sum(r.get("completion_tokens") or 0 for r in rows)
-    parts = [f"nanogrpo: {_time_part(rows, wall_s, start_step)}",
+    parts = [f"nanogrpo: {_time_part(rows, clock, start_step)}",
              f"reward {_fmt(first.get('reward_mean'))} -> {_fmt(last.get('reward_mean'))}",
              f"train acc {_fmt(first.get('accuracy'))} -> {_fmt(last.get('accuracy'))}"]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]

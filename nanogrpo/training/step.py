@@ -1,10 +1,7 @@
 """One policy update on one rollout batch: micro-batches, gradient accumulation, clipping.
 
-Micro-batches: rows are sorted by length (longest first) and packed greedily
-while ``rows x (longest prompt + longest completion)`` stays within
-``train.micro_batch_tokens`` (and rows within ``train.micro_batch_size``); each
-micro-batch drops the columns that are padding for all its rows, so one long
-group gets a micro-batch of its own and short rows share one, padding little.
+Micro-batches (:mod:`nanogrpo.training.micro`): rows packed by length, the columns that are padding for
+all of a micro-batch's rows dropped.
 
 Exactness: every micro-batch's loss is normalised by whole-batch totals (over all
 ranks), so the micro-batch losses sum to the full-batch loss and the accumulated
@@ -26,6 +23,9 @@ nothing on-policy; with one, the trainer's own log-probs before the batch's firs
 (``old_logprobs``, e.g. the first update's :attr:`UpdateResult.logprobs`), against the engine's.
 The mismatch stats (``is_*``) are logged wherever the behaviour log-probs are compared.
 
+What features add inside the update (on-policy distillation's teacher signal) comes through the run's
+:class:`~nanogrpo.training.terms.Terms`, at fixed points of :func:`policy_update`.
+
 A non-finite loss or gradient norm skips the whole update (gradients dropped,
 weights untouched) and is reported, so one bad batch never corrupts the model.
 
@@ -43,15 +43,13 @@ from dataclasses import dataclass, field
 import torch
 
 from nanogrpo.algo.corrections import anchor, logprob_gap_stats
-from nanogrpo.algo.distill import DISTILL_STAT_OPS, distill_metrics, distill_terms
 from nanogrpo.algo.entropy import entropy_mask, entropy_threshold
-from nanogrpo.algo.logprobs import acc_dtype, token_logprobs, token_stats
+from nanogrpo.algo.logprobs import acc_dtype, token_logprobs
 from nanogrpo.algo.losses import STAT_OPS, BatchTotals, LossSpec, policy_loss
 from nanogrpo.batch import RolloutBatch
-from nanogrpo.config import GrpoConfig, RolloutConfig, TrainConfig
-
-OPS = {**STAT_OPS, **DISTILL_STAT_OPS}
-"""How every stat of the update's losses combines over micro-batches and ranks."""
+from nanogrpo.config import Config, GrpoConfig, TrainConfig
+from nanogrpo.training.micro import forward_rows, micro_batch_indices, trained_mask
+from nanogrpo.training.terms import Terms
 
 
 @dataclass
@@ -73,132 +71,41 @@ class UpdateResult:
     """Mean entropy over the tokens the entropy bonus acts on (adaptive entropy control's measurement)."""
 
 
-def micro_batch_indices(batch: RolloutBatch, size: int, tokens: int = 0,
-                        share_prefix: bool = False) -> list[torch.Tensor]:
-    """Row indices per micro-batch: at most ``size`` rows and (if > 0) ``tokens`` padded tokens
-    (rows x (longest prompt + longest completion)) per micro-batch.
-
-    Rows go in order of length, which pads least. With ``share_prefix`` (the forward runs each
-    distinct prompt of a micro-batch once) a second packing keeps each group's rows together
-    (groups by their longest completion), so that its prompt is shared; the one with the fewer
-    forward tokens (distinct prompts x prompt length + rows x completion length, per micro-batch)
-    is used."""
-    clen = batch.completion_mask.sum(1)                                     # (N,)
-    plen = batch.attention_mask[:, :batch.prompt_len].sum(1)                # (N,)
-    by_len = torch.argsort(clen * (batch.prompt_len + 1) + plen, descending=True, stable=True)  # (N,)
-    pl, cl = plen.tolist(), clen.tolist()
-    best = _pack(by_len.tolist(), pl, cl, size, tokens)
-    if share_prefix and batch.group_ids is not None:
-        gid = batch.group_ids.tolist()
-        longest: dict[int, int] = {}
-        for g, c in zip(gid, cl):
-            longest[g] = max(longest.get(g, 0), c)
-        # sorted() is stable: inside a group the rows keep their length order
-        grouped = sorted(by_len.tolist(), key=lambda i: (-longest[gid[i]], gid[i]))
-        alt = _pack(grouped, pl, cl, size, tokens)
-        if _forward_tokens(alt, gid, pl, cl) < _forward_tokens(best, gid, pl, cl):
-            best = alt
-    return [torch.tensor(mb, dtype=torch.long, device=by_len.device) for mb in best]
-
-
-def _pack(order: list[int], plen: list[int], clen: list[int], size: int, tokens: int) -> list[list[int]]:
-    """Greedy packing in ``order``: a new micro-batch when ``size`` rows or ``tokens`` would be exceeded."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    mp = mc = 0
-    for i in order:
-        np_, nc = max(mp, plen[i]), max(mc, clen[i])
-        if cur and (len(cur) >= size or (tokens > 0 and (len(cur) + 1) * (np_ + nc) > tokens)):
-            out.append(cur)
-            cur, np_, nc = [], plen[i], clen[i]
-        cur.append(i)
-        mp, mc = np_, nc
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _forward_tokens(mbs: list[list[int]], gid: list[int], plen: list[int], clen: list[int]) -> int:
-    """Tokens the forwards process with prompt sharing: per micro-batch, each distinct prompt once
-    (at the micro-batch's padded prompt length) plus every row's padded completion."""
-    return sum(len({gid[i] for i in mb}) * max(plen[i] for i in mb) + len(mb) * max(clen[i] for i in mb)
-               for mb in mbs)
-
-
-def trained_mask(batch: RolloutBatch, grpo: GrpoConfig | None = None) -> torch.Tensor:
-    """(N, C) bool: the tokens the loss trains on: ``batch.trained_mask`` less, under
-    ``grpo.mask_truncated``, the completions the token limit cut off."""
-    m = batch.trained_mask                                                   # (N, C)
-    if grpo is not None and grpo.mask_truncated and batch.truncated is not None:
-        m = m & ~batch.truncated.to(m.device)[:, None]                       # (N, C)
-    return m
-
-
-def _trim(batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None = None):
-    """Slice rows and drop columns that are padding for every selected row. The mask returned is
-    the trained one (``mask``, by default ``batch.trained_mask``): tool output stays in the attention
-    mask as context but gets no log-prob, loss, KL or share of the length normalisation."""
-    am = batch.attention_mask[rows]                                          # (n, P + C)
-    cm = batch.completion_mask[rows]                                         # (n, C)
-    p = batch.prompt_len
-    real_prompt = am[:, :p].bool().any(0)                                    # (P,)
-    lead = int(torch.nonzero(real_prompt)[0])                                # leading all-pad columns
-    c = max(int(cm.sum(1).max()), 1)                                         # longest completion here
-    mask = batch.trained_mask if mask is None else mask
-
-    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[rows][:, :c]
-
-    return (batch.input_ids[rows][:, lead:p + c], am[:, lead:p + c], p - lead, cut(mask),
-            cut(batch.old_logprobs), cut(batch.ref_logprobs), batch.advantages[rows])
-
-
-def _images(model, batch: RolloutBatch, rows: torch.Tensor):
-    """``token_stats``' ``mm`` for rows of a batch with images (their pixels, never another row's; the
-    vision tower run once per group); None without images."""
-    if not batch.has_images:
-        return None
-    from nanogrpo.models.vision import forward_kwargs
-
-    pv, grid, counts = batch.images_of(rows)
-    groups = batch.group_ids[rows]                  # a group's rows share their images: the tower runs once
-    return lambda ids: forward_kwargs(model, ids, pv, grid, groups, counts)
-
-
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
                    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
-                   support: tuple[int, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   support: tuple[int, float] | None = None,
+                   terms: Terms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, C) float32 (float64 for a float64 model) of the trained tokens (0 elsewhere), and with
     ``entropy`` the policy's entropies there, without gradients, over the micro-batches the update packs
     (length-sorted rows, all-padding columns dropped), so long-tailed completion lengths (multi-turn
     trajectories) cost little padding and tool output no log-prob; of ``logits / temperature`` (the run's
-    convention).
+    convention); under ``terms.forward`` (the run's :class:`~nanogrpo.training.terms.Terms`).
     The reference forward, the top-ρ entropy threshold, and the trainer's log-probs before an update."""
     mask = batch.trained_mask if mask is None else mask
     dt = acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
     out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)    # (N, C)
     ent = torch.zeros_like(out) if entropy else None                                           # (N, C)
     for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
-        ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
-        lp, h = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
-                            temperature=temperature, entropy="value" if entropy else "none",
-                            support=support, mm=_images(model, batch, rows))           # (n, c)
+        _, (lp, h) = forward_rows(model, batch, rows, mask, train, share_prefix, terms,
+                                  temperature=temperature, entropy="value" if entropy else "none",
+                                  support=support)                                           # (n, c)
         out[rows, :lp.shape[1]] = lp.to(dt)
         if entropy:
             ent[rows, :h.shape[1]] = h.to(dt)
     return out, ent
 
 
-def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, train: TrainConfig,
-                       share_prefix: bool, temperature: float = 1.0,
-                       support: tuple[int, float] | None = None) -> torch.Tensor:
-    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere): :func:`batch_logprobs`."""
-    return batch_logprobs(ref, batch, train, share_prefix, temperature, support=support)[0].float()
+def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, cfg: Config, share_prefix: bool,
+                       terms: Terms | None = None) -> torch.Tensor:
+    """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere) in the run's convention
+    (``rollout.tempered_logprobs``: its temperature and support): :func:`batch_logprobs`."""
+    return batch_logprobs(ref, batch, cfg.train, share_prefix, cfg.rollout.logprob_temperature(),
+                          support=cfg.rollout.logprob_support(), terms=terms)[0].float()
 
 
 def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train: TrainConfig, be,
-                   share_prefix: bool, **stats):
+                   share_prefix: bool, terms: Terms | None = None, **stats):
     """``token_stats`` over the update's micro-batches in eval mode under the update's autocast, for a
     caller under ``torch.no_grad``: yields (rows, log-probs (n, c), entropies (n, c) or None, loss mask
     (n, c)) per micro-batch. A collective on sharded backends: a rank with fewer micro-batches (or no
@@ -213,11 +120,9 @@ def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train:
         for k in range(n_mb):
             with _autocast(be.module, train.autocast):
                 if k < len(mbs):
-                    ids, am, p, lm, _, _, _ = _trim(batch, mbs[k], mask)
-                    lp, ent = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                          share_prefix=share_prefix, mm=_images(fwd, batch, mbs[k]),
-                                          **stats)                               # (n, c) each
-                    yield mbs[k], lp, ent, lm
+                    cut, (lp, ent) = forward_rows(fwd, batch, mbs[k], mask, train, share_prefix, terms,
+                                                  **stats)                                # (n, c) each
+                    yield mbs[k], lp, ent, cut[3]
                 else:
                     _zero_loss(fwd, be.device, train.logprob_chunk)
     finally:
@@ -225,19 +130,19 @@ def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train:
 
 
 @torch.no_grad()
-def entropy_threshold_pass(batch: RolloutBatch | None, grpo: GrpoConfig, train: TrainConfig, be,
-                           share_prefix: bool, temperature: float,
-                           support: tuple[int, float] | None = None) -> tuple[float, int]:
+def entropy_threshold_pass(batch: RolloutBatch | None, cfg: Config, be, share_prefix: bool,
+                           terms: Terms | None = None) -> tuple[float, int]:
     """``grpo.top_entropy_quantile``: (the entropy threshold over every trained token of the batch, on every
     rank, and how many tokens reach it), from one forward without gradients over the update's
     micro-batches (``no_grad_passes``: a collective)."""
-    mask = None if batch is None else trained_mask(batch, grpo)              # (N, C)
+    mask = None if batch is None else trained_mask(batch, cfg.grpo)          # (N, C)
     parts = [torch.zeros(0, dtype=torch.float64)]
-    for _, _, ent, lm in no_grad_passes(batch, mask, train, be, share_prefix, temperature=temperature,
-                                        support=support, entropy="value"):
+    for _, _, ent, lm in no_grad_passes(batch, mask, cfg.train, be, share_prefix, terms,
+                                        temperature=cfg.rollout.logprob_temperature(),
+                                        support=cfg.rollout.logprob_support(), entropy="value"):
         parts.append(ent[lm.bool()].double().cpu())                          # (t,)
     values = be.all_gather_values(torch.cat(parts))                          # (T_all,)
-    thr = entropy_threshold(values, grpo.top_entropy_quantile)
+    thr = entropy_threshold(values, cfg.grpo.top_entropy_quantile)
     return thr, int((values >= thr).sum())
 
 
@@ -248,42 +153,35 @@ def _autocast(model, enabled: bool):
     return torch.autocast(dev, dtype=torch.bfloat16)
 
 
-def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None, grpo: GrpoConfig,
-                  train: TrainConfig, *, on_policy: bool, max_new_tokens: int, backend=None,
-                  logprob_temperature: float = 1.0, rollout: RolloutConfig | None = None,
-                  logprob_support: tuple[int, float] | None = None,
-                  old_logprobs: torch.Tensor | None = None,
-                  entropy_coef: float | None = None, distill=None) -> UpdateResult:
+def policy_update(be, batch: RolloutBatch | None, cfg: Config, *, on_policy: bool,
+                  old_logprobs: torch.Tensor | None = None, entropy_coef: float | None = None,
+                  terms: Terms | None = None) -> UpdateResult:
     """Accumulate gradients over the batch's micro-batches, clip, step (or skip if non-finite).
 
-    ``backend`` (a :class:`nanogrpo.training.distributed.Backend`) owns the wrapped model, the
-    backward pass and the optimizer step; None means one process with ``model`` and ``optimizer``.
-    Under several ranks ``batch`` is this rank's share (None if it has no rows).
-    ``logprob_temperature``: the policy's log-probs are those of ``logits / logprob_temperature``
-    (``RolloutConfig.logprob_temperature()``; ``logprob_support``: over each position's top-k / top-p
-    support, ``RolloutConfig.logprob_support()``: the convention the behaviour and reference
-    log-probs were computed with).
+    ``be`` (a :class:`nanogrpo.training.backend.Backend`) owns the wrapped model, the backward pass and the
+    optimizer step. Under several ranks ``batch`` is this rank's share (None if it has no rows). ``cfg``:
+    the run's config (``grpo``: the loss; ``train``: micro-batches, clipping; ``rollout``: the correction
+    and the log-prob convention, ``logprob_temperature()`` / ``logprob_support()``, that the behaviour and
+    reference log-probs were computed with, and ``max_new_tokens``).
     ``on_policy``: the weights are those that generated the batch (first update, exact engine).
-    ``rollout``: its ``correction`` settings (None: no correction).
     ``old_logprobs``: (N, C) the trainer's log-probs of this rank's rows before the batch's first
     update (the first update's :attr:`UpdateResult.logprobs`), for the later updates on a batch;
     None on the first.
     ``entropy_coef``: the entropy-bonus coefficient of this step (``EntropyControl.applied()``); None:
     ``grpo.entropy_coef``.
-    ``distill``: the run's :class:`~nanogrpo.training.distill.Distill` (on-policy distillation: the
-    teacher's signal enters the advantages or the loss, :func:`nanogrpo.algo.distill.distill_terms`), or None.
+    ``terms``: what features add to the forwards and the loss (:class:`~nanogrpo.training.terms.Terms`:
+    on-policy distillation's teacher signal), None: nothing.
     """
-    from nanogrpo.training.distributed import SingleBackend
-
-    be = backend if backend is not None else SingleBackend(model, optimizer)
+    grpo, train, rollout = cfg.grpo, cfg.train, cfg.rollout
+    terms = terms if terms is not None else Terms()
+    ops = {**STAT_OPS, **terms.stat_ops}
     fwd = be.model
     spec = LossSpec.from_config(grpo, rollout)
     coef = grpo.entropy_coef if entropy_coef is None else entropy_coef
     share = train.share_prefix and be.prefix_sharing
     thr, n_ent = None, None
     if grpo.top_entropy_quantile < 1.0:
-        thr, n_ent = entropy_threshold_pass(batch, grpo, train, be, share, logprob_temperature,
-                                            logprob_support)
+        thr, n_ent = entropy_threshold_pass(batch, cfg, be, share, terms)
     fwd.train()
     mask_all = None if batch is None else trained_mask(batch, grpo)          # (N, C)
     n_local = 0 if batch is None else batch.num_seqs
@@ -291,9 +189,8 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share)
     n_seqs, n_tok, n_mb = be.all_reduce([n_local, t_local, len(mbs)], ops=["sum", "sum", "max"])
-    totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=max_new_tokens,
+    totals = BatchTotals(num_seqs=int(n_seqs), num_tokens=int(n_tok), max_new_tokens=rollout.max_new_tokens,
                          entropy_tokens=n_ent)
-    ent_mode = "grad" if coef != 0.0 else "value"
     acc_dt = acc_dtype(next(iter(be.module.parameters())).dtype)
     kept = None if batch is None else torch.zeros(batch.completion_mask.shape, dtype=acc_dt,
                                                   device=batch.input_ids.device)  # (N, C)
@@ -301,23 +198,14 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
     loss_sum, bad = 0.0, 0.0
     acc: dict[str, torch.Tensor] = {}
     for k in range(int(n_mb)):
-        last = k == int(n_mb) - 1
         with _autocast(be.module, train.autocast):
             if k < len(mbs):
                 rows = mbs[k]
-                ids, am, p, lm, beh, ref, adv = _trim(batch, rows, mask_all)
-                dv = None if distill is None else distill.divergence(batch, rows, ids, am, p, lm.shape[1])
-                logp, ent, *div = token_stats(fwd, ids, am, p, lm, chunk=train.logprob_chunk,
-                                              share_prefix=share, temperature=logprob_temperature,
-                                              entropy=ent_mode, support=logprob_support,
-                                              mm=_images(fwd, batch, rows), divergence=dv)  # (n, c) each
-                extra = None
-                if distill is not None:  # the teacher's signal: per-token advantages or a per-token loss
-                    right = None if batch.correct is None else batch.correct[rows]
-                    adv, extra, dstats = distill_terms(
-                        distill.spec, logp, distill.teacher_logprobs(batch, rows, lm.shape[1]),
-                        div[0] if div else None, adv, lm, right)
-                    _accumulate(acc, dstats)
+                (_, _, _, lm, beh, ref, adv), (logp, ent, *head) = forward_rows(
+                    fwd, batch, rows, mask_all, train, share, terms, head=True,
+                    temperature=rollout.logprob_temperature(), support=rollout.logprob_support(),
+                    entropy="grad" if coef != 0.0 else "value")                      # (n, c) each
+                adv, extra, more = terms.loss(batch, rows, logp, head[0] if head else None, adv, lm)
                 trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
                 gap = logprob_gap_stats(logp if trainer_old is None else trainer_old, beh, lm.bool())
                 old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
@@ -326,7 +214,7 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
                                           entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
                                           entropy_coef=coef, extra=extra)
                 kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
-                _accumulate(acc, {**stats, **gap})
+                _accumulate(acc, {**stats, **gap, **more}, ops)
             else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
                 loss = _zero_loss(fwd, be.device, train.logprob_chunk)
         if not torch.isfinite(loss):
@@ -334,19 +222,16 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
             if be.world_size == 1:
                 be.zero_grad()
                 return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
-        be.backward(loss * be.world_size, last=last)
+        be.backward(loss * be.world_size, last=k == int(n_mb) - 1)
         loss_sum += float(loss.detach())
-    keys = list(OPS)
-    local = [loss_sum, bad] + _stat_values(acc, keys)
-    ops = ["sum", "max"] + [OPS[k] for k in keys]
-    tot = dict(zip(["loss", "bad"] + keys, be.all_reduce(local, ops)))
+    keys = list(ops)
+    tot = dict(zip(["loss", "bad"] + keys, be.all_reduce([loss_sum, bad] + _stat_values(acc, keys, ops),
+                                                         ["sum", "max"] + [ops[k] for k in keys])))
     if tot["bad"] > 0:
         be.zero_grad()
         return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
     grad_norm = be.clip_and_step(train.max_grad_norm)
-    metrics = _metrics(tot, totals, spec, coef, thr, grpo)
-    if distill is not None:
-        metrics.update(distill_metrics(tot, distill.spec))
+    metrics = {**_metrics(tot, totals, spec, coef, thr, grpo), **terms.metrics(tot)}
     bonus = tot["entropy_masked_sum"] / max(n_ent, 1) if thr is not None else metrics.get("entropy", math.nan)
     if not math.isfinite(grad_norm):
         return UpdateResult(tot["loss"], float("nan"), float("nan"), grad_norm, True, metrics, kept, bonus)
@@ -358,23 +243,24 @@ def policy_update(model: torch.nn.Module, optimizer, batch: RolloutBatch | None,
 _IDENTITY = {"sum": 0.0, "min": math.inf, "max": -math.inf}
 
 
-def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
-    """Fold one micro-batch's stats (0-dim tensors, still on the device) into ``acc``."""
+def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], ops: dict[str, str]) -> None:
+    """Fold one micro-batch's stats (0-dim tensors, still on the device) into ``acc`` (``ops``: how each
+    combines)."""
     for k, v in stats.items():
         v = v.detach().double()
         if k not in acc:
             acc[k] = v
-        elif OPS[k] == "sum":
+        elif ops[k] == "sum":
             acc[k] = acc[k] + v
         else:
-            acc[k] = torch.minimum(acc[k], v) if OPS[k] == "min" else torch.maximum(acc[k], v)
+            acc[k] = torch.minimum(acc[k], v) if ops[k] == "min" else torch.maximum(acc[k], v)
 
 
-def _stat_values(acc: dict[str, torch.Tensor], keys: list[str]) -> list[float]:
+def _stat_values(acc: dict[str, torch.Tensor], keys: list[str], ops: dict[str, str]) -> list[float]:
     """The accumulated stats as floats in ``keys`` order (one device transfer); identities where absent."""
     present = [k for k in keys if k in acc]
     vals = dict(zip(present, torch.stack([acc[k] for k in present]).tolist())) if present else {}
-    return [vals.get(k, _IDENTITY[OPS[k]]) for k in keys]
+    return [vals.get(k, _IDENTITY[ops[k]]) for k in keys]
 
 
 def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: float, thr: float | None,

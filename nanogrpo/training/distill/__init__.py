@@ -4,12 +4,17 @@
     server.py   a teacher behind HTTP: a vLLM server's /v1/completions with prompt_logprobs, or
                 ``nanogrpo serve --teacher MODEL`` answering the same route; retries, one-line refusals
 
-The loop calls two things, whatever the signal (:data:`nanogrpo.algo.distill.SIGNALS`; no branch per
-signal): :meth:`Distill.annotate` after each rollout, which puts the teacher's tensors on the batch as the
-reference log-probs are (``teacher_logprobs``, and ``teacher_topk_*`` for ``jsd`` on a sparse support), and
-:meth:`Distill.divergence` for each micro-batch of the update, which tells the student's head what to
-compute beside its log-probs (``jsd``: the per-token divergence; over the whole vocabulary the teacher's
-forward runs there, per micro-batch, as in TRL). The loss is :func:`nanogrpo.algo.distill.distill_terms`.
+:class:`Distill` is a part of the run (:class:`~nanogrpo.training.run.Part`) and terms of its update
+(:class:`~nanogrpo.training.terms.Terms`), whatever the signal (:data:`nanogrpo.algo.distill.SIGNALS`; no
+branch per signal):
+
+    after_rollout   :meth:`Distill.annotate`: the teacher's tensors on the batch, as the reference log-probs
+                    are (``teacher_logprobs``, and ``teacher_topk_*`` for ``jsd`` on a sparse support)
+    head            :meth:`Distill.divergence`, per micro-batch of the update: what the student's head
+                    computes beside its log-probs (``jsd``: the per-token divergence; over the whole
+                    vocabulary the teacher's forward runs there, per micro-batch, as in TRL)
+    loss            :func:`nanogrpo.algo.distill.distill_terms`: per-token advantages or a per-token loss
+    start           the teacher's held-out figures beside the student's baseline (``distill.eval_teacher``)
 
 Temperatures: the ``sampled`` signal compares the teacher's and the student's log-probs of each sampled
 token in the run's convention (``rollout.tempered_logprobs``: the temperature and top-k/top-p support the
@@ -24,9 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanogrpo.algo.distill import DistillSpec, divergence_fn
+from nanogrpo.algo.distill import DISTILL_STAT_OPS, DistillSpec, distill_metrics, distill_terms, divergence_fn
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.training.distill.local import LocalTeacher
+from nanogrpo.training.run import Part
+from nanogrpo.training.terms import Terms
 
 log = logging.getLogger("nanogrpo.distill")
 
@@ -50,8 +57,10 @@ def _token(token_file: str | None) -> str | None:
 
 
 @dataclass
-class Distill:
+class Distill(Terms, Part):
     """The run's teacher and signal (:meth:`from_config`)."""
+
+    stat_ops = DISTILL_STAT_OPS
 
     spec: DistillSpec
     teacher: object
@@ -142,6 +151,29 @@ class Distill:
             raise ValueError("distill.signal=sampled: the batch carries no teacher log-probs (it was not "
                              "annotated)")
         return batch.teacher_logprobs[rows][:, :c]
+
+    # -- the loop's points (Part) and the update's (Terms)
+
+    def start(self, run) -> dict[str, float]:
+        """A fresh run that evaluates: the teacher's held-out figures, once (``distill.eval_teacher``)."""
+        if run.resumed or run.held_out is None or not run.cfg.distill.eval_teacher:
+            return {}
+        return self.evaluate(run.cfg, run.held_out.rows, run.held_out.rewards, run.root)
+
+    def after_rollout(self, run, item) -> None:
+        if item.batch is not None:
+            self.annotate(item.batch, run.cfg.train, run.share_prefix)
+
+    def head(self, batch, rows, ids, am, prompt_len, c):
+        return self.divergence(batch, rows, ids, am, prompt_len, c)
+
+    def loss(self, batch, rows, logp, head, adv, lm):
+        right = None if batch.correct is None else batch.correct[rows]
+        return distill_terms(self.spec, logp, self.teacher_logprobs(batch, rows, lm.shape[1]), head, adv, lm,
+                             right)
+
+    def metrics(self, tot: dict[str, float]) -> dict[str, float]:
+        return distill_metrics(tot, self.spec)
 
     def evaluate(self, cfg, rows: list[dict], rewards, root) -> dict[str, float]:
         """The teacher's held-out figures (``eval/teacher/*``: greedy accuracy, format rate, ...) on the rows

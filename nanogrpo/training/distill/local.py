@@ -109,7 +109,7 @@ class LocalTeacher:
         return self._topk(batch, train, temperature, top_k)
 
     def _topk(self, batch: RolloutBatch, train, temperature: float, k: int) -> dict[str, torch.Tensor]:
-        from nanogrpo.training.step import _trim, micro_batch_indices
+        from nanogrpo.training.micro import micro_batch_indices, trim_rows
 
         w, b = self.head()
         n, c = batch.completion_mask.shape
@@ -118,7 +118,7 @@ class LocalTeacher:
         ids_out = torch.zeros(n, c, k, dtype=torch.int64, device=lp.device)
         mask = batch.trained_mask
         for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens):
-            ids, am, p, lm, _, _, _ = _trim(batch, rows, mask)
+            ids, am, p, lm, _, _, _ = trim_rows(batch, rows, mask)
             h = self.hidden(ids, am, p)                                     # (r, c', H)
             sel = lm.bool()                                                 # (r, c')
             hs, tg = h[sel], ids[:, p:][sel]                                # (T, H), (T,)
