@@ -13,7 +13,7 @@ offline, like the warm start (:mod:`nanogrpo.demos.arithmetic.build`):
    the careless answer — written the way the warm start writes, labelled by the same rule;
 4. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
    fine-tuned on them, reading each as the reward-model reward reads it
-   (:class:`nanogrpo.models.reward.RewardModel`: the chat template over the question and the
+   (:class:`nanogrpo.rewards.reward_model.RewardModel`: the chat template over the question and the
    completion): binary cross-entropy on every logit plus the pairwise (Bradley-Terry) loss
    ``-log sigmoid(s_pos - s_neg)`` of each pair, the usual reward-model objective;
 5. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
@@ -142,7 +142,7 @@ def sample_completions(model, tok, rows: list[dict], n: int, seed: int) -> list[
 
 def encode_pair(tok, row: dict, completion: str) -> list[int]:
     """The ids the reward-model reward reads for (row, completion) (chat template, no added specials)."""
-    from nanogrpo.models.reward import prompt_turns_of
+    from nanogrpo.rewards.reward_model import prompt_turns_of
 
     conv = [*prompt_turns_of(row), {"role": "assistant", "content": completion}]
     return tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
