@@ -50,7 +50,7 @@ def build_tool_model(out: Path, steps: int = 300) -> Path:
     import torch
     from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
 
-    from nanogrpo.demos.arithmetic.build import save, sft
+    from nanogrpo.demos.warm_start import save, sft
     from nanogrpo.models.tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
