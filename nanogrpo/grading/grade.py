@@ -32,7 +32,7 @@ ignores is taken off (:func:`~nanogrpo.grading.latex.clean`). Then:
   allow).
 
 A completion that announces nothing (no tags, no box, no "answer is") is read by the number reader
-against a number reference (its last sentence, as before), else by math_verify over the end of the
+against a number reference (its last sentence: extract's rule 4), else by math_verify over the end of the
 text after the reasoning when delimited math is there.
 """
 
