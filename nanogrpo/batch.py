@@ -113,10 +113,6 @@ class RolloutBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def completion_len(self) -> int:
-        return int(self.input_ids.shape[1]) - self.prompt_len
-
-    @property
     def trained_mask(self) -> torch.Tensor:
         """(N, C) bool: the tokens the loss, the KL and the length normalisation count."""
         return self.completion_mask if self.loss_mask is None else self.loss_mask

@@ -15,7 +15,7 @@ Summary fields:
 - ``pass@k``: share of problems with at least one correct completion among k;
 - ``maj@k``: share of problems whose most frequent final answer (ties: the one
   seen first) is correct; answers are compared as written down by a grader
-  (:func:`~nanogrpo.rewards.grade.final_answer`: ``\\dfrac{1}{2}`` and ``\\frac12``, ``$1,234`` and
+  (:func:`~nanogrpo.grading.grade.final_answer`: ``\\dfrac{1}{2}`` and ``\\frac12``, ``$1,234`` and
   ``1234.0`` vote together);
 - ``n`` problems, ``k``, ``skipped_long_prompts``, ``time_s``;
 - with a tool (``tools.enabled``): ``tool_use_rate`` (share of completions that call it at least
@@ -47,10 +47,10 @@ from tqdm import tqdm
 
 from nanogrpo.config import Config
 from nanogrpo.data import encode_prompts, load_eval_rows
+from nanogrpo.grading.grade import final_answer
+from nanogrpo.grading.latex import clean, plain_values
 from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
-from nanogrpo.rewards.grade import final_answer
-from nanogrpo.rewards.latex import clean, plain_values
 from nanogrpo.rollout.collect import completion_samples, generate, pad_batch
 from nanogrpo.rollout.engine import SamplingParams
 from nanogrpo.rollout.episodes import Episodes
@@ -338,7 +338,7 @@ def run_eval(cfg: Config, model, tokenizer, split: str, n: int, out: Path | None
     model.eval()
     tools = ToolRunner.from_config(cfg.tools)
     if rewards is None:
-        from nanogrpo.models.reward import reward_runner
+        from nanogrpo.rewards import reward_runner
 
         runner = reward_runner(cfg)  # rm: reward models on the policy's device
     else:

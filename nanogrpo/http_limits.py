@@ -32,7 +32,7 @@ Rules, the same for every client:
 Each client, what it reads, its bound, and what happens past it (docs/reference/http-bounds.md has
 the same table):
 
-- ``judge:URL`` (:mod:`nanogrpo.rewards.judge`): ``/chat/completions`` replies and ``/models``, at most
+- ``judge:URL`` (:mod:`nanogrpo.rewards.judges.judge`): ``/chat/completions`` replies and ``/models``, at most
   ``rewards.judge_max_reply_bytes`` (1 MiB) each; past it the row scores the penalty as an error
   (``reply over N bytes``, counted in ``judge/errors``, not retried) and the run goes on. Memory:
   at most ``judge_concurrency`` x the cap.

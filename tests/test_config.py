@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanogrpo.config import Config, load_config
+from nanogrpo.config import Config, DataConfig, load_config
 from nanogrpo.errors import ConfigError
 
 
@@ -52,6 +52,24 @@ def test_file_then_overrides(tmp_path):
 def test_bad_overrides_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=overrides)
+
+
+def test_a_renamed_key_is_refused_in_one_line_naming_the_new(tmp_path):
+    """``data.arithmetic_*_size`` size every generated source (tasks made in code, verifiers tasksets): now
+    ``data.generated_*_size``; a config that still says the old name fails at start, naming the new one,
+    from the command line, a file, or Python."""
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["data.arithmetic_train_size=5"])
+    assert str(e.value) == ("data.arithmetic_train_size is now data.generated_train_size: rename it "
+                            "(in overrides)")
+    f = tmp_path / "old.toml"
+    f.write_text("[data]\narithmetic_eval_size = 7\n")
+    with pytest.raises(ConfigError, match=r"^data.arithmetic_eval_size is now data.generated_eval_size: "
+                                          r"rename it \(in .*old.toml\)$"):
+        load_config(f)
+    with pytest.raises(ValueError, match="data.arithmetic_train_size is now data.generated_train_size"):
+        DataConfig(arithmetic_train_size=5)
+    assert load_config(overrides=["data.generated_train_size=5"]).data.generated_train_size == 5
 
 
 def test_bad_files(tmp_path):

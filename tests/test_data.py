@@ -120,7 +120,7 @@ def test_chat_rows_from_csv_json_text(tmp_path):
 
 
 def test_arithmetic_source():
-    cfg = DataConfig(source="arithmetic", arithmetic_train_size=50, arithmetic_eval_size=20)
+    cfg = DataConfig(source="arithmetic", generated_train_size=50, generated_eval_size=20)
     assert len(load_rows(cfg, "train")) == 50
     assert len(load_rows(cfg, "test")) == 20
     with pytest.raises(DataError, match="no split"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanogrpo import http_limits
-from nanogrpo.rewards.judge import Judge
+from nanogrpo.rewards.judges.judge import Judge
 from nanogrpo.serve.client import ServerClient, ServerError, batch_read_cap, encode_state_dict
 from nanogrpo.serve.weights import WeightLayout, weights_cap
 from tests.endless_fixtures import EndlessServer, PeakMemory, endless, json_answer

@@ -16,12 +16,13 @@ The layers, lowest first (README, "The source tree"):
                                              (by clients of every layer above)
     batch                                    the wire record (its images' tensors: algo.vision)
     config                                   (which names the algorithm's variants)
-    console, hub, rewards, tools, transfer,  the screen, asking the HF hub, rewards, the tool sandbox,
-    watch                                    weights to vLLM servers (vLLM's weight-transfer engines),
-                                             the run monitor's rules (over metric rows)
+    console, hub, grading, tools, transfer,  the screen, asking the HF hub, answer grading, the tool
+    watch                                    sandbox, weights to vLLM servers (vLLM's weight-transfer
+                                             engines), the run monitor's rules (over metric rows)
     envs                                     multi-turn environments: the interface, loading, calling
-    data                                     datasets and prompts (may read answers with rewards)
+    data                                     datasets and prompts (may read answers with grading)
     models                                   loading, the embedded models and their warm starts
+    rewards                                  running rewards: functions, reward models, judges
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
@@ -59,10 +60,11 @@ LAYERS = [
     {"algo", "http_limits"},
     {"batch"},
     {"config"},
-    {"console", "hub", "rewards", "tools", "transfer", "watch"},
+    {"console", "hub", "grading", "tools", "transfer", "watch"},
     {"envs"},
     {"data"},
     {"models"},
+    {"rewards"},
     {"rollout"},
     {"evaluation"},
     {"training"},
@@ -171,8 +173,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
-LIBRARY = ("data", "models", "config", "rewards", "rollout", "algo", "training", "transfer", "serve", "envs",
-           "watch", "registry")
+LIBRARY = ("data", "models", "config", "grading", "rewards", "rollout", "algo", "training", "transfer",
+           "serve", "envs", "watch", "registry")
 """The parts that find the demos by name (:mod:`nanogrpo.registry`) and must never import one."""
 
 
@@ -238,7 +240,7 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 12, cli layer 16)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 13, cli layer 17)"]
     graph = import_graph()
     assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
     assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.demos.tools.task"]  # not the package __init__

@@ -85,14 +85,14 @@ def test_a_third_party_package_registers_its_own_task_preset_and_weights(site):
         PRESET = "demo-thirdparty"
         SOURCES = ("thirdparty-rows",)
         MODEL = "thirdparty-model"
-        ''', files={"preset.toml": '[data]\nsource = "thirdparty-rows"\narithmetic_train_size = 3\n',
+        ''', files={"preset.toml": '[data]\nsource = "thirdparty-rows"\ngenerated_train_size = 3\n',
                     "weights/config.json": "{}", "weights/model.safetensors": ""})
-    cfg = DataConfig(source="thirdparty-rows", arithmetic_train_size=3, arithmetic_eval_size=2)
+    cfg = DataConfig(source="thirdparty-rows", generated_train_size=3, generated_eval_size=2)
     assert load_rows(cfg, "train") == [{"question": f"train {i}?", "answer": str(i)} for i in range(3)]
     assert [r["answer"] for r in load_rows(cfg, "test")] == ["0", "1"]
     assert "demo-thirdparty" in presets()
     loaded = config_from("demo-thirdparty")
-    assert loaded.data.source == "thirdparty-rows" and loaded.data.arithmetic_train_size == 3
+    assert loaded.data.source == "thirdparty-rows" and loaded.data.generated_train_size == 3
     assert resolve_model_path("thirdparty-model") == str(pkg / "weights")
     (pkg / "weights" / "model.safetensors").unlink()
     with pytest.raises(ModelError, match="python -m thirdparty_demo.build --out"):

@@ -10,16 +10,16 @@ import pytest
 
 from nanogrpo.config import RewardsConfig
 from nanogrpo.errors import ConfigError, RewardError
+from nanogrpo.grading import extract_answer
+from nanogrpo.grading.extract import last_number
 from nanogrpo.rewards import (
     RewardResult,
     RewardRunner,
     correctness,
-    extract_answer,
     format_reward,
     resolve,
 )
-from nanogrpo.rewards.extract import last_number
-from nanogrpo.rewards.registry import resolve_all
+from nanogrpo.rewards.resolve import resolve_all
 
 # ----------------------------------------------------------------------------- extraction
 

@@ -27,10 +27,10 @@ from nanogrpo.bench.rewards import (
     timed_calls,
 )
 from nanogrpo.config import RewardsConfig
+from nanogrpo.grading.extract import read_answer
+from nanogrpo.grading.numbers import find_number_words, read_number
 from nanogrpo.rewards import RewardRunner, correctness, format_reward, resolve
 from nanogrpo.rewards.builtin import answers_match, format_strict, well_formed
-from nanogrpo.rewards.extract import read_answer
-from nanogrpo.rewards.numbers import find_number_words, read_number
 from nanogrpo.rollout.collect import completion_samples
 
 ROWS = load_set(DEFAULT_DATA)

@@ -12,9 +12,9 @@ import pytest
 from nanogrpo.config import RewardsConfig
 from nanogrpo.errors import RewardError
 from nanogrpo.rewards import RewardRunner
-from nanogrpo.rewards.judge import Judge
-from nanogrpo.rewards.judge_cache import ReplyCache
-from nanogrpo.rewards.judge_prompts import TEMPLATES, parse_number, parse_yes_no, render
+from nanogrpo.rewards.judges.judge import Judge
+from nanogrpo.rewards.judges.reply_cache import ReplyCache
+from nanogrpo.rewards.judges.templates import TEMPLATES, parse_number, parse_yes_no, render
 from tests.judge_fixtures import FaultServer, ServerProcess
 
 S = {"question": "q", "answer": "7"}
@@ -264,7 +264,7 @@ def test_reading_a_judge_reply_takes_time_linear_in_its_bytes():
     import sys
     from pathlib import Path
 
-    code = ("import time; from nanogrpo.rewards.judge_prompts import parse_number, parse_yes_no\n"
+    code = ("import time; from nanogrpo.rewards.judges.templates import parse_number, parse_yes_no\n"
             "for reply in ['1' * (1 << 20), '12 ' * 349525, '8 ' + ' ' * (1 << 20) + '/']:\n"
             "    t = time.monotonic(); parse_number(reply, 0, 10); parse_yes_no(reply)\n"
             "    print(time.monotonic() - t)\n")

@@ -12,11 +12,12 @@ import time
 import pytest
 
 from nanogrpo.bench.rewards import LATEX_DATA, load_set, pathological
-from nanogrpo.rewards import correctness, verify
+from nanogrpo.grading import verify
+from nanogrpo.grading.forms import base_number, choice, words
+from nanogrpo.grading.grade import final_answer, kind, reference
+from nanogrpo.grading.latex import clean, final_span
+from nanogrpo.rewards import correctness
 from nanogrpo.rewards.builtin import warm_up
-from nanogrpo.rewards.forms import base_number, choice, words
-from nanogrpo.rewards.grade import final_answer, kind, reference
-from nanogrpo.rewards.latex import clean, final_span
 
 ROWS = load_set(LATEX_DATA)
 
@@ -314,7 +315,7 @@ def test_a_verdict_that_ran_out_of_time_is_not_kept(monkeypatch) -> None:
     finishes in time. Before, the timed-out empty parse stayed cached for the run."""
     import math_verify.parser
 
-    from nanogrpo.rewards import verify as mv
+    from nanogrpo.grading import verify as mv
 
     real = math_verify.parser.extract_target_from_pred
     slow = {"left": 1}

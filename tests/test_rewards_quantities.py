@@ -3,7 +3,7 @@ they are written, scale words against the scale the question asks in, compound q
 it asks for, and no credit for a completion the token limit cut off before it gave an answer.
 
 Each rule is checked through the built-in ``correctness`` (what a run scores), with the question in the
-sample dict as the rollout passes it, and on the pieces that implement it (:mod:`nanogrpo.rewards.units`,
+sample dict as the rollout passes it, and on the pieces that implement it (:mod:`nanogrpo.grading.units`,
 the number reader). Hard negatives beside each: a wrong number with a unit, a variable's power, a
 subtraction, another scale, a question that names no unit.
 """
@@ -15,11 +15,11 @@ from fractions import Fraction
 import pytest
 
 from nanogrpo.config import RewardsConfig, load_config
+from nanogrpo.grading.grade import answered
+from nanogrpo.grading.latex import clean, plain_values
+from nanogrpo.grading.numbers import find_number_words, find_numbers, normalize
+from nanogrpo.grading.units import asked_scale, asked_unit, drop_units, unit_end
 from nanogrpo.rewards import RewardRunner, correctness
-from nanogrpo.rewards.grade import answered
-from nanogrpo.rewards.latex import clean, plain_values
-from nanogrpo.rewards.numbers import find_number_words, find_numbers, normalize
-from nanogrpo.rewards.units import asked_scale, asked_unit, drop_units, unit_end
 
 
 def score(completion: str, ref: str, question: str = "", finish_reason: str | None = None, **kw) -> float:
@@ -269,7 +269,7 @@ def test_another_time_or_no_single_time_is_wrong(completion: str) -> None:
 
 
 def test_what_a_time_is() -> None:
-    from nanogrpo.rewards.forms import clock, same_time
+    from nanogrpo.grading.forms import clock, same_time
 
     assert clock("8 p.m.") == (8, 0, "pm") and clock("7 o'clock") == (7, 0, None)
     assert clock("\\text{12:05 a.m.}") == (12, 5, "am") and clock("20:30") == (20, 30, None)

@@ -18,9 +18,9 @@ from transformers import (
 
 from nanogrpo.config import Config, RewardsConfig
 from nanogrpo.errors import RewardError
-from nanogrpo.models.reward import RewardModel, model_rewards, reward_runner
 from nanogrpo.models.tiny import make_tokenizer, model_config
-from nanogrpo.rewards import RewardRunner
+from nanogrpo.rewards import RewardRunner, reward_runner
+from nanogrpo.rewards.reward_model import RewardModel, model_rewards
 
 QUESTIONS = ["Tom has 3 apples and buys 4 more. How many apples does Tom have?", "2+2?", "What is 6*7?"]
 COMPLETIONS = ["<think>3+4=7</think><answer>7</answer>", "<answer>5</answer>", "", "x" * 90,
@@ -156,7 +156,7 @@ def test_models_that_are_not_one_output_classifiers_are_refused_at_start(tmp_pat
     with pytest.raises(RewardError, match="name the model after 'rm:'"):
         reward_runner(Config(rewards=RewardsConfig(functions=["rm:"], workers=0)))
     with pytest.raises(RewardError, match="reward models load through nanogrpo.models"):
-        RewardRunner([f"rm:{tmp_path / 'two'}"], workers=0)  # the rewards layer alone cannot load one
+        RewardRunner([f"rm:{tmp_path / 'two'}"], workers=0)  # without reward_runner's maker it loads none
 
 
 def test_the_runner_scales_a_reward_model_and_reports_its_throughput(tmp_path) -> None:

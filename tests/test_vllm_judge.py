@@ -34,7 +34,7 @@ from nanogrpo.demos.arithmetic.build import embedded_path  # noqa: E402
 from nanogrpo.demos.arithmetic.task import make_split  # noqa: E402
 from nanogrpo.models.load import load_tokenizer  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
-from nanogrpo.rewards.judge_prompts import parse_number  # noqa: E402
+from nanogrpo.rewards.judges.templates import parse_number  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

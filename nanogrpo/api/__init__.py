@@ -170,7 +170,7 @@ def evaluate(model: str | os.PathLike | Run, *,
                                       "rewards.weights": [w for _, w in kept]})
         cfg, runner = _rewards(cfg, rewards)
         if runner is None:  # built now: a reward that does not resolve fails before any weights are read
-            from nanogrpo.models.reward import reward_runner
+            from nanogrpo.rewards import reward_runner
 
             runner = reward_runner(cfg)
         try:

@@ -132,7 +132,7 @@ def _rewards(cfg: Config, rewards: Any, run_dir: Path | None = None) -> tuple[Co
     items = [rewards] if isinstance(rewards, str) or callable(rewards) else list(rewards)
     if all(isinstance(r, str) for r in items):
         return cfg.with_overrides({"rewards.functions": items}), None
-    from nanogrpo.models.reward import reward_runner
+    from nanogrpo.rewards import reward_runner
 
     runner = reward_runner(cfg, items, run_dir=run_dir)  # one line per callable
     names = [item if isinstance(item, str) else f"<{name}>" for item, name in zip(items, runner.specs)]

@@ -1,4 +1,4 @@
-"""Benchmarks (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``.
+"""Benchmarks shipped in the package (``nanogrpo bench ...``): each module exposes ``main(argv) -> int``.
 
 ``nanogrpo bench rollout ...`` (generation speed of the engines),
 ``nanogrpo bench step ...`` (a full GRPO step of the trainer, optionally beside TRL's) and
@@ -7,6 +7,10 @@ their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engi
 ``nanogrpo bench variants ...`` (the demo under each policy-optimisation setting: does it learn),
 ``nanogrpo bench watch ...`` (runs that go wrong on purpose, and the demos: does the run monitor catch
 the first and stay quiet on the second).
+
+These are what any install runs on its own machine, tested with the package. The repository's
+``bench/`` folder is the other kind: one-shot scripts, not shipped, run from a checkout (GPU checks,
+backends under their launchers, the server tier, memory and cost measurements); its README says which.
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nanogrpo.rewards import verify
+from nanogrpo.grading import verify
+from nanogrpo.grading.grade import reference
 from nanogrpo.rewards.builtin import correctness, format_reward, warm_up
-from nanogrpo.rewards.grade import reference
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "graded_completions.jsonl"
 LATEX_DATA = DEFAULT_DATA.with_name("graded_latex.jsonl")

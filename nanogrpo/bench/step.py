@@ -144,8 +144,8 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     from nanogrpo.models.cpu_linear import apply_cpu_linear
     from nanogrpo.models.cpu_linear import linear as onednn_linear
     from nanogrpo.models.load import frozen_copy
-    from nanogrpo.models.reward import reward_runner
     from nanogrpo.models.tiny import make_model, make_tokenizer
+    from nanogrpo.rewards import reward_runner
     from nanogrpo.rollout.factory import make_engine
     from nanogrpo.training.loop import train_step
     from nanogrpo.training.optim import MasterAdamW

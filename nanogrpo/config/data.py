@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -82,10 +82,15 @@ class DataConfig(_Strict):
     this many pixels; None: the model's processor's bound. An image over 64x this is refused at start."""
     min_image_pixels: int | None = Field(None, gt=0)
     """Images are resized up to at least this many pixels; None: the model's processor's bound."""
-    arithmetic_train_size: int = Field(20000, gt=0)
-    """Rows of the synthetic tasks' (``arithmetic``, ``multidigit``, ``game``, ``dialogue``) train split."""
-    arithmetic_eval_size: int = Field(500, gt=0)
-    """Rows of the synthetic tasks' held-out split (disjoint from the train split)."""
+    generated_train_size: int = Field(20000, gt=0)
+    """Rows of a generated source's train split: a registered task made in code (the demos'
+    ``arithmetic``, ``multidigit``, ``game``, ``dialogue``, ``vision``; a package's own) or a
+    ``verifiers:`` taskset's own tasks."""
+    generated_eval_size: int = Field(500, gt=0)
+    """Rows of a generated source's held-out split (disjoint from the train split)."""
+
+    renamed: ClassVar[dict[str, str]] = {"data.arithmetic_train_size": "data.generated_train_size",
+                                         "data.arithmetic_eval_size": "data.generated_eval_size"}
 
     @model_validator(mode="before")
     @classmethod

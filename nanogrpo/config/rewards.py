@@ -44,7 +44,7 @@ class RewardsConfig(_Strict):
     judge_template: str = "correct"
     """The judge's prompt: ``correct`` (is the answer right, given the reference? yes/no), ``rate`` (1-10),
     or a template file with ``{completion}``, ``{question}``, ``{answer}`` and any sample field
-    (``nanogrpo.rewards.judge_prompts``)."""
+    (``nanogrpo.rewards.judges.templates``)."""
     judge_score: Literal["auto", "yes_no", "number"] = "auto"
     """How a reply is read: ``yes_no`` (1 / 0) or ``number`` (in ``judge_range``); ``auto``: the
     template's own (a file: ``number``)."""

@@ -18,8 +18,8 @@
   no demo): ``arithmetic``, the default demo's word problems (``nanogrpo/demos/arithmetic/task.py``);
   ``multidigit``, the tool demo's; ``game``, ``dialogue``, the rows that start the multi-turn demos'
   episodes (played with an environment, ``[env]``); ``vision``; and any installed package's own.
-  The task's ``make_split`` makes the rows: split ``train`` has ``arithmetic_train_size`` rows, any
-  other split (``test``/``eval``/``validation``) ``arithmetic_eval_size`` held-out rows.
+  The task's ``make_split`` makes the rows: split ``train`` has ``generated_train_size`` rows, any
+  other split (``test``/``eval``/``validation``) ``generated_eval_size`` held-out rows.
 - a file, by extension: ``.jsonl``, ``.json`` (a list of objects or
   ``{"data": [...]}``), ``.parquet`` (pyarrow), ``.csv``. ``split`` is ignored
   unless the path contains ``{split}``, which is replaced by it.
@@ -195,14 +195,14 @@ def _reachable(name: str) -> None:
 
 
 def _task_rows(cfg: DataConfig, split: str, source: str, task: ModuleType) -> list[dict[str, Any]]:
-    """A demo task's rows (its ``make_split(split, n)``), sized by the ``arithmetic_*_size`` settings."""
+    """A demo task's rows (its ``make_split(split, n)``), sized by the ``generated_*_size`` settings."""
     make_split = getattr(task, "make_split", None)
     if not callable(make_split):
         raise DataError(f"data source {source}: its task module {task.__name__} has no make_split(split, n)")
     if split == "train":
-        return make_split("train", cfg.arithmetic_train_size)
+        return make_split("train", cfg.generated_train_size)
     if split in ("test", "eval", "validation"):
-        return make_split("test", cfg.arithmetic_eval_size)
+        return make_split("test", cfg.generated_eval_size)
     raise DataError(f"data source {source} has no split {split!r} (use train or test)")
 
 
@@ -251,8 +251,8 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
     if source.startswith("verifiers:"):  # a verifiers 0.4 taskset's own tasks
         from nanogrpo.envs.adapters.verifiers_v1.tasks import split_rows
 
-        return split_rows(source[len("verifiers:"):], split, cfg.arithmetic_train_size,
-                          cfg.arithmetic_eval_size)
+        return split_rows(source[len("verifiers:"):], split, cfg.generated_train_size,
+                          cfg.generated_eval_size)
     if source.startswith("hf:"):
         name = source[3:]
         if not name:

@@ -22,6 +22,7 @@ in your ``pyproject.toml``::
     [project.entry-points."nanogrpo.demos"]
     mytask = "mypkg.mytask"
 
-This module is documentation only: nothing runs on import. A task module imports nothing above
-``nanogrpo.errors``; a builder or environment may import anything.
+What the builders share (torch on one thread, supervised steps, an atomic save) is
+:mod:`nanogrpo.demos.warm_start`. This module is documentation only: nothing runs on import. A task
+module imports nothing above ``nanogrpo.errors``; a builder or environment may import anything.
 """

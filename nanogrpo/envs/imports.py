@@ -1,5 +1,6 @@
 """``"module:attr"`` / ``"path/to/file.py:attr"`` to the object it names, with one-line errors (what
-``env.source`` and the adapters' sources use)."""
+``env.source`` and the adapters' sources use); :func:`file_hint`, what to write instead when such a module
+is not importable (reward specs' errors too, :mod:`nanogrpo.rewards.resolve`)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,23 @@ def import_attr(spec: str, what: str = "env.source", expected: str = "'module:at
     except ConfigError:
         raise
     except (Exception, SystemExit) as e:
-        from nanogrpo.rewards.registry import file_hint
-
         first = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"{what} {spec!r}: cannot import {module!r} "
                           f"({type(e).__name__}: {first}){file_hint(spec, module, e)}") from None
     if not hasattr(mod, attr):
         raise ConfigError(f"{what} {spec!r}: {module!r} has no attribute {attr!r}")
     return getattr(mod, attr)
+
+
+def file_hint(spec: str, module: str, e: BaseException) -> str:
+    """What to write instead when ``module`` (of ``module:function``) is not importable at all: the file
+    form, ``module.py:function`` (``nanogrpo`` run as a command does not look in the current directory
+    for modules); empty when the module exists but failed inside."""
+    if not isinstance(e, ModuleNotFoundError) or e.name not in (module, module.split(".")[0]):
+        return ""
+    attr = spec.rpartition(":")[2]
+    path = Path(*module.split(".")).with_suffix(".py")
+    if path.is_file():
+        return f"; the file {path} is here: name it as {f'{path}:{attr}'!r}"
+    return (f"; name a file as {f'path/to/{path.name}:{attr}'!r}, or make {module!r} importable "
+            "(pip install it, or add its folder to PYTHONPATH)")

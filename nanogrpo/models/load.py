@@ -57,7 +57,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 GENERIC_TOKENIZER_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 
-def _saved_tokenizer_class(path: str) -> str | None:
+def saved_tokenizer_class(path: str) -> str | None:
+    """The ``tokenizer_class`` a model directory's ``tokenizer_config.json`` names (None: none)."""
     cfg = Path(path) / "tokenizer_config.json"
     if not cfg.is_file():
         return None
@@ -76,7 +77,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     and silently replace its pre-tokenizer.
     """
     try:
-        if _saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+        if saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
             tok = PreTrainedTokenizerFast.from_pretrained(path)
         else:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -7,7 +7,7 @@ ended the completion, ``"length"`` when the token limit cut it off (set by the
 rollout for every completion; absent when a reward is called directly).
 
 - :func:`correctness`: +1 when the completion's final answer (found and read as a grader
-  does, :mod:`nanogrpo.rewards.grade`) equals the reference, else -1. Plain numbers are
+  does, :mod:`nanogrpo.grading.grade`) equals the reference, else -1. Plain numbers are
   compared exactly, as fractions (``1,234.0`` = ``1234``, ``3/4`` = ``0.75``, ``0.333`` !=
   ``1/3``, ``25%`` = ``25``) without math_verify; LaTeX answers (``\\frac{\\sqrt3}{2}``,
   ``[-1,4)``, ``1, 2, 3``, matrices) go to math_verify whole, with what a grader ignores taken
@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nanogrpo.rewards.grade import answer_equals, answered, grade
-from nanogrpo.rewards.latex import braced_end
+from nanogrpo.grading.grade import answer_equals, answered, grade
+from nanogrpo.grading.latex import braced_end
 
 __all__ = ["BUILTIN", "FORMATS", "format_name", "correctness", "overlong", "format_reward", "format_strict",
            "format_boxed", "answers_match", "well_formed", "boxed_well_formed", "warm_up"]
@@ -55,7 +55,7 @@ def correctness(completion: str, sample: dict[str, Any], *, truncated_correct: b
     """+1.0 if the completion's final answer equals ``sample["answer"]``, else -1.0 (also when it gives none).
 
     A completion the token limit cut off (``sample["finish_reason"] == "length"``) before it gave a
-    final answer (an ``<answer>`` block, a box, an announced answer: :func:`~nanogrpo.rewards.grade.
+    final answer (an ``<answer>`` block, a box, an announced answer: :func:`~nanogrpo.grading.grade.
     answered`) scores -1.0 whatever its last number is; ``truncated_last_number=True`` (config
     ``rewards.truncated_last_number``) reads it like any other instead (its last sentence with a number,
     as the seed reads its last number).

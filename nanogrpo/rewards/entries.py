@@ -4,14 +4,14 @@ An entry of ``rewards.functions`` (or of the list handed to :class:`~nanogrpo.re
 is one of:
 
 - a **name**: a built-in (``correctness``), ``module:function`` or ``path/to/file.py:function``
-  (:mod:`nanogrpo.rewards.registry`); worker processes resolve it by name again;
+  (:mod:`nanogrpo.rewards.resolve`); worker processes resolve it by name again;
 - a **Python callable** (a function, a lambda, a closure, a ``functools.partial``, an object with
   ``__call__``): sent to the worker processes pickled (by name when its module imports there, else
   by value with cloudpickle), or, when it cannot be pickled, run in this process with the same
   timeout and penalty (a call past its timeout is abandoned on its thread, not killed). One line
   at start says which;
-- a **model reward**: ``rm:PATH_OR_HUB_ID`` (:mod:`nanogrpo.models.reward`) or ``judge:URL``
-  (:mod:`nanogrpo.rewards.judge`), or an object of those classes; it runs in this process
+- a **model reward**: ``rm:PATH_OR_HUB_ID`` (:mod:`nanogrpo.rewards.reward_model`) or ``judge:URL``
+  (:mod:`nanogrpo.rewards.judges.judge`), or an object of those classes; it runs in this process
   (a reward model on its device, a judge's requests on its own event loop) over the whole batch.
 
 Any function may be batched (:mod:`nanogrpo.rewards.batching`).
@@ -32,7 +32,7 @@ from nanogrpo.errors import RewardError
 from nanogrpo.rewards.batching import declared_chunk_size, declared_timeout_s, is_batched
 from nanogrpo.rewards.builtin import BUILTIN
 from nanogrpo.rewards.calls import Outcome, one_line
-from nanogrpo.rewards.registry import resolve
+from nanogrpo.rewards.resolve import resolve
 
 __all__ = ["Entry", "ModelReward", "POOL", "INLINE", "MODEL", "build_entries", "MAX_PICKLE_BYTES"]
 

@@ -42,7 +42,7 @@ Source = str | bytes
 
 def _load(source: Source, truncated_correct: bool, overlong_settings: tuple = (None, 1.0),
           truncated_last_number: bool = False) -> Any:
-    from nanogrpo.rewards.registry import resolve
+    from nanogrpo.rewards.resolve import resolve
 
     if isinstance(source, str):
         return resolve(source, truncated_correct, overlong_settings,

@@ -19,6 +19,9 @@ cut at its timeout; a callable that cannot be pickled runs in this process on a 
 deadline (:mod:`nanogrpo.rewards.inline`). With ``workers == 0`` every function runs in this
 process, called directly: no isolation, and a hanging function hangs the run (only math_verify's own
 signal timeout, main thread only, bounds the built-in ``correctness``).
+
+:func:`reward_runner` builds a run's runner from its config: what every command (train, eval, serve's
+workers, ``nanogrpo bench step``) calls.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from nanogrpo.rewards.entries import INLINE, MODEL, POOL, Entry, ModelReward, bu
 from nanogrpo.rewards.inline import run_inline
 from nanogrpo.rewards.pool import Call, WorkerPool
 
-__all__ = ["RewardResult", "RewardRunner", "RewardItem"]
+__all__ = ["RewardResult", "RewardRunner", "RewardItem", "reward_runner"]
 
 log = logging.getLogger("nanogrpo.rewards")
 
@@ -158,8 +161,8 @@ class RewardRunner:
         """Build from a :class:`nanogrpo.config.RewardsConfig`; ``rewards`` (names, callables, model
         rewards) replaces ``cfg.functions`` when given, with ``cfg.weights`` still one per entry.
         ``run_dir``: the run directory (a judge's persistent cache lives there); ``make_rm``: builds the
-        reward model of an ``rm:`` spec (models load in :mod:`nanogrpo.models`, a layer above this one:
-        :func:`nanogrpo.models.reward.reward_runner` passes it)."""
+        reward model of an ``rm:`` spec on the run's device (:func:`reward_runner` passes
+        :func:`nanogrpo.rewards.reward_model.model_rewards`)."""
         items = list(rewards) if rewards is not None else list(cfg.functions)
         weights = cfg.weights
         if weights is not None and len(weights) != len(items):
@@ -347,11 +350,11 @@ def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelRe
         if kind == "rm":
             if make_rm is None:
                 raise RewardError(f"reward {spec!r}: reward models load through nanogrpo.models: build the "
-                                  "runner with nanogrpo.models.reward.reward_runner(config), or list a "
-                                  "nanogrpo.models.reward.RewardModel object")
+                                  "runner with nanogrpo.rewards.reward_runner(config), or list a "
+                                  "nanogrpo.rewards.reward_model.RewardModel object")
             return make_rm(spec, prefix)
-        from nanogrpo.rewards.judge import Judge
-        from nanogrpo.rewards.judge_cache import NullCache, ReplyCache
+        from nanogrpo.rewards.judges.judge import Judge
+        from nanogrpo.rewards.judges.reply_cache import NullCache, ReplyCache
 
         where = cfg.judge_cache
         if where == "auto":
@@ -366,3 +369,15 @@ def _model_factory(cfg: Any, run_dir: Any, make_rm: Callable[[str, str], ModelRe
                      max_reply_bytes=cfg.judge_max_reply_bytes)
 
     return make
+
+
+def reward_runner(cfg: Any, rewards: Sequence[RewardItem] | None = None, *,
+                  run_dir: Any = None) -> RewardRunner:
+    """A run's :class:`RewardRunner` from its :class:`~nanogrpo.config.Config`: ``cfg.rewards`` (or
+    ``rewards``: names, callables, model rewards, with ``cfg.rewards.weights``), reward models
+    (:mod:`nanogrpo.rewards.reward_model`, loaded on first use) on ``cfg.model.device`` unless
+    ``rewards.rm_device`` names one, a judge's cache in ``run_dir``."""
+    from nanogrpo.rewards.reward_model import model_rewards  # torch and transformers: on first use
+
+    return RewardRunner.from_config(cfg.rewards, rewards, run_dir=run_dir,
+                                    make_rm=model_rewards(cfg.rewards, cfg.model.device))

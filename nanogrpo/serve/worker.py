@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.config import config_from
     from nanogrpo.data import PromptSampler, load_rows
     from nanogrpo.models.load import check_model_source, load_policy
-    from nanogrpo.models.reward import reward_runner
+    from nanogrpo.rewards import reward_runner
     from nanogrpo.rollout.collect import Collector
     from nanogrpo.rollout.episodes import Episodes
     from nanogrpo.rollout.factory import engine_for

@@ -13,8 +13,7 @@ from typing import Any
 from nanogrpo.config import Config
 from nanogrpo.data import load_eval_rows, load_rows
 from nanogrpo.models.load import check_model_source
-from nanogrpo.models.reward import reward_runner
-from nanogrpo.rewards import RewardRunner
+from nanogrpo.rewards import RewardRunner, reward_runner
 from nanogrpo.rollout.episodes import Episodes
 from nanogrpo.tools.registry import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +36,7 @@ import torch
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, render_prompt
 from nanogrpo.demos.arithmetic.task import make_split, solution
+from nanogrpo.demos.warm_start import one_thread, train_and_save
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
 SHAPE = "demo"
@@ -78,80 +77,32 @@ def careless_solution(sample: dict, rng: random.Random, rate: float = CARELESS_R
     return text
 
 
-def _encode(tok, rows, data_cfg, rate: float = CARELESS_RATE) -> tuple[list[list[int]], list[int]]:
+def encode_solutions(tok, rows: list[dict], data_cfg, rate: float = CARELESS_RATE
+                     ) -> tuple[list[list[int]], list[list[bool]]]:
+    """Each row's prompt (the demo's chat template and system prompt) and worked solution (careless at
+    ``rate``, seeded) as token ids with EOS, and which positions are learnt (the solution's)."""
     rng = random.Random(SFT_SEED)
-    seqs, starts = [], []
+    seqs, trained = [], []
     for r in rows:
         prompt = render_prompt(tok, build_messages(r, data_cfg.system_prompt, data_cfg.few_shot), "auto")
         p = tok(prompt, add_special_tokens=False).input_ids
         c = tok(careless_solution(r, rng, rate), add_special_tokens=False).input_ids + [tok.eos_token_id]
         seqs.append(p + c)
-        starts.append(len(p))
-    return seqs, starts
+        trained.append([False] * len(p) + [True] * len(c))
+    return seqs, trained
 
 
 def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
           log_every: int = 50) -> Path:
     """Train the warm start and save it (HF format) to ``out`` atomically."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shipped weights were built on one thread: same reduction order
-    try:
-        return _build(out, steps, batch_size, lr, log_every)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) -> Path:
-    data_cfg = load_config(preset="demo").data
-    torch.manual_seed(SFT_SEED)
-    tok = make_tokenizer()
-    model = make_model(SHAPE, tok, seed=SFT_SEED)
-    rows = make_split("train", steps * batch_size, seed=SFT_SEED)
-    seqs, starts = _encode(tok, rows, data_cfg)
-    trained = [[False] * st + [True] * (len(s) - st) for s, st in zip(seqs, starts)]
-    sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
-    return save(model, tok, out)
-
-
-def sft(model, pad_id: int, seqs: list[list[int]], trained: list[list[bool]], steps: int, batch_size: int,
-        lr: float, log_every: int) -> None:
-    """Supervised steps over ``seqs`` in order, ``batch_size`` at a time: next-token loss on the
-    positions ``trained`` marks (completions; not prompts, not tool output), AdamW with warmup and
-    a cosine decay."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warm = max(1, steps // 10)
-    model.train()
-    t0 = time.time()
-    for step in range(steps):
-        scale = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        idx = range(step * batch_size, (step + 1) * batch_size)
-        L = max(len(seqs[i]) for i in idx)
-        ids = torch.full((batch_size, L), pad_id, dtype=torch.long)
-        labels = torch.full((batch_size, L), -100, dtype=torch.long)
-        for j, i in enumerate(idx):
-            s = torch.tensor(seqs[i])
-            ids[j, :len(s)] = s
-            labels[j, :len(s)] = torch.where(torch.tensor(trained[i]), s, -100)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if log_every and (step + 1) % log_every == 0:
-            print(f"warm start step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    model.eval()
-
-
-def save(model, tok, out: Path) -> Path:
-    """Save model and tokenizer (HF format) to ``out`` atomically: a temporary directory renamed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None
-    return out
+    with one_thread():  # the shipped weights were built on one thread: same reduction order
+        data_cfg = load_config(preset="demo").data
+        torch.manual_seed(SFT_SEED)
+        tok = make_tokenizer()
+        model = make_model(SHAPE, tok, seed=SFT_SEED)
+        rows = make_split("train", steps * batch_size, seed=SFT_SEED)
+        seqs, trained = encode_solutions(tok, rows, data_cfg)
+        return train_and_save(model, tok, seqs, trained, out, steps, batch_size, lr, log_every)
 
 
 def main(argv: list[str] | None = None) -> int:

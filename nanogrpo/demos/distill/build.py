@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from nanogrpo.config import load_config
-from nanogrpo.demos.arithmetic.build import _encode, embedded_path, save, sft
+from nanogrpo.demos.arithmetic.build import embedded_path, encode_solutions
 from nanogrpo.demos.arithmetic.task import make_split
+from nanogrpo.demos.warm_start import one_thread, train_and_save
 from nanogrpo.models.load import load_model, load_tokenizer
 
 SEED = 4321
@@ -38,21 +39,15 @@ def packaged_path() -> Path:
 def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
           log_every: int = 50) -> Path:
     """Train the teacher from the shipped warm start and save it (HF format) to ``out`` atomically."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # built on one thread, as the warm start: the same reduction order
-    try:
+    with one_thread():  # built on one thread, as the warm start: the same reduction order
         torch.manual_seed(SEED)
         src = str(embedded_path())
         tok = load_tokenizer(src)
         model = load_model(src, torch.float32, torch.device("cpu"), cpu_linear="torch")
         data_cfg = load_config(preset="demo").data
         rows = make_split("train", steps * batch_size, seed=SEED)
-        seqs, starts = _encode(tok, rows, data_cfg, rate=0.0)  # careful: every answer is the result
-        trained = [[False] * st + [True] * (len(s) - st) for s, st in zip(seqs, starts)]
-        sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
-        return save(model, tok, out)
-    finally:
-        torch.set_num_threads(threads)
+        seqs, trained = encode_solutions(tok, rows, data_cfg, rate=0.0)  # careful: every answer is the result
+        return train_and_save(model, tok, seqs, trained, out, steps, batch_size, lr, log_every)
 
 
 def main(argv: list[str] | None = None) -> int:

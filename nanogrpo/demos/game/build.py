@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 from pathlib import Path
 
 import torch
 
 from nanogrpo.config import load_config
-from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
+from nanogrpo.demos.arithmetic.build import SHAPE
 from nanogrpo.demos.game.env import feedback
 from nanogrpo.demos.game.task import HIGH, LOW, make_split
+from nanogrpo.demos.warm_start import one_thread, train_and_save
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rollout.render import ChatRenderer
 
@@ -80,9 +80,7 @@ def play(secret: int, careless: bool, max_turns: int) -> list[tuple[str, str | N
 def build(
     out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR, log_every: int = 50
 ) -> Path:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same reduction order, the same weights, on every run
-    try:
+    with one_thread():  # one thread: the same reduction order, the same weights, on every run
         cfg = load_config(preset=PRESET)
         torch.manual_seed(SEED)
         tok = make_tokenizer()
@@ -96,12 +94,7 @@ def build(
             )
             seqs.append(ids)
             trained.append(mask)
-        sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
-        if out.exists():
-            shutil.rmtree(out)
-        return save(model, tok, out)
-    finally:
-        torch.set_num_threads(threads)
+        return train_and_save(model, tok, seqs, trained, out, steps, batch_size, lr, log_every, replace=True)
 
 
 def main(argv: list[str] | None = None) -> int:

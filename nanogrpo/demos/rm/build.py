@@ -13,7 +13,7 @@ offline, like the warm start (:mod:`nanogrpo.demos.arithmetic.build`):
    the careless answer — written the way the warm start writes, labelled by the same rule;
 4. a ``Qwen2ForSequenceClassification`` with the warm start's body and a new one-output head is
    fine-tuned on them, reading each as the reward-model reward reads it
-   (:class:`nanogrpo.models.reward.RewardModel`: the chat template over the question and the
+   (:class:`nanogrpo.rewards.reward_model.RewardModel`: the chat template over the question and the
    completion): binary cross-entropy on every logit plus the pairwise (Bradley-Terry) loss
    ``-log sigmoid(s_pos - s_neg)`` of each pair, the usual reward-model objective;
 5. its accuracy as a classifier (logit > 0 vs. the label) is measured on completions of held-out
@@ -42,12 +42,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
+
+from nanogrpo.demos.warm_start import one_thread, save
 
 SEED = 2468
 PROMPTS, SAMPLES = 1000, 8
@@ -142,7 +143,7 @@ def sample_completions(model, tok, rows: list[dict], n: int, seed: int) -> list[
 
 def encode_pair(tok, row: dict, completion: str) -> list[int]:
     """The ids the reward-model reward reads for (row, completion) (chat template, no added specials)."""
-    from nanogrpo.models.reward import prompt_turns_of
+    from nanogrpo.rewards.reward_model import prompt_turns_of
 
     conv = [*prompt_turns_of(row), {"role": "assistant", "content": completion}]
     return tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
@@ -233,12 +234,8 @@ def train(model, tok, pairs: list[tuple[dict, str, str]], epochs: int, pairs_per
 
 def build(out: Path, prompts: int = PROMPTS, epochs: int = EPOCHS) -> dict:
     """Sample, label, pair, fine-tune, measure, save (HF format, atomically) to ``out``; returns the card."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the warm start: one thread, the same reduction order everywhere
-    try:
+    with one_thread():  # as the warm start: one thread, the same reduction order everywhere
         return _build(Path(out), prompts, epochs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _build(out: Path, prompts: int, epochs: int) -> dict:
@@ -272,16 +269,7 @@ def _build(out: Path, prompts: int, epochs: int) -> dict:
             "lr": LR, "seed": SEED, "build_time_s": round(time.time() - t0, 1), "torch": torch.__version__}
     print(f"held-out classifier accuracy {card['held_out']['accuracy']:.3f} (before fine-tuning "
           f"{before['accuracy']:.3f}); ranking {card['held_out_ranking']}; {card['build_time_s']:.0f}s")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "rm_card.json").write_text(json.dumps(card, indent=1) + "\n")
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    save(model, tok, out, files={"rm_card.json": json.dumps(card, indent=1) + "\n"}, replace=True)
     return card
 
 

@@ -25,15 +25,15 @@ import argparse
 import hashlib
 import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
 
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, render_prompt
-from nanogrpo.demos.arithmetic.build import SHAPE, save, sft
+from nanogrpo.demos.arithmetic.build import SHAPE
 from nanogrpo.demos.tools.task import make_split
+from nanogrpo.demos.warm_start import one_thread, train_and_save
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.tools.protocols import CodeProtocol
 
@@ -92,21 +92,14 @@ def encode(tok, rows: list[dict], data_cfg, tool_rate: float, seed: int = SEED
 def build(out: Path, tools: bool = True, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
           log_every: int = 50) -> Path:
     """Train the warm start (with tool solutions, or ``tools=False`` for the comparison) and save it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same reduction order, the same weights, on every run
-    try:
+    with one_thread():  # one thread: the same reduction order, the same weights, on every run
         data_cfg = load_config(preset=PRESET).data
         torch.manual_seed(SEED)
         tok = make_tokenizer()
         model = make_model(SHAPE, tok, seed=SEED)
         rows = make_split("train", steps * batch_size, seed=SEED)
         seqs, trained = encode(tok, rows, data_cfg, TOOL_RATE if tools else 0.0)
-        sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
-        if out.exists():
-            shutil.rmtree(out)
-        return save(model, tok, out)
-    finally:
-        torch.set_num_threads(threads)
+        return train_and_save(model, tok, seqs, trained, out, steps, batch_size, lr, log_every, replace=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,8 @@ import torch
 
 from nanogrpo.config import load_config
 from nanogrpo.data.images import encode_with_images
-from nanogrpo.demos.arithmetic.build import save
 from nanogrpo.demos.vision.task import make_split
+from nanogrpo.demos.warm_start import one_thread, save
 from nanogrpo.models.tiny_vision import make_vlm, preprocessor_config
 from nanogrpo.models.vision import forward_kwargs, image_spec
 
@@ -47,12 +47,8 @@ def completion(row: dict, rng: random.Random, rate: float = CARELESS_RATE) -> st
 
 def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float = LR,
           log_every: int = 50) -> Path:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # built on one thread: the same reduction order everywhere
-    try:
+    with one_thread():  # built on one thread: the same reduction order everywhere
         return _build(out, steps, batch_size, lr, log_every)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) -> Path:
@@ -97,10 +93,8 @@ def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) ->
         if log_every and (step + 1) % log_every == 0:
             print(f"warm start step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     model.eval()
-    path = save(model, tok, out)
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(preprocessor_config(model, MIN_PIXELS, MAX_PIXELS), indent=1))
-    return path
+    return save(model, tok, out, files={
+        "preprocessor_config.json": json.dumps(preprocessor_config(model, MIN_PIXELS, MAX_PIXELS), indent=1)})
 
 
 def main(argv: list[str] | None = None) -> int:

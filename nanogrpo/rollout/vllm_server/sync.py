@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from nanogrpo.errors import NanoGRPOError
 from nanogrpo.rollout.vllm_server.http import ServerFault
@@ -283,14 +282,3 @@ class WeightSync:
                 except Exception:  # noqa: BLE001 (closing: nothing left to protect)
                     pass
                 s.transfer = None
-
-
-def server_versions(pool: ServerPool) -> dict[str, Any]:
-    """Each server's weight version as it reports it (``GET /weight_info``), None when it does not answer."""
-    out: dict[str, Any] = {}
-    for s in pool.slots:
-        try:
-            out[s.url] = s.client.weight_version()
-        except ServerFault:
-            out[s.url] = None
-    return out

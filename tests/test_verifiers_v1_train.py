@@ -114,10 +114,10 @@ def check_trained(batch, seen, n: int) -> list:
 def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured, seen):  # noqa: F811
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.models.source import resolve_model_path
-    from tests.v1_fixtures import guessed
+    from tests.verifiers_v1_fixtures import guessed
 
     rows = make_split("train", 2)
-    r = train(tmp_path, {"env.source": "verifiers:tests.v1_fixtures:GuessTaskset"}, rows)
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_fixtures:GuessTaskset"}, rows)
     (batch,), (gen,) = captured
     m = r.metrics[-1]
     assert m["env/episodes"] == 4 and m["env/finish/done"] == 4 and m["agent/mismatched_sequences"] == 0
@@ -143,9 +143,9 @@ def test_verifiers_textarena_env_plays_guess_the_number(tmp_path, captured, seen
     need("textarena")
     from nanogrpo.envs.adapters.verifiers_v1.tasks import taskset_rows
 
-    rows = taskset_rows("tests.v1_textarena:GameTaskset", n=2)  # the taskset's own tasks: seeded games
-    r = train(tmp_path, {"env.source": "verifiers:tests.v1_textarena:GameTaskset", "env.max_turns": 2,
-                         "env.kwargs": {"player": CHAT}, "data.max_prompt_tokens": 1200,
+    rows = taskset_rows("tests.verifiers_v1_textarena:GameTaskset", n=2)  # its own tasks: seeded games
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_textarena:GameTaskset",
+                         "env.max_turns": 2, "env.kwargs": {"player": CHAT}, "data.max_prompt_tokens": 1200,
                          "env.max_observation_tokens": 300}, rows)
     (batch,), _ = captured
     m = r.metrics[-1]
@@ -184,8 +184,8 @@ def test_verifiers_openenv_env_through_an_env_server(tmp_path, captured, seen, o
 def test_environments_that_break_end_their_episode_and_the_run_goes_on(tmp_path, captured, seen):  # noqa: F811
     rows = [{"question": "Tom picks a number, 1-15. Guess it.", "answer": str(s), "secret": s, "id": f"t{s}"}
             for s in (1, 2, 3, 9)]
-    r = train(tmp_path, {"env.source": "verifiers:tests.v1_troubled:TroubledTaskset", "env.timeout_s": 20,
-                         "env.kwargs": {"agent": CHAT}, "rollout.prompts_per_step": 4,
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_troubled:TroubledTaskset",
+                         "env.timeout_s": 20, "env.kwargs": {"agent": CHAT}, "rollout.prompts_per_step": 4,
                          "env.error_penalty": -0.5}, rows, steps=2)
     assert len(r.metrics) == 2
     for m, batch in zip(r.metrics, captured[0]):
@@ -206,8 +206,8 @@ def test_an_env_server_that_dies_ends_its_episodes_and_is_started_again(tmp_path
     rows = [{"question": "Tom picks a number, 1-15. Guess it.", "answer": str(s), "secret": s, "id": f"t{s}"}
             for s in (13, 9)]
     kwargs = {"agent": CHAT, "taskset": {"kill_marker": str(marker)}}
-    r = train(tmp_path, {"env.source": "verifiers:tests.v1_troubled:TroubledTaskset", "env.server": "start",
-                         "env.kwargs": kwargs}, rows, steps=2)
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_troubled:TroubledTaskset",
+                         "env.server": "start", "env.kwargs": kwargs}, rows, steps=2)
     first, second = r.metrics
     # the secret-13 episode killed the server (SIGKILL) with every episode it was playing: counted, the
     # run went on; the next step's episodes ran on a server started again
@@ -218,10 +218,10 @@ def test_an_env_server_that_dies_ends_its_episodes_and_is_started_again(tmp_path
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    """The tiny tool-calling model: shipped in tests/data (344 KB, ``python -m tests.v1_tools OUT`` rebuilds
-    it: ten minutes of a loaded 2-core CPU), built here when missing."""
+    """The tiny tool-calling model: shipped in tests/data (344 KB, ``python -m tests.verifiers_v1_tools OUT``
+    rebuilds it: ten minutes of a loaded 2-core CPU), built here when missing."""
     need_verifiers("v1")
-    from tests.v1_tools import SHIPPED, build_tool_model
+    from tests.verifiers_v1_tools import SHIPPED, build_tool_model
 
     if (SHIPPED / "model.safetensors").is_file():
         return str(SHIPPED)
@@ -230,11 +230,12 @@ def tool_model(tmp_path_factory):
 
 def test_the_bash_harness_runs_the_models_command_in_the_subprocess_runtime(tmp_path, captured, seen,  # noqa: F811
                                                                              tool_model):
-    from tests.v1_tools import CALL, COMMAND
+    from tests.verifiers_v1_tools import CALL, COMMAND
 
     rows = [{"question": "Write 42 to answer.txt.", "answer": "42", "id": "answer"}]
-    r = train(tmp_path, {"env.source": "verifiers:tests.v1_tools:AnswerTaskset", "model.path": tool_model,
-                         "rollout.prompts_per_step": 1, "rollout.max_new_tokens": 120, "env.max_turns": 3,
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_tools:AnswerTaskset",
+                         "model.path": tool_model, "rollout.prompts_per_step": 1,
+                         "rollout.max_new_tokens": 120, "env.max_turns": 3,
                          "data.max_prompt_tokens": 300, "env.max_observation_tokens": 100,
                          "rollout.temperature": 0.1,  # the tiny model's habit, not its second guesses
                          "env.kwargs": {"agent": {"harness": BASH},
@@ -263,10 +264,10 @@ def test_nanogrpo_eval_plays_a_v1_environment(tmp_path):
     import subprocess
     from pathlib import Path
 
-    from tests.v1_fixtures import guessed
+    from tests.verifiers_v1_fixtures import guessed
 
     root = Path(__file__).resolve().parents[1]
-    source = "verifiers:tests.v1_fixtures:GuessTaskset"
+    source = "verifiers:tests.verifiers_v1_fixtures:GuessTaskset"
     out = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "nanogrpo.cli", "eval", "--model", "embedded-game", "--config", "demo-game",
            "--data", source, "--split", "train", "--n", "4", "--out", str(out), f"env.source={source}",

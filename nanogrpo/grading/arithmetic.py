@@ -1,6 +1,6 @@
 """Arithmetic over the numbers a text holds, exactly: ``6 × 7``, ``(1 + 2) ^ 2``, ``1,200 \\div 3``.
 
-The numbers are those :func:`nanogrpo.rewards.numbers.find_numbers` found; Python's own parser reads the
+The numbers are those :func:`nanogrpo.grading.numbers.find_numbers` found; Python's own parser reads the
 expression around them (``ast``), and only + - * / ** and brackets are evaluated, powers bounded.
 """
 
@@ -10,7 +10,7 @@ import ast
 import re
 from fractions import Fraction
 
-from nanogrpo.rewards.numbers import Num
+from nanogrpo.grading.numbers import Num
 
 __all__ = ["evaluate"]
 

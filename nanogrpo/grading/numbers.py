@@ -9,7 +9,7 @@ around it: ``1,234`` / ``1 234`` / ``1{,}234`` (thousands), ``-5`` / ``−5`` /
 quantities (``2 hours and 30 minutes``, ``5'6"``: :attr:`Num.measure`); the power of a
 unit or a variable (the 2 of ``m^2``) is no number of its own.
 :func:`find_number_words` reads numbers written in words ("forty-two",
-"one hundred and five", "a dozen", "two thirds", "negative five": :mod:`nanogrpo.rewards.number_words`).
+"one hundred and five", "a dozen", "two thirds", "negative five": :mod:`nanogrpo.grading.number_words`).
 
 A number can mean more than one value: ``25%`` is 25 (the reference is often the
 bare number) and 1/4; ``2100 cents`` is 2100 and 21 (dollars). Those land in
@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from nanogrpo.rewards.number_words import AMBIGUOUS_DENOMS, BELOW_ZERO_RE, DENOMS, NEG_WORD_RE, word_numbers
-from nanogrpo.rewards.units import Measure, compound_at
+from nanogrpo.grading.number_words import AMBIGUOUS_DENOMS, BELOW_ZERO_RE, DENOMS, NEG_WORD_RE, word_numbers
+from nanogrpo.grading.units import Measure, compound_at
 
 __all__ = ["Num", "MAX_DIGITS", "normalize", "find_numbers", "find_number_words", "read_number",
            "leading_number"]
@@ -115,7 +115,7 @@ class Num:
     """Written in words ("forty-two")."""
     measure: Measure | None = None
     """A compound quantity (``2 hours and 30 minutes``, ``$3 and 25 cents``): its kind and amount in the
-    kind's smallest unit (:mod:`nanogrpo.rewards.units`); ``values`` then hold its value in its first unit."""
+    kind's smallest unit (:mod:`nanogrpo.grading.units`); ``values`` then hold its value in its first unit."""
 
     @property
     def value(self) -> Fraction:
@@ -297,7 +297,7 @@ def _mixed_part(m: re.Match) -> Fraction | None:
 
 
 def find_number_words(text: str) -> list[Num]:
-    """Numbers written in words, in order (:func:`nanogrpo.rewards.number_words.word_numbers`)."""
+    """Numbers written in words, in order (:func:`nanogrpo.grading.number_words.word_numbers`)."""
     return [Num(start, end, values, words=True) for start, end, values in word_numbers(text)]
 
 

@@ -25,7 +25,7 @@ else:
 from nanogrpo.config import Config  # noqa: E402
 from nanogrpo.launch import start, wait_healthy  # noqa: E402
 from tests.test_adapters_train import captured  # noqa: E402,F401 - the fixture
-from tests.test_v1_train import CHAT, QUICK, check_trained, seen, v1  # noqa: E402,F401 - fixtures
+from tests.test_verifiers_v1_train import CHAT, QUICK, check_trained, seen, v1  # noqa: E402,F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +51,16 @@ def server(tmp_path_factory):
         proc.wait(timeout=60)
 
 
-def test_v1_environments_train_on_the_server_tier(tmp_path, server, captured, seen):  # noqa: F811
+def test_verifiers_v1_environments_train_on_the_server_tier(tmp_path, server, captured, seen):  # noqa: F811
     import nanogrpo
     from nanogrpo.demos.game.task import make_split
     from nanogrpo.envs.adapters.verifiers_v1.tasks import taskset_rows
 
-    runs = [({"env.source": "verifiers:tests.v1_fixtures:GuessTaskset"}, make_split("train", 2)),
-            ({"env.source": "verifiers:tests.v1_textarena:GameTaskset", "env.server": "start",
+    runs = [({"env.source": "verifiers:tests.verifiers_v1_fixtures:GuessTaskset"}, make_split("train", 2)),
+            ({"env.source": "verifiers:tests.verifiers_v1_textarena:GameTaskset", "env.server": "start",
               "env.max_turns": 2, "env.kwargs": {"player": CHAT}, "data.max_prompt_tokens": 1200,
-              "env.max_observation_tokens": 300}, taskset_rows("tests.v1_textarena:GameTaskset", n=2))]
+              "env.max_observation_tokens": 300},
+             taskset_rows("tests.verifiers_v1_textarena:GameTaskset", n=2))]
     for i, (overrides, rows) in enumerate(runs):
         cfg = Config.load("demo-game", {**QUICK, **server, "train.steps": 2,
                                         "train.out": str(tmp_path / f"r{i}"), **overrides})

@@ -1,7 +1,7 @@
 """A verifiers 0.4 environment that breaks on purpose, by the number of the row (``secret``): 1 raises in
 ``run()``, 2 hangs, 3 hands back a trace whose first sampled token is not the one sampled, 13 kills the
 process it runs in once (an environment server's: ``env.server = "start"``; a file marks that it did);
-any other is the guess game (:mod:`tests.v1_fixtures`)."""
+any other is the guess game (:mod:`tests.verifiers_v1_fixtures`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import verifiers.v1 as vf
 
-from tests.v1_fixtures import GuessTask, GuessTaskset
+from tests.verifiers_v1_fixtures import GuessTask, GuessTaskset
 
 
 class TroubledConfig(vf.TasksetConfig):

@@ -1,6 +1,6 @@
 """A verifiers 0.4 task for an agent with a shell (the ``bash`` harness): write 42 to ``answer.txt``; the
 reward reads the file back from the runtime the harness ran the model's command in
-(``env.source = "verifiers:tests.v1_tools:AnswerTaskset"``). And a tiny model that calls the tool: a
+(``env.source = "verifiers:tests.verifiers_v1_tools:AnswerTaskset"``). And a tiny model that calls the tool: a
 char-level tokenizer with ``<tool_call>`` tokens and a chat template that renders tool calls and tool
 results (Hermes style, what ``renderers``' ``qwen3`` tool parser reads), taught to answer the task with
 one ``bash`` call and then ``done``."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import verifiers.v1 as vf
 
-SHIPPED = Path(__file__).parent / "data" / "v1-tool-model"
+SHIPPED = Path(__file__).parent / "data" / "verifiers-v1-tool-model"
 COMMAND = "echo 42 | tee answer.txt"
 CALL = '<tool_call>{"name": "bash", "arguments": {"command": "' + COMMAND + '"}}</tool_call>'
 TEMPLATE = (
@@ -50,7 +50,7 @@ def build_tool_model(out: Path, steps: int = 300) -> Path:
     import torch
     from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
 
-    from nanogrpo.demos.arithmetic.build import save, sft
+    from nanogrpo.demos.warm_start import save, sft
     from nanogrpo.models.tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()

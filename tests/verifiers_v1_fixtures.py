@@ -1,6 +1,6 @@
 """A verifiers 0.4 (v1) taskset written with its own classes, as a user writes one: guess the number in
-one reply, scored by a ``@vf.reward`` (``env.source = "verifiers:tests.v1_fixtures:GuessTaskset"``; the
-rows are the game demo's: ``question``, ``secret``)."""
+one reply, scored by a ``@vf.reward`` (``env.source = "verifiers:tests.verifiers_v1_fixtures:GuessTaskset"``;
+the rows are the game demo's: ``question``, ``secret``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``URL`` is the API base (``http://host:8000/v1``): requests go to ``URL/chat/completions``, and the
 model is ``rewards.judge_model`` or, when unset, the first one ``URL/models`` lists (a local vLLM or
 SGLang needs nothing more). Each row becomes one user message from the template
-(:mod:`nanogrpo.rewards.judge_prompts`), sent with ``temperature 0`` and ``max_tokens =
+(:mod:`nanogrpo.rewards.judges.templates`), sent with ``temperature 0`` and ``max_tokens =
 rewards.judge_max_tokens`` (``rewards.judge_request`` adds or, with null, removes body fields, e.g.
 ``{max_tokens = null, max_completion_tokens = 512}`` for models that want that), and the reply is
 read as a score.
@@ -25,7 +25,7 @@ Per batch:
   over N bytes`` (counted, not retried), so a judge that streams without end costs at most
   ``judge_concurrency x judge_max_reply_bytes`` of memory (:mod:`nanogrpo.http_limits`);
 - identical requests (the same completion twice in a group, a resumed run's replayed steps) are sent
-  once: the cache (:mod:`nanogrpo.rewards.judge_cache`) answers repeats without a request.
+  once: the cache (:mod:`nanogrpo.rewards.judges.reply_cache`) answers repeats without a request.
 
 The API key comes from the environment variable ``rewards.judge_api_key_env`` (default
 ``NANOGRPO_JUDGE_API_KEY``; unset: no ``Authorization`` header). It is never a flag or a config
@@ -50,8 +50,8 @@ from typing import Any
 from nanogrpo import http_limits
 from nanogrpo.errors import RewardError
 from nanogrpo.rewards.calls import BAD, ERROR, OK, TIMEOUT, Outcome, one_line
-from nanogrpo.rewards.judge_cache import Reply, ReplyCache, request_key
-from nanogrpo.rewards.judge_prompts import load_template, parse_score, render
+from nanogrpo.rewards.judges.reply_cache import Reply, ReplyCache, request_key
+from nanogrpo.rewards.judges.templates import load_template, parse_score, render
 
 __all__ = ["Judge"]
 

@@ -2,7 +2,7 @@
 and its taskset's ``load``) on a game that needs no downloaded data: ``GuessTheNumber-v0``. verifiers'
 ``TextArenaConfig`` lists only word games (Wordle, Hangman, ...), which need NLTK's word lists from the
 network; this module widens the game to any TextArena id and exports the pair as an environment
-package does (``env.source = "verifiers:tests.v1_textarena:GameTaskset"``)."""
+package does (``env.source = "verifiers:tests.verifiers_v1_textarena:GameTaskset"``)."""
 
 from __future__ import annotations
 

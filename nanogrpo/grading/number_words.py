@@ -1,7 +1,7 @@
 """Numbers written in words, read exactly: "forty-two", "one hundred and five", "a dozen", "half a
 dozen", "none", "one and a half", fractions ("two thirds", "a quarter", "three and two fifths"), with
 their signs ("negative five", "minus five" but not "ten minus five", "five below zero").
-:func:`nanogrpo.rewards.numbers.find_number_words` gives them as numbers.
+:func:`nanogrpo.grading.numbers.find_number_words` gives them as numbers.
 
 A phrase is at most 12 words; every pattern is bounded.
 """

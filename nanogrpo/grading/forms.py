@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from nanogrpo.rewards.latex import _BOX_RE, _DELIMS_RE, _unwrap
+from nanogrpo.grading.latex import _BOX_RE, _DELIMS_RE, _unwrap
 
 __all__ = ["choice", "choices", "words", "base_number", "clock", "clocks_in", "same_time", "as_interval",
            "is_interval", "math_segments", "math_segment_matches", "MATH_SEGMENT_RE"]

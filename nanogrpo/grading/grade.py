@@ -5,8 +5,8 @@ The reference is read once (cached) as what it is: a plain number (``42``, ``\\$
 another base (``1011_2``), or LaTeX (``\\frac{\\sqrt{3}}{2}``, ``[-1,4)``, ``1, 2, 3``,
 ``\\begin{pmatrix}3\\\\7\\end{pmatrix}``).
 
-The final answer is found as written (:func:`nanogrpo.rewards.latex.final_span`) and what a grader
-ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
+The final answer is found as written (:func:`nanogrpo.grading.latex.final_span`) and what a grader
+ignores is taken off (:func:`~nanogrpo.grading.latex.clean`). Then:
 
 - a plain number against a plain number: exact, as fractions (no math_verify call); a unit after it,
   however written (``96 m^2``, ``45 km/h``, ``-4°F``), is part of the number, not math; when the
@@ -14,7 +14,7 @@ ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
 - a compound quantity (``2 hours and 30 minutes``, ``5'6"``): in the unit the question asks for, and
   no value at all when it names none (the stricter reading; money is read in dollars);
 - against a number reference, an answer in words and numbers ("She has 42 apples left.", ``42 (6 ×
-  7)``, ``7 × 6 = 42``): the number reader of :mod:`nanogrpo.rewards.extract` (GSM8K-style), which
+  7)``, ``7 × 6 = 42``): the number reader of :mod:`nanogrpo.grading.extract` (GSM8K-style), which
   refuses hedges ("42 or 56"), ranges and negations; an expression (``\\sqrt{16}``, ``2^{10}``, a list
   ``5, -5``, anything with a variable) goes to math_verify instead, so that no number is picked out
   of ``2\\sqrt{2}``;
@@ -32,7 +32,7 @@ ignores is taken off (:func:`~nanogrpo.rewards.latex.clean`). Then:
   allow).
 
 A completion that announces nothing (no tags, no box, no "answer is") is read by the number reader
-against a number reference (its last sentence, as before), else by math_verify over the end of the
+against a number reference (its last sentence: extract's rule 4), else by math_verify over the end of the
 text after the reasoning when delimited math is there.
 """
 
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from nanogrpo.rewards import verify
-from nanogrpo.rewards.extract import OPEN, THINK_CLOSE, Answer, read_answer
-from nanogrpo.rewards.forms import (
+from nanogrpo.grading import verify
+from nanogrpo.grading.extract import Answer, read_answer
+from nanogrpo.grading.forms import (
     as_interval,
     base_number,
     choice,
@@ -58,9 +58,10 @@ from nanogrpo.rewards.forms import (
     same_time,
     words,
 )
-from nanogrpo.rewards.latex import MATH_NAMES, clean, final_span, plain_values, split_top
-from nanogrpo.rewards.numbers import Num, read_number
-from nanogrpo.rewards.units import Measure, drop_units, in_asked_unit, with_scale
+from nanogrpo.grading.latex import MATH_NAMES, clean, final_span, plain_values, split_top
+from nanogrpo.grading.numbers import Num, read_number
+from nanogrpo.grading.region import OPEN, THINK_CLOSE
+from nanogrpo.grading.units import Measure, drop_units, in_asked_unit, with_scale
 
 THINK_OPEN = "<think>"
 
@@ -289,7 +290,7 @@ def _hedged(raw: str) -> bool:
 
 def _last_interval(segments: list[re.Match], ref: Reference) -> str | None:
     """The interval the last delimited math of a sentence describes when it is an inequality and the
-    reference an interval (:func:`~nanogrpo.rewards.forms.as_interval`), else None."""
+    reference an interval (:func:`~nanogrpo.grading.forms.as_interval`), else None."""
     if not segments or not is_interval(ref.latex):
         return None
     return as_interval(clean(next(g for g in segments[-1].groups() if g is not None)))

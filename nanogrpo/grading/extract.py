@@ -1,6 +1,7 @@
 """Read a completion's final answer the way a careful human grader does.
 
-Where the answer is (the first rule that applies):
+Where the answer is (the first rule that applies; tags and new turns found by
+:mod:`nanogrpo.grading.region`):
 
 1. the last complete ``<answer>…</answer>`` block (an empty one means "no answer"); if a
    ``</think>`` follows it (a draft inside the think block) and a boxed or announced answer
@@ -18,12 +19,12 @@ the total is 42"), the only number, or the last number not taken from the questi
 earned $10 for 50 minutes" -> 10). An arithmetic expression alone (``6 × 7``) is left to
 math_verify.
 
-What is no answer: a value offered with another ("42 or 56", ``36, 42``, "12 (or 13)"), a
-range (``40-45``, "between 40 and 45", "6 to 7"), a negated value ("not 42"), an empty
-block, boxed values that disagree. A base model that runs on into a new turn
-("\\nQuestion: …", "\\nUser: …") after its answer is read up to that turn.
+What is no answer: a value offered with another, a range, a negated value
+(:mod:`nanogrpo.grading.hedges`: "42 or 56", ``40-45``, "not 42"), an empty block, boxed values that
+disagree. A base model that runs on into a new turn ("\\nQuestion: …", "\\nUser: …") after its answer
+is read up to that turn.
 
-Numbers are read by :mod:`nanogrpo.rewards.numbers`. The cost is linear in the length of the
+Numbers are read by :mod:`nanogrpo.grading.numbers`. The cost is linear in the length of the
 completion whatever it holds: tags are found with ``str.find``, numbers are parsed only in
 bounded windows (a region's first and last :data:`WINDOW` characters, an announcement's
 sentence), boxes are scanned a bounded distance, and no pattern can backtrack without bound.
@@ -37,13 +38,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from nanogrpo.rewards.arithmetic import evaluate
-from nanogrpo.rewards.numbers import Num, find_number_words, find_numbers, normalize
-from nanogrpo.rewards.units import Measure
+from nanogrpo.grading.arithmetic import evaluate
+from nanogrpo.grading.hedges import Hedged, check_hedges, unnegated
+from nanogrpo.grading.numbers import Num, find_number_words, find_numbers, normalize
+from nanogrpo.grading.region import answer_region, last_announcement
+from nanogrpo.grading.units import Measure
 
 __all__ = ["Answer", "read_answer", "extract_answer", "last_number", "WINDOW"]
 
-OPEN, CLOSE, THINK_CLOSE = "<answer>", "</answer>", "</think>"
 WINDOW = 400
 """Characters of a region read for its leading result, and of its last sentence."""
 _MAX_BOX = 400
@@ -64,15 +66,6 @@ class Answer:
     """A compound quantity's kind and amount (``2 hours and 30 minutes``; :attr:`Num.measure`)."""
 
 
-class _Hedged(Exception):
-    """The text names an answer but hedges it: no answer, and no looking elsewhere."""
-
-
-_NEW_TURN_RE = re.compile(r"\n[ \t>#*]{0,6}(?:Question|Problem|User|Human|Q|Instruction)[ \t*]{0,4}:"
-                          r"|<\|im_start\|>|<\|user\|>|<\|start_header_id\|>")
-_ANNOUNCE_RE = re.compile(
-    r"\banswer\b(?:\s{1,3}to\s{1,3}(?:the|this)\s{1,3}(?:question|problem))?[ \t]{0,3}(?:\*\*[ \t]{0,3})?"
-    r"(?:is\b|would\s{1,3}be\b|will\s{1,3}be\b|=|:)|####", re.IGNORECASE)
 _VALUE_START_RE = re.compile(r"[ \t\r\n*_`:=~≈>#\"']{0,12}(?:[-−–$(0-9½¼¾⅓⅔]|\\[(\[$]|\\(?:boxed|[dt]?frac)"
                              r"|(?:zero|none|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
                              r"twelve|[a-z]+teen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
@@ -93,18 +86,6 @@ _VERB_RE = re.compile(r"\b(?:is|are|was|were|has|have|had|will|would|can|could|m
                       r"gets?|got|makes?|made|costs?|sold|sells?|buys?|bought|takes?|took|gives?|gave|earns?|earned|"
                       r"pays?|paid|runs?|ran|reads?|lay|lays)\b", re.IGNORECASE)
 _EXPLAIN_RE = re.compile(r"[(\[—]|\b(?:because|since)\b", re.IGNORECASE)
-_AFTER_ALT_RE = re.compile(r"[ \t]{0,3}(?:\([ \t]{0,2})?"
-                           r"(?:(?P<list>,|;|\band\b)|/|\bor\b|\bto\b|-|~|\band/or\b)"
-                           r"(?:[ \t]{1,3}(?:maybe|perhaps)\b)?[ \t$\\]{0,4}(?=[0-9])", re.IGNORECASE)
-_LIST_END_RE = re.compile(r"[ \t]{0,3}(?:[A-Za-z]+[ \t]{0,3})?(?:$|[,;.)\n]|\b(?:and|or)\b)")
-_CHANGE_RE = re.compile(r"\b(?:dropp?e?d?|drops|fell|falls|rose|rises|went|goes|increased?|decreased?|grew|"
-                        r"grows|changed?|reduced?|cut|raised?|lowered?|moved?|climbed|sank)\b", re.IGNORECASE)
-_BEFORE_ALT_RE = re.compile(r"(?:\b(?:between|either)\s+[$\\]*\s*"
-                            r"|[0-9%]\s*(?:,|\bor|\bto|-|\band)\s*[$\\]*\s*)$", re.IGNORECASE)
-_OR_NEAR_RE = re.compile(r"\b(?:or|and/or)\s+(?:maybe\s+|perhaps\s+|possibly\s+|even\s+)?[$\\]*\s*(?=[0-9])",
-                         re.IGNORECASE)
-_NEGATED_RE = re.compile(r"(?:\bnot|n't|\bnever)\s+(?:equal\s+to\s+|be\s+|exactly\s+)?[$\\]*\s*$",
-                         re.IGNORECASE)
 _CONCLUSION_RE = re.compile(r"\b(?:so|therefore|thus|hence|total|altogether|overall|finally|result)\b",
                             re.IGNORECASE)
 _COPULA_RE = re.compile(r"\b(?:is|are|was|were|be|equals?(?:\s+to)?|makes?|comes\s+to|totals?|gives)\b"
@@ -132,7 +113,7 @@ def read_answer(completion: str, question: str | None = None) -> Answer | None:
     qnums = _question_values(question) if isinstance(question, str) else frozenset()
     try:
         return _read_completion(completion, qnums)
-    except _Hedged:
+    except Hedged:
         return None
 
 
@@ -157,33 +138,17 @@ def last_number(text: str) -> str | None:
 
 
 def _read_completion(text: str, qnums: frozenset[Fraction]) -> Answer | None:
-    first_close = text.find(CLOSE)
-    if first_close != -1 and text.rfind(OPEN, 0, first_close) != -1:
-        text = _cut_new_turn(text, first_close)
-        close = text.rfind(CLOSE)
-        start = text.rfind(OPEN, 0, close)
-        block = text[start + len(OPEN):close]
-        think_end = text.rfind(THINK_CLOSE)
-        if think_end > close:  # the block was a draft inside the think block
-            after = _announced(text[think_end + len(THINK_CLOSE):], qnums)
-            if after is not None:
-                return after
-        return _read_region(block, qnums)
-    open_at = text.rfind(OPEN)
-    if open_at != -1:  # an answer tag never closed (cut off, or forgotten)
-        return _read_region(text[open_at + len(OPEN):], qnums)
-    first_digit = next((i for i, c in enumerate(text[:2000]) if c.isdigit()), 0)
-    text = _cut_new_turn(text, first_digit)
-    found = _announced(text, qnums)
+    region = answer_region(text)
+    if region.after_think is not None:  # the block was a draft inside the think block
+        after = _announced(region.after_think, qnums)
+        if after is not None:
+            return after
+    if region.tagged:
+        return _read_region(region.text, qnums)
+    found = _announced(region.text, qnums)
     if found is not None:
         return found
-    return _last_sentence(text, qnums, region=False)
-
-
-def _cut_new_turn(text: str, after: int) -> str:
-    """``text`` up to a new turn a base model wrote after position ``after`` ("\\nQuestion: …")."""
-    m = _NEW_TURN_RE.search(text, after)
-    return text[:m.start()] if m is not None else text
+    return _last_sentence(region.text, qnums, region=False)
 
 
 def _announced(text: str, qnums: frozenset[Fraction], worded: bool = True) -> Answer | None:
@@ -191,7 +156,7 @@ def _announced(text: str, qnums: frozenset[Fraction], worded: bool = True) -> An
     ``worded=False`` skips announcements that do not start with their value ("the answer is found by
     multiplying 6 by 7", as opposed to "the answer is 42")."""
     box = _last_box(text)
-    ann = _last_announcement(text)
+    ann = last_announcement(text)
     if ann is not None and (box is None or ann.start() > box[0]) and (
             worded or _VALUE_START_RE.match(text, ann.end())):
         found = _read_tail(text, ann.end(), qnums)
@@ -201,24 +166,6 @@ def _announced(text: str, qnums: frozenset[Fraction], worded: bool = True) -> An
         _check_other_boxes(text, box)
         return _read_region(box[1], qnums, inner=True)
     return None
-
-
-def _last_announcement(text: str) -> re.Match | None:
-    """The last "answer is" / "Answer:" / "####" in ``text`` (looking back over at most 64 "answer"s)."""
-    found = None
-    pos = len(text)
-    for _ in range(64):
-        i = max(text.rfind("nswer", 0, pos), text.rfind("NSWER", 0, pos))
-        if i < 1:
-            break
-        found = _ANNOUNCE_RE.match(text, i - 1)
-        if found is not None:
-            break
-        pos = i
-    hashes = text.rfind("####")
-    if hashes != -1 and (found is None or hashes > found.start()):
-        found = _ANNOUNCE_RE.match(text, hashes)
-    return found
 
 
 def _read_tail(text: str, pos: int, qnums: frozenset[Fraction]) -> Answer | None:
@@ -263,8 +210,9 @@ def _braced(text: str, start: int) -> str | None:
 
 
 def _check_other_boxes(text: str, box: tuple[int, str]) -> None:
-    """Raise :class:`_Hedged` when a box in the same sentence as the last holds another number
-    ("if 6 per box, \\boxed{42}; if 8, \\boxed{56}"); an earlier sentence's box was a step or a draft."""
+    """Raise :class:`~nanogrpo.grading.hedges.Hedged` when a box in the same sentence as the last holds
+    another number ("if 6 per box, \\boxed{42}; if 8, \\boxed{56}"); an earlier sentence's box was a step
+    or a draft."""
     last = _box_values(box[1])
     pos = box[0]
     for _ in range(3):
@@ -275,7 +223,7 @@ def _check_other_boxes(text: str, box: tuple[int, str]) -> None:
         content = _braced(text, m.end()) if m is not None else None
         other = _box_values(content) if content is not None else ()
         if last and other and set(last).isdisjoint(other):
-            raise _Hedged
+            raise Hedged
 
 
 def _box_values(content: str) -> tuple[Fraction, ...]:
@@ -336,7 +284,7 @@ def _leading(text: str, nums: list[Num]) -> Answer | None:
     for concl in _CONCLUSION_RE.finditer(text, first.end, first.end + WINDOW):
         if any(concl.end() <= n.start < concl.end() + 30 for n in nums[1:]):
             return None  # "7 apples in a bag. So 6 bags hold 42": reasoning that ends in a result
-    _check_hedges(text, first)
+    check_hedges(text, first)
     return _as_answer(text, first)
 
 
@@ -347,7 +295,7 @@ def _last_sentence(text: str, qnums: frozenset[Fraction], region: bool = True) -
     if end_digit < 0:
         tail = normalize(text[-WINDOW:])
         words = find_number_words(tail)
-        kept = _unnegated(tail, words)
+        kept = unnegated(tail, words)
         if kept:
             return _as_answer(tail, _choose(tail, kept, qnums))
         return Answer(text) if region and not words and len(text) <= _MAX_TEXT else None
@@ -361,13 +309,13 @@ def _last_sentence(text: str, qnums: frozenset[Fraction], region: bool = True) -
     if e is not None:
         start = e.end()
     sentence = normalize(text[start:end])
-    nums = _unnegated(sentence, find_numbers(sentence))
+    nums = unnegated(sentence, find_numbers(sentence))
     if not nums:
         return None
     pick = _pick(sentence, nums, qnums)
     if isinstance(pick, Answer):
         return pick
-    _check_hedges(sentence, pick)
+    check_hedges(sentence, pick)
     return _as_answer(sentence, pick)
 
 
@@ -435,38 +383,6 @@ def _is_expression(s: str, nums: list[Num]) -> bool:
     rest = (s[:nums[0].start] + "".join(gaps) + s[nums[-1].end:]).replace("\\times", "×").replace(
         "\\cdot", "·").replace("\\div", "÷")
     return all(c in _EXPRESSION_CHARS for c in rest) and any(c in "+-*/×÷^·" for c in rest)
-
-
-def _negated(text: str, n: Num) -> bool:
-    return _NEGATED_RE.search(text, max(0, n.start - 30), n.start) is not None
-
-
-def _unnegated(text: str, nums: list[Num]) -> list[Num]:
-    """``nums`` without those a "not" / "n't" / "never" negates ("not 42")."""
-    low = text.lower()
-    if "not" not in low and "n't" not in low and "never" not in low:
-        return nums
-    return [n for n in nums if not _negated(text, n)]
-
-
-def _check_hedges(text: str, n: Num) -> None:
-    """Raise :class:`_Hedged` when ``n`` comes with an alternative or is the end of a range."""
-    alt = _AFTER_ALT_RE.match(text, n.end)
-    if alt is not None:
-        if alt.group("list") is None:
-            raise _Hedged  # "42 or 56", "40-45", "6 to 7"
-        other = find_numbers(text[alt.end():alt.end() + 40])
-        if other and _LIST_END_RE.match(text, alt.end() + other[0].end):
-            raise _Hedged  # "36, 42", "6 and 8" (not "$18, 9 eggs at $2 each")
-    near = _OR_NEAR_RE.search(text, n.end, n.end + 60)
-    if near is not None:
-        other = find_numbers(text[near.end():near.end() + 40])
-        if other and set(other[0].values).isdisjoint(n.values):
-            raise _Hedged
-    window = text[max(0, n.start - 30):n.start]
-    change = window.rstrip(" $\\").endswith("to") and _CHANGE_RE.search(text, 0, n.start)  # "fell to 20"
-    if _BEFORE_ALT_RE.search(window) and not window.rstrip().endswith(("=", "is", ":")) and not change:
-        raise _Hedged
 
 
 def _as_answer(text: str, n: Num) -> Answer:

@@ -53,26 +53,14 @@ def _load_file(spec: str, module: str) -> ModuleType:
     return mod
 
 
-def file_hint(spec: str, module: str, e: BaseException) -> str:
-    """What to write instead when ``module`` (of ``module:function``) is not importable at all: the file
-    form, ``module.py:function`` (``nanogrpo`` run as a command does not look in the current directory
-    for modules); empty when the module exists but failed inside."""
-    if not isinstance(e, ModuleNotFoundError) or e.name not in (module, module.split(".")[0]):
-        return ""
-    attr = spec.rpartition(":")[2]
-    path = Path(*module.split(".")).with_suffix(".py")
-    if path.is_file():
-        return f"; the file {path} is here: name it as {f'{path}:{attr}'!r}"
-    return (f"; name a file as {f'path/to/{path.name}:{attr}'!r}, or make {module!r} importable "
-            "(pip install it, or add its folder to PYTHONPATH)")
-
-
 def _load_module(spec: str, module: str) -> ModuleType:
     if _is_path(module):
         return _load_file(spec, module)
     try:
         return importlib.import_module(module)
     except (Exception, SystemExit) as e:
+        from nanogrpo.envs.imports import file_hint  # "module:attr" specs' shared hint
+
         raise RewardError(f"reward {spec!r}: cannot import module {module!r} ({_one_line(e)})"
                           f"{file_hint(spec, module, e)}") from None
 

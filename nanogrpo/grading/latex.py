@@ -1,11 +1,12 @@
 """The final answer of a completion as LaTeX, the way a competition grader reads it.
 
-:func:`final_span` finds the final answer with the rules of :mod:`nanogrpo.rewards.extract`
-(the last ``<answer>`` block, a box or an announcement in it or after a ``</think>`` that follows
-it; without tags the later of the last ``\\boxed{}`` and the last "the answer is …"), but keeps
-its text as written: no number is read out of ``\\frac{\\sqrt3}{2}``. Boxes written in one
-sentence ("$x = \\boxed{-2}$ and $x = \\boxed{5}$") are one answer, a list. Without tags, text
-after a ``</think>`` is where the answer is; the reasoning is read only when nothing follows it.
+:func:`final_span` finds the final answer with the rules of :mod:`nanogrpo.grading.region` (where)
+and :mod:`nanogrpo.grading.extract` (the last ``<answer>`` block, a box or an announcement in it or
+after a ``</think>`` that follows it; without tags the later of the last ``\\boxed{}`` and the last
+"the answer is …"), but keeps its text as written: no number is read out of ``\\frac{\\sqrt3}{2}``.
+Boxes written in one sentence ("$x = \\boxed{-2}$ and $x = \\boxed{5}$") are one answer, a list.
+Without tags, text after a ``</think>`` is where the answer is; the reasoning is read only when nothing
+follows it.
 
 :func:`clean` takes off what a grader ignores and keeps the rest of the LaTeX intact: math
 delimiters, ``\\boxed``, ``\\left`` / ``\\right``, ``\\displaystyle``, ``\\dfrac`` / ``\\tfrac``
@@ -13,8 +14,8 @@ delimiters, ``\\boxed``, ``\\left`` / ``\\right``, ``\\displaystyle``, ``\\dfrac
 degrees (``^\\circ``), ``\\$``, bold, units in ``\\text{}`` after a value, ``x \\in``, the
 variable of ``x = 5`` / ``f(x) = 3x - 1`` (one variable for all solutions), "or" / "and" between
 solutions (a list), a trailing period, a unit after a plain number however written (``72°F``,
-``60 km/h``; :mod:`nanogrpo.rewards.units`). :func:`plain_values` reads a plain number; answers of
-other forms (letters, words, bases, math inside a sentence) are read by :mod:`nanogrpo.rewards.forms`.
+``60 km/h``; :mod:`nanogrpo.grading.units`). :func:`plain_values` reads a plain number; answers of
+other forms (letters, words, bases, math inside a sentence) are read by :mod:`nanogrpo.grading.forms`.
 
 Every scan is bounded (:data:`WINDOW` characters around the answer, boxes of at most
 :data:`MAX_BOX` characters), and no pattern can backtrack without bound.
@@ -26,9 +27,9 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from nanogrpo.rewards.extract import CLOSE, OPEN, THINK_CLOSE, _cut_new_turn, _last_announcement
-from nanogrpo.rewards.numbers import leading_number, normalize
-from nanogrpo.rewards.units import unit_end
+from nanogrpo.grading.numbers import leading_number, normalize
+from nanogrpo.grading.region import answer_region, last_announcement
+from nanogrpo.grading.units import unit_end
 
 __all__ = ["Span", "final_span", "clean", "plain_values", "split_top", "braced_end", "MATH_NAMES", "WINDOW",
            "MAX_BOX"]
@@ -65,26 +66,14 @@ _JOIN_RE = re.compile(_DELIMS_GAP + r"(?:(?:and|or|&)\b|\\text\s{0,2}\{\s{0,3}(?
 def final_span(text: str) -> Span | None:
     """The final answer of ``text`` as written (module docstring), or None when it states none.
     An empty answer block is an empty span: an answer of nothing, not a reason to look elsewhere."""
-    first_close = text.find(CLOSE)
-    if first_close != -1 and text.rfind(OPEN, 0, first_close) != -1:
-        text = _cut_new_turn(text, first_close)
-        close = text.rfind(CLOSE)
-        start = text.rfind(OPEN, 0, close)
-        block = text[start + len(OPEN):close]
-        think_end = text.rfind(THINK_CLOSE)
-        if think_end > close:  # the block was a draft inside the think block
-            after = _announced(text[think_end + len(THINK_CLOSE):])
-            if after is not None:
-                return after
-        return _in_region(block)
-    open_at = text.rfind(OPEN)
-    if open_at != -1:
-        return _in_region(text[open_at + len(OPEN):])
-    think_end = text.rfind(THINK_CLOSE)
-    if think_end != -1 and text[think_end + len(THINK_CLOSE):].strip():
-        text = text[think_end + len(THINK_CLOSE):]  # the reasoning's drafts are not the answer
-    first_digit = next((i for i, c in enumerate(text[:2000]) if c.isdigit()), 0)
-    return _announced(_cut_new_turn(text, first_digit))
+    region = answer_region(text, past_think=True)  # without tags, the reasoning's drafts are not the answer
+    if region.after_think is not None:  # the block was a draft inside the think block
+        after = _announced(region.after_think)
+        if after is not None:
+            return after
+    if region.tagged:
+        return _in_region(region.text)
+    return _announced(region.text)
 
 
 def _in_region(region: str) -> Span:
@@ -99,7 +88,7 @@ def _announced(text: str) -> Span | None:
     """The later of the last box and the last announcement ("the answer is", "Answer:", "####",
     "**Final Answer**") in ``text``; None when there is neither."""
     box = _last_box_at(text)
-    ann = _last_announcement(text)
+    ann = last_announcement(text)
     header = _last_header(text)
     if header is not None and (ann is None or header.start() > ann.start()):
         ann = header

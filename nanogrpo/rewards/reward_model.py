@@ -1,8 +1,9 @@
 """``rm:PATH_OR_HUB_ID``: a sequence-classification reward model scores each (prompt, completion).
 
-A reward model is a model: it loads here, with the policy's loaders, and joins a run's rewards through
-:func:`reward_runner` (the runner every command builds), which gives
-:class:`~nanogrpo.rewards.RewardRunner` the maker of ``rm:`` specs (``judge:`` specs it builds itself).
+A reward model sits behind the runner's model-reward interface, as a judge does
+(:mod:`nanogrpo.rewards.judges`); it loads with the policy's loaders (:mod:`nanogrpo.models.load`), and
+:func:`model_rewards` is the maker of ``rm:`` specs that :func:`nanogrpo.rewards.reward_runner` (the runner
+every command builds) hands :class:`~nanogrpo.rewards.RewardRunner` (``judge:`` specs it builds itself).
 
 The model is a Hugging Face ``AutoModelForSequenceClassification`` with one output (Skywork-Reward,
 the OpenAssistant DeBERTa reward models and the like; a local directory or a hub id), loaded once, on
@@ -31,18 +32,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from nanogrpo.errors import ModelError, RewardError
-from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES, _saved_tokenizer_class, resolve_device
+from nanogrpo.models.load import GENERIC_TOKENIZER_CLASSES, resolve_device, saved_tokenizer_class
 from nanogrpo.models.source import resolve_model_path
 from nanogrpo.rewards.calls import ERROR, OK, Outcome, check_value, one_line
 from nanogrpo.rewards.entries import ModelReward
-from nanogrpo.rewards.runner import RewardRunner
 
-__all__ = ["RewardModel", "EMBEDDED_RM", "prompt_turns_of", "resolve_rm_source", "reward_runner",
-           "model_rewards"]
+__all__ = ["RewardModel", "EMBEDDED_RM", "prompt_turns_of", "resolve_rm_source", "model_rewards"]
 
 log = logging.getLogger("nanogrpo.rewards")
 
@@ -72,7 +71,7 @@ def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     exactly that; see :func:`nanogrpo.models.load.load_tokenizer`). A classifier needs no EOS token."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if _saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+    if saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
@@ -269,11 +268,3 @@ def model_rewards(cfg: Any, device: str = "auto") -> Callable[[str, str], ModelR
 
     return make
 
-
-def reward_runner(cfg: Any, rewards: Sequence[Any] | None = None, *, run_dir: Any = None) -> RewardRunner:
-    """A run's :class:`~nanogrpo.rewards.RewardRunner` from its :class:`~nanogrpo.config.Config`:
-    ``cfg.rewards`` (or ``rewards``: names, callables, model rewards, with ``cfg.rewards.weights``),
-    reward models on ``cfg.model.device`` unless ``rewards.rm_device`` names one, a judge's cache in
-    ``run_dir``."""
-    return RewardRunner.from_config(cfg.rewards, rewards, run_dir=run_dir,
-                                    make_rm=model_rewards(cfg.rewards, cfg.model.device))
