@@ -43,6 +43,7 @@ top-k / top-p support and renormalised, the distribution a sampler with those se
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def _num(x, default: float = 1.0) -> float:
     return default if x is None else float(x)
 
 
-LOGIT_MAPS: dict[str, object] = {
+LOGIT_MAPS: dict[str, Callable[[torch.nn.Module], LogitMap]] = {
     # logits = lm_head(h) * self.logit_scale (the model's attribute, config.logit_scale at init)
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"),
                     lambda m: LogitMap(scale=_num(getattr(m, "logit_scale", m.config.logit_scale)))),

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.algo.logprobs import LogitMap, acc_dtype, logit_map, position_ids_from_mask
+from nanogrpo.algo.logprobs import LeanHead, LogitMap, acc_dtype, logit_map, position_ids_from_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import ModelError
 
@@ -75,7 +75,7 @@ class LocalTeacher:
         :data:`~nanogrpo.algo.logprobs.PLAIN_HEAD_TYPES` nor :data:`~nanogrpo.algo.logprobs.LOGIT_MAPS`)."""
         fmap = logit_map(self.model)
         h = self.model.get_output_embeddings() if fmap is not None else None
-        if not isinstance(h, torch.nn.Linear):
+        if not (isinstance(h, LeanHead) or type(h) is torch.nn.Linear):  # (not a quantised Linear subclass)
             mtype = getattr(getattr(self.model, "config", None), "model_type", "?")
             raise ModelError(f"the teacher {self.name} ({mtype}) is not a family whose logits nanogrpo "
                              "computes from its last hidden state (a linear head, then the family's scale or "
