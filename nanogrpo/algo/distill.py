@@ -144,12 +144,17 @@ def sparse_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, support: 
 # temperature (the reverse-KL metric's sample, no gradient)
 
 
-def full_divergence(spec: DistillSpec, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
+def full_divergence(spec: DistillSpec, weight: torch.Tensor, bias: torch.Tensor | None,
+                    logit_map: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable:
     """``jsd`` over the vocabulary: the teacher tensor is its last hidden state (c, H_t), projected through
-    its head ``weight`` (V, H_t) / ``bias`` here (never a (N, C, V) tensor of the teacher's)."""
+    its head ``weight`` (V, H_t) / ``bias`` here (never a (N, C, V) tensor of the teacher's), then mapped
+    as the teacher's own forward maps it (``logit_map``: a scale, a soft cap;
+    :class:`~nanogrpo.algo.logprobs.LogitMap`)."""
 
     def div(s_logits: torch.Tensor, targets: torch.Tensor, t_hidden: torch.Tensor) -> torch.Tensor:
-        t_logits = F.linear(t_hidden.to(weight.dtype), weight, bias).to(s_logits.dtype)  # (c, V)
+        t_logits = F.linear(t_hidden.to(weight.dtype), weight, bias).to(s_logits.dtype)  # (c, V) the head's
+        if logit_map is not None:
+            t_logits = logit_map(t_logits)                             # (c, V) the teacher's logits
         if t_logits.shape[-1] != s_logits.shape[-1]:
             raise ValueError(f"the teacher's head has {t_logits.shape[-1]} outputs, the student's "
                              f"{s_logits.shape[-1]}: jsd over the vocabulary needs the same vocabulary")
@@ -229,10 +234,9 @@ SIGNALS: dict[str, Signal] = {
 }
 
 
-def divergence_fn(spec: DistillSpec, head: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                  ) -> Callable | None:
+def divergence_fn(spec: DistillSpec, head: tuple | None = None) -> Callable | None:
     """The per-chunk divergence the update computes for ``spec`` (None: the signal has none); ``head``:
-    the teacher's output head (weight, bias) for the whole-vocabulary ``jsd``."""
+    the teacher's output head (weight, bias[, logit map]) for the whole-vocabulary ``jsd``."""
     if not SIGNALS[spec.signal].uses_divergence:
         return None
     if spec.needs == "full":

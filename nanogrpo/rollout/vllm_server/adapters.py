@@ -63,6 +63,31 @@ def adapter_version(name: Any) -> int | None:
     return None
 
 
+def adapter_sync_metrics(time_s: float, send_s: float, adapter_bytes: int, servers: int,
+                         base: dict[str, float]) -> dict[str, float]:
+    """The metrics of one adapter sync (docs/guides/scaling-out.md has the table of every ``sync/*``):
+
+    - ``sync/adapter_mb``: the adapter, in MiB (written once, read by each server);
+    - ``sync/base_servers``, ``sync/base_mb``: the servers that got the frozen base weights whole (new to the
+      run or restarted: :class:`WeightSync`'s ``sync/servers``) and the MiB sent to them all (its
+      ``sync/mb``);
+    - ``sync/servers``: the servers holding the new adapter after the sync (those synced whole included);
+    - ``sync/mb``: every MiB sent, ``adapter_mb x servers + base_mb``;
+    - ``sync/send_s``: the seconds that moved them (the adapter written, the base to the servers that needed
+      it, every server's load and read-back), ``sync/mb_per_s`` = ``sync/mb / sync/send_s``;
+    - ``sync/time_s``: the whole sync (the adapter's tensors gathered, the old adapters unloaded too). No
+      serving server is paused on this path: it is the trainer's wait, not the servers'.
+
+    ``base``: the base sync's metrics (:meth:`WeightSync.sync` with ``back_only``; empty on ranks > 0)."""
+    mb = adapter_bytes / 2**20
+    base_servers = base.get("sync/servers", 0.0)
+    base_mb = base.get("sync/mb", 0.0) if base_servers else 0.0
+    moved = mb * servers + base_mb
+    return {"sync/time_s": time_s, "sync/send_s": send_s, "sync/adapter_mb": mb, "sync/base_mb": base_mb,
+            "sync/base_servers": base_servers, "sync/servers": float(servers), "sync/mb": moved,
+            "sync/mb_per_s": moved / send_s if send_s > 0 else float("nan")}
+
+
 class AdapterSync:
     """The adapter of ``module`` (a PEFT model) to every server of ``base.pool``; ``base`` is the full sync
     of the frozen base weights (a :class:`WeightSync` over them) for servers that need them whole.
@@ -117,12 +142,13 @@ class AdapterSync:
 
     def sync(self, version: int) -> dict[str, float]:
         """Give every reachable server version ``version``'s adapter (and the base weights to those that
-        need them). Every trainer rank calls it. Returns its metrics (``sync/time_s``, ``sync/mb``,
-        ``sync/adapter_mb``, ``sync/servers``, ``sync/base_servers``)."""
+        need them). Every trainer rank calls it. Returns its metrics (:func:`adapter_sync_metrics`; rank 0's
+        count the bytes, the other ranks' are zeros)."""
         from nanogrpo.models.lora import adapter_state_dict, write_adapter
 
         t0 = time.perf_counter()
         tensors = adapter_state_dict(self.module)  # every rank: FSDP2 gathers are collectives
+        t_send = time.perf_counter()
         nbytes = 0
         if self.rank == 0:
             nbytes = write_adapter(self.module, self.dir / adapter_name(version), tensors)
@@ -139,6 +165,7 @@ class AdapterSync:
             loaded += [s for s in self.pool.slots if id(s) in fresh and s.state == UP]
             for s in loaded:
                 self.pool.mark_synced(s, str(version))
+        t_sent = time.perf_counter()
         up = self.broadcast([s.url for s in self.pool.usable()] if self.rank == 0 else None)
         if self.rank != 0:
             for s in self.pool.slots:
@@ -155,10 +182,8 @@ class AdapterSync:
         self.history.append(version)
         if self.rank == 0:
             self._forget(self.floor(self.keep - 1))
-        mb = nbytes / 2**20
-        self.last = {"sync/time_s": time.perf_counter() - t0, "sync/adapter_mb": mb,
-                     "sync/mb": mb * len(loaded), "sync/servers": float(len(loaded)),
-                     "sync/base_servers": whole.get("sync/servers", 0.0)}
+        self.last = adapter_sync_metrics(time.perf_counter() - t0, t_sent - t_send, nbytes, len(loaded),
+                                         whole)
         return dict(self.last)
 
     def _forget(self, floor: int) -> None:

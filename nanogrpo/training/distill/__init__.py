@@ -104,7 +104,7 @@ class Distill(Terms, Part):
                 teacher.check_vocab_size(student)
             head = teacher.head()
         elif spec.signal == "jsd" and not teacher.remote:
-            teacher.head()  # a soft-capped head: refused now, not at the first step
+            teacher.head()  # a head nanogrpo cannot project (an unknown family): refused now
         sampled = spec.signal == "sampled"
         out = cls(spec, teacher,
                   temperature=cfg.rollout.logprob_temperature() if sampled else spec.temperature,

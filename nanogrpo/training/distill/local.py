@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.algo.logprobs import acc_dtype, lean_head, position_ids_from_mask
+from nanogrpo.algo.logprobs import LeanHead, LogitMap, acc_dtype, logit_map, position_ids_from_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import ModelError
 
@@ -67,15 +67,21 @@ class LocalTeacher:
         log.info("distillation teacher %s loaded on %s", path, device)
         return cls(model, tok, path)
 
-    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The teacher's output head (weight (V, H), bias or None); a one-line ModelError when it is not a
-        plain linear projection of the last hidden state (soft-capped logits, ...)."""
-        h = lean_head(self.model)
-        if h is None:
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None, LogitMap]:
+        """The teacher's output head: weight (V, H), bias or None, and what its forward does to the head's
+        output (:class:`~nanogrpo.algo.logprobs.LogitMap`: Cohere's and Granite's scales, Gemma's soft cap;
+        the identity for a plain head). A one-line ModelError when its logits are not known to be such a
+        function of its last hidden state (a family of neither
+        :data:`~nanogrpo.algo.logprobs.PLAIN_HEAD_TYPES` nor :data:`~nanogrpo.algo.logprobs.LOGIT_MAPS`)."""
+        fmap = logit_map(self.model)
+        h = self.model.get_output_embeddings() if fmap is not None else None
+        if not (isinstance(h, LeanHead) or type(h) is torch.nn.Linear):  # (not a quantised Linear subclass)
             mtype = getattr(getattr(self.model, "config", None), "model_type", "?")
-            raise ModelError(f"the teacher {self.name} ({mtype}) has no plain linear head, which "
-                             "distill.signal=jsd projects chunk by chunk: use distill.signal=sampled")
-        return h.weight, h.bias
+            raise ModelError(f"the teacher {self.name} ({mtype}) is not a family whose logits nanogrpo "
+                             "computes from its last hidden state (a linear head, then the family's scale or "
+                             "soft cap), which distill.signal=jsd projects chunk by chunk: use "
+                             "distill.signal=sampled")
+        return h.weight, h.bias, fmap
 
     def check_vocab_size(self, student: torch.nn.Module) -> None:
         """jsd over the whole vocabulary: the two heads must have as many outputs (TRL's check)."""
@@ -111,7 +117,7 @@ class LocalTeacher:
     def _topk(self, batch: RolloutBatch, train, temperature: float, k: int) -> dict[str, torch.Tensor]:
         from nanogrpo.training.micro import micro_batch_indices, trim_rows
 
-        w, b = self.head()
+        w, b, fmap = self.head()
         n, c = batch.completion_mask.shape
         lp = torch.zeros(n, c, dtype=torch.float32, device=batch.input_ids.device)
         top = torch.zeros(n, c, k, dtype=torch.float32, device=lp.device)
@@ -125,7 +131,7 @@ class LocalTeacher:
             vals, idx, own = [], [], []
             for i in range(0, hs.shape[0], train.logprob_chunk):
                 z = F.linear(hs[i:i + train.logprob_chunk], w, b).to(acc_dtype(w.dtype))  # (t, V)
-                z = z / temperature
+                z = fmap(z) / temperature                                   # (t, V) the teacher's logits / T
                 z = z.log_softmax(-1)
                 kept = z[:, :self.rows]                                     # (t, V') ids the student has
                 if k > kept.shape[-1]:
@@ -151,7 +157,7 @@ class LocalTeacher:
         the top-k log-probs (L-1, k) and ids (L-1, k)) under ``logits / temperature`` (what a vLLM server's
         ``prompt_logprobs`` hold; ``nanogrpo serve --teacher`` answers with it). ``rows`` sequences per
         forward, ``chunk`` positions per head projection."""
-        w, b = self.head()
+        w, b, fmap = self.head()
         dev = w.device
         out = []
         for a in range(0, len(seqs), rows):
@@ -166,7 +172,8 @@ class LocalTeacher:
                 hs, tg = h[i, n - len(s):], ids[i, n - len(s) + 1:]         # (L - 1, H), (L - 1,)
                 lp, rk, tv, ti = [], [], [], []
                 for j in range(0, hs.shape[0], chunk):
-                    z = (F.linear(hs[j:j + chunk], w, b).to(acc_dtype(w.dtype)) / temperature).log_softmax(-1)
+                    z = F.linear(hs[j:j + chunk], w, b).to(acc_dtype(w.dtype))  # (c, V) the head's
+                    z = (fmap(z) / temperature).log_softmax(-1)             # (c, V)
                     own = z.gather(-1, tg[j:j + chunk, None])                # (c, 1)
                     lp.append(own.squeeze(-1).float())
                     rk.append((z > own).sum(-1) + 1)
