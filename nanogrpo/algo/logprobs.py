@@ -51,7 +51,7 @@ from nanogrpo.algo.distill import chunked_divergence
 from nanogrpo.algo.support import MASKED, Support, active, keep_mask, support_threshold
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
-                    "olmo2", "smollm3", "gpt2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+                    "olmo2", "smollm3", "gpt2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "olmoe", "mixtral"}
 VISION_WRAPPERS = {"llava"}
 """Vision-language types whose head is their language model's: plain when that model's type is."""
 """Model types whose logits are exactly ``lm_head(last hidden state)``: the lean path applies.
