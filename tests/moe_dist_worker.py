@@ -58,8 +58,8 @@ def main() -> None:
         grads[f"router{i}"] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     out = torch.zeros(batch.completion_mask.shape)
     out[rows, :lp.shape[1]] = lp.detach()
-    save_file({"logprobs": out, "rows": rows.contiguous(), "flipped": torch.tensor(trace.stats.flipped), **grads},
-              str(Path(a.out) / f"rank{rank}.safetensors"))
+    save_file({"logprobs": out, "rows": rows.contiguous(), "flipped": torch.tensor(trace.stats.flipped),
+               **grads}, str(Path(a.out) / f"rank{rank}.safetensors"))
     leave_launched_rank(0)
 
 

@@ -287,6 +287,10 @@ def test_routes_that_do_not_fit_get_one_line():
         with pytest.raises(RouteError, match=msg):
             with replay_routes(model, routes, ids, am):
                 pass
+    inner = model.model                                                     # the decoder: not hooked
+    with pytest.raises(RouteError, match="ran outside a forward of the model the routes were armed on"):
+        with replay_routes(model, good, ids, am):
+            inner(input_ids=ids, attention_mask=am)
     other = ids.clone()
     other[0, -3] = 99                                                       # not the armed batch
     with pytest.raises(RouteError, match="replay/record was armed with another batch than the forward runs"):

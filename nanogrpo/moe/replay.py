@@ -71,6 +71,12 @@ class RouteTrace:
     tokens no forward ran (the last column); filled when the context exits."""
 
 
+def _in_backward() -> bool:
+    """Inside an autograd backward (where gradient checkpointing recomputes layers)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
+
+
 def _same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(T, k) expert ids each -> (T,) bool: the same set of experts."""
     return (a.sort(-1).values == b.sort(-1).values).all(-1)
@@ -177,7 +183,10 @@ class _Hooks:
 
     def _post(self, module, args, kwargs, output):
         cur = self.current
-        if cur is None or "own" not in cur:
+        if cur is None:
+            return
+        cur["done"] = True                  # its layers now run again only in a backward's recompute
+        if "own" not in cur:
             return
         own = cur.pop("own").view(cur["b"], cur["s"], self.spec.moe_layers, self.spec.top_k)
         if self.generation:
@@ -195,8 +204,10 @@ class _Hooks:
 
         def hook(module, args, output):
             cur = self.current
-            if cur is None:
-                return None
+            if cur is None or (cur.get("done") and not _in_backward()):
+                raise RouteError(f"MoE layer {spec.names[layer]} ran outside a forward of the model the "
+                                 "routes were armed on (a call to .forward() that skips its hooks?): "
+                                 "refusing to route it unseen")
             logits, weights, own = output
             t = int(own.shape[0])
             if t != cur["b"] * cur["s"]:
