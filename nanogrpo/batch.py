@@ -26,6 +26,10 @@ Layout (N sequences = groups * G, P prompt columns, C completion columns):
     pixel_values     float32 (P, D)      the prompts' images as patch rows (vision-language models);
     image_grid_thw   int64   (I, 3)      optional, the three together: (t, h, w) patches per image, and
     image_counts     int64   (N,)        images per sequence, sequence 0's first (``nanogrpo.algo.vision``)
+    routes           uint8 | int16 (N, P + C, M, K)  mixture-of-experts models: the K experts each of the M
+                                         MoE layers chose for each token, aligned with input_ids; 255 (uint8)
+                                         / -1 (int16) where none (padding, the last token); optional
+                                         (``nanogrpo.moe.routes``)
 
 Header: prompt_len, policy_version, group_size, and free-form ``meta`` (reward
 breakdown, question ids, ...), JSON-serialisable. Keys the split-mode trainer and server read:
@@ -77,6 +81,10 @@ IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_counts")
 """Optional as a set: a batch carries all three (its prompts have images) or none."""
 MAX_IMAGES_PER_SEQ = 64
 """The most images one sequence may carry on the wire."""
+ROUTES = "routes"
+"""Optional: mixture-of-experts routes (``nanogrpo.moe.routes``), checked by :func:`_check_routes`."""
+MAX_ROUTE_WIDTH = 1 << 16
+"""The most (MoE layers x top_k) entries per token on the wire."""
 
 
 class BatchError(ValueError):
@@ -105,6 +113,7 @@ class RolloutBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_counts: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape helpers
@@ -122,7 +131,7 @@ class RolloutBatch:
         return self.image_counts is not None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {k: getattr(self, k) for k in (*_SPEC, *IMAGE_FIELDS) if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in (*_SPEC, *IMAGE_FIELDS, ROUTES) if getattr(self, k) is not None}
         return out
 
     def images_of(self, rows: torch.Tensor | list[int]
@@ -147,9 +156,11 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------ validation
     def validate(self, vocab_size: int | None = None, max_seqs: int | None = None,
-                 max_len: int | None = None) -> None:
-        """Raise :class:`BatchError` (one line) unless every field agrees with the schema."""
-        validate_tensors(self.tensors(), self.prompt_len, self.group_size, vocab_size, max_seqs, max_len)
+                 max_len: int | None = None, num_experts: int | None = None) -> None:
+        """Raise :class:`BatchError` (one line) unless every field agrees with the schema.
+        ``num_experts``: the model's, bounding the expert ids of ``routes`` when it has them."""
+        validate_tensors(self.tensors(), self.prompt_len, self.group_size, vocab_size, max_seqs, max_len,
+                         num_experts)
         if not isinstance(self.policy_version, int) or self.policy_version < 0:
             raise BatchError(f"policy_version must be a non-negative int, got {self.policy_version!r}")
 
@@ -162,14 +173,14 @@ class RolloutBatch:
 
     @classmethod
     def from_bytes(cls, data: bytes, vocab_size: int | None = None, max_seqs: int | None = None,
-                   max_len: int | None = None) -> RolloutBatch:
+                   max_len: int | None = None, num_experts: int | None = None) -> RolloutBatch:
         """Decode and validate; any defect raises :class:`BatchError`."""
         header = _read_header(data)
         try:
             tensors = st_load(data)
         except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
             raise BatchError(f"body is not valid safetensors: {str(e).splitlines()[0][:200]}") from None
-        unknown = set(tensors) - set(_SPEC) - set(IMAGE_FIELDS)
+        unknown = set(tensors) - set(_SPEC) - set(IMAGE_FIELDS) - {ROUTES}
         if unknown:
             raise BatchError(f"unknown tensor(s) {sorted(unknown)}")
         missing = set(_SPEC) - _OPTIONAL - set(tensors)
@@ -177,7 +188,7 @@ class RolloutBatch:
             raise BatchError(f"missing tensor(s) {sorted(missing)}")
         batch = cls(**tensors, prompt_len=header["prompt_len"], group_size=header["group_size"],
                     policy_version=header["policy_version"], meta=header["meta"])
-        batch.validate(vocab_size, max_seqs, max_len)
+        batch.validate(vocab_size, max_seqs, max_len, num_experts)
         return batch
 
 
@@ -222,8 +233,35 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-finite number {name} in header")
 
 
+def _check_routes(t: dict[str, torch.Tensor], n: int, seq: int, num_experts: int | None) -> None:
+    """``routes``: (N, P + C, M, K) uint8 / int16, the none-value on padding, ids below ``num_experts``."""
+    r = t.get(ROUTES)
+    if r is None:
+        return
+    if not isinstance(r, torch.Tensor) or r.dtype not in (torch.uint8, torch.int16):
+        got = getattr(r, "dtype", type(r).__name__)
+        raise BatchError(f"routes must be a uint8 or int16 tensor, got {got}")
+    if r.dim() != 4 or tuple(r.shape[:2]) != (n, seq) or r.shape[2] < 1 or r.shape[3] < 1:
+        raise BatchError(f"routes has shape {tuple(r.shape)}, expected ({n}, {seq}, moe_layers, top_k)")
+    if r.shape[2] * r.shape[3] > MAX_ROUTE_WIDTH:
+        raise BatchError(f"routes of {r.shape[2]} layers x top {r.shape[3]}: over {MAX_ROUTE_WIDTH} a token")
+    none = 255 if r.dtype == torch.uint8 else -1
+    ids = r.long()
+    if r.dtype == torch.int16 and bool((ids < -1).any()):
+        raise BatchError("routes hold a negative expert id")
+    pad = ~t["attention_mask"].bool()                                        # (N, L)
+    if bool((ids[pad] != none).any()):
+        raise BatchError("routes on padding must be the none-value (255 for uint8, -1 for int16): routes "
+                         "not aligned with input_ids")
+    if num_experts is not None:
+        real = ids[ids != none]
+        if real.numel() and int(real.max()) >= num_experts:
+            raise BatchError(f"routes name expert {int(real.max())}; the model has {num_experts}")
+
+
 def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: int,
-                     vocab_size: int | None, max_seqs: int | None, max_len: int | None) -> None:
+                     vocab_size: int | None, max_seqs: int | None, max_len: int | None,
+                     num_experts: int | None = None) -> None:
     for name, (dtype, _) in _SPEC.items():
         if name not in t:
             if name in _OPTIONAL:
@@ -276,6 +314,7 @@ def validate_tensors(t: dict[str, torch.Tensor], prompt_len: int, group_size: in
         if not bool(lm.any(dim=1).all()):
             raise BatchError("every sequence needs at least one token in loss_mask")
     _check_teacher(t, vocab_size)
+    _check_routes(t, n, seq, num_experts)
     for name in ("rewards", "advantages", "old_logprobs", "ref_logprobs", "teacher_logprobs",
                  "teacher_topk_logprobs"):
         if name in t and not bool(torch.isfinite(t[name]).all()):

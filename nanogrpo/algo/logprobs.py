@@ -54,7 +54,7 @@ from nanogrpo.algo.distill import chunked_divergence
 from nanogrpo.algo.support import MASKED, Support, active, keep_mask, support_threshold
 
 PLAIN_HEAD_TYPES = {"qwen2", "qwen3", "llama", "mistral", "ministral", "qwen2_moe", "qwen3_moe", "phi3",
-                    "olmo2", "smollm3", "gpt2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+                    "olmo2", "smollm3", "gpt2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "olmoe", "mixtral"}
 """Model types whose logits are exactly ``lm_head(last hidden state)``: the lean path applies.
 (Gemma2/3 soft-cap their logits, Cohere and Granite scale them: :data:`LOGIT_MAPS`, not here.)
 Checked by ``tests/test_conformance.py``."""

@@ -21,6 +21,7 @@ from nanogrpo.config.distill import DistillConfig
 from nanogrpo.config.env import EnvConfig
 from nanogrpo.config.grpo import GrpoConfig
 from nanogrpo.config.model import ModelConfig
+from nanogrpo.config.moe import MoeConfig, check_moe
 from nanogrpo.config.rewards import RewardsConfig
 from nanogrpo.config.rollout import RolloutConfig, VllmConfig, VllmServerConfig
 from nanogrpo.config.run import EvalConfig, LogConfig, ServerConfig, TrainConfig
@@ -50,6 +51,7 @@ class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     watch: WatchConfig = Field(default_factory=WatchConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
@@ -65,6 +67,7 @@ class Config(_Strict):
             with_env(self.rewards)
         check_server_tier(self)
         check_distill(self)
+        check_moe(self)
         if self.env.source and self.tools.enabled:
             raise ValueError("env.source and tools.enabled both make multi-turn rollouts; use one (an "
                              "environment runs model-written code through its sandbox handle)")

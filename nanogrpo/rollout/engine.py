@@ -77,6 +77,12 @@ class Generation:
     images: list | None = None
     """Vision-language rollouts: each sequence's prompt images (:class:`~nanogrpo.data.images.VisionInputs`),
     set by the rollout that passed them (the batch carries them to the update)."""
+    routes: list[torch.Tensor | None] | None = None
+    """Mixture-of-experts models, when the engine records routes (``moe.routing_replay``): per sequence, the
+    experts each MoE layer chose for each token of its prompt (no padding) then its completion,
+    (prompt + completion tokens, moe_layers, top_k) uint8 / int16, ``NO_ROUTE`` where none was recorded
+    (the last token: never fed back); None for a sequence the engine returned no routes for
+    (:mod:`nanogrpo.moe.routes`). None: the engine records none."""
 
 
 @runtime_checkable

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -126,11 +127,15 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, eos_token_id: int | Sequence[int] | None = None,
-                 pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False):
+                 pad_token_id: int | None = None, *, tokenizer=None, ignore_eos: bool = False,
+                 record_routes: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = resolve_special_ids(model, tokenizer, eos_token_id, pad_token_id)
         self.ignore_eos = ignore_eos
+        self.record_routes = record_routes
+        """A mixture-of-experts model: each sequence's routes in ``Generation.routes``
+        (:class:`nanogrpo.moe.replay.GenerationRoutes`; ``moe.routing_replay`` sets it)."""
 
     @property
     def device(self) -> torch.device:
@@ -172,10 +177,11 @@ class HFEngine:
         if stops:
             kw["stopping_criteria"] = StoppingCriteriaList([_StopCriterion(stops, ids.shape[1])])
         cuda = ids.device.type == "cuda"
+        routes = _route_recorder(self.model) if self.record_routes else nullcontext()
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=[ids.device] if cuda else []), torch.no_grad():
+            with torch.random.fork_rng(devices=[ids.device] if cuda else []), torch.no_grad(), routes:
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
                 if cuda:
@@ -200,13 +206,24 @@ class HFEngine:
         if stops:
             comp, logprobs, reasons = cut_at_stop(stops, comp, logprobs, reasons)
         n_tok = sum(len(c) for c in comp)
+        per_seq = None
+        if self.record_routes:  # (prompt + completion tokens, moe_layers, top_k) per sequence
+            plens = mask.sum(1).tolist()
+            per_seq = routes.samples(plens, [len(c) for c in comp], ids.shape[1])
         return Generation(comp, logprobs, reasons,
                           stats={"generate_s": gen_s, "new_tokens": float(n_tok),
-                                 "decode_steps": float(new.shape[1]), "tok_per_s": n_tok / max(gen_s, 1e-9)})
+                                 "decode_steps": float(new.shape[1]), "tok_per_s": n_tok / max(gen_s, 1e-9)},
+                          routes=per_seq)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy new weights into the live model's parameters (in place)."""
         load_in_place(self.model, state_dict)
+
+
+def _route_recorder(model):
+    from nanogrpo.moe.replay import GenerationRoutes
+
+    return GenerationRoutes(model)
 
 
 def load_in_place(model, state_dict: dict[str, torch.Tensor]) -> None:
