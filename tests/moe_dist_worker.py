@@ -39,7 +39,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from nanogrpo.training.distributed import init_distributed, leave_launched_rank, make_backend
-    from nanogrpo.training.step import _trim
+    from nanogrpo.training.micro import trim_rows
     from tests.test_moe import random_routes
 
     rank, world = init_distributed(a.backend)
@@ -48,7 +48,7 @@ def main() -> None:
     batch = the_batch(lambda ids: random_routes(spec, *ids.shape, seed=11, prompt_len=batch_tensors()[3]))
     be = make_backend(Config.model_validate({"train": {"backend": a.backend}}), model)
     rows = torch.arange(batch.num_seqs)[rank::world]
-    ids, am, p, lm, *_ = _trim(batch, rows)
+    ids, am, p, lm, *_ = trim_rows(batch, rows)
     with replay_routes(be.model, trim_routes(batch, rows), ids, am) as trace:
         lp = token_logprobs(be.model, ids, am, p, lm, share_prefix=be.prefix_sharing)
         be.backward(lp.sum(), last=True)

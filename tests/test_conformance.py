@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from nanogrpo.algo.logprobs import PLAIN_HEAD_TYPES
+from nanogrpo.algo.heads import PLAIN_HEAD_TYPES
 from tests.conformance import CASES, TOL, build, fast_checks, train_check
 
 IDS = [c.name for c in CASES]

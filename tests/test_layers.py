@@ -21,7 +21,8 @@ The layers, lowest first (README, "The source tree"):
                                              engines), the run monitor's rules (over metric rows)
     envs                                     multi-turn environments: the interface, loading, calling
     data                                     datasets and prompts (may read answers with grading)
-    models                                   loading, the embedded models and their warm starts
+    models, moe                              loading, the embedded models and their warm starts; mixtures of
+                                             experts' routers (routes recorded, replayed)
     rewards                                  running rewards: functions, reward models, judges
     rollout                                  engines and rollouts
     evaluation                               evaluation with the training rewards
@@ -63,7 +64,7 @@ LAYERS = [
     {"console", "hub", "grading", "tools", "transfer", "watch"},
     {"envs"},
     {"data"},
-    {"models"},
+    {"models", "moe"},
     {"rewards"},
     {"rollout"},
     {"evaluation"},

@@ -12,7 +12,8 @@ import torch
 import transformers as tf
 
 from nanogrpo.algo.distill import DistillSpec
-from nanogrpo.algo.logprobs import LOGIT_MAPS, LogitMap, lean_head, logit_map, token_logprobs
+from nanogrpo.algo.heads import LOGIT_MAPS, LogitMap, logit_map
+from nanogrpo.algo.logprobs import lean_head, token_logprobs
 from nanogrpo.config import load_config
 from nanogrpo.errors import ModelError
 from nanogrpo.models.tiny import make_model, make_tokenizer

@@ -165,9 +165,9 @@ def test_the_router_learns_under_replay_with_the_hand_written_gradient(fam):
 def test_prefix_sharing_micro_batches_and_the_full_path_follow_the_record():
     """The same routes replayed through every layout of the log-prob path give the same log-probs: one
     forward, the prompt once per group then the suffixes, row at a time (a head off the lean path), and
-    micro-batches (rows selected, columns trimmed as training/step.py's _trim does)."""
+    micro-batches (rows selected, columns trimmed as training/micro.py's trim_rows does)."""
     from nanogrpo.batch import RolloutBatch
-    from nanogrpo.training.step import _trim
+    from nanogrpo.training.micro import trim_rows
 
     model = build("qwen3_moe")
     spec = moe_spec(model)
@@ -196,7 +196,7 @@ def test_prefix_sharing_micro_batches_and_the_full_path_follow_the_record():
                          rewards=torch.zeros(n), advantages=torch.zeros(n), group_ids=torch.arange(n) // 2,
                          old_logprobs=torch.zeros(cm.shape), prompt_len=p, group_size=2, routes=routes)
     for rows, width in ((torch.tensor([2, 3]), 8), (torch.tensor([5, 1]), 12), (torch.tensor([3]), 4)):
-        mids, mam, mp, mlm, *_ = _trim(batch, rows)
+        mids, mam, mp, mlm, *_ = trim_rows(batch, rows)
         mr = trim_routes(batch, rows)
         assert mr.shape[:2] == mids.shape == (len(rows), width)
         with replay_routes(model, mr, mids, mam):

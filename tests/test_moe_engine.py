@@ -90,7 +90,7 @@ def test_r3_on_the_batch_s_micro_batches_gives_the_engine_s_log_probs(fam):
     """The loop's path: engine routes onto the batch, over the wire, micro-batches trimmed as the update
     trims them, each forward under replay of its slice: the trainer's log-probs are the engine's."""
     from nanogrpo.config import TrainConfig
-    from nanogrpo.training.step import _trim, micro_batch_indices
+    from nanogrpo.training.micro import micro_batch_indices, trim_rows
 
     model = build(fam)
     batch, _ = rollout(model, n=3, new=12)
@@ -99,7 +99,7 @@ def test_r3_on_the_batch_s_micro_batches_gives_the_engine_s_log_probs(fam):
     worst = 0.0
     for share in (True, False):
         for rows in micro_batch_indices(batch, train.micro_batch_size, 0, share_prefix=share):
-            ids, am, p, lm, beh, *_ = _trim(batch, rows)
+            ids, am, p, lm, beh, *_ = trim_rows(batch, rows)
             with replay_routes(model, trim_routes(batch, rows), ids, am) as tr:
                 lp = token_logprobs(model, ids, am, p, lm, share_prefix=share)
             assert tr.stats.flipped == 0 and tr.stats.shared_prompt_conflicts == 0

@@ -149,7 +149,7 @@ def full_divergence(spec: DistillSpec, weight: torch.Tensor, bias: torch.Tensor 
     """``jsd`` over the vocabulary: the teacher tensor is its last hidden state (c, H_t), projected through
     its head ``weight`` (V, H_t) / ``bias`` here (never a (N, C, V) tensor of the teacher's), then mapped
     as the teacher's own forward maps it (``logit_map``: a scale, a soft cap;
-    :class:`~nanogrpo.algo.logprobs.LogitMap`)."""
+    :class:`~nanogrpo.algo.heads.LogitMap`)."""
 
     def div(s_logits: torch.Tensor, targets: torch.Tensor, t_hidden: torch.Tensor) -> torch.Tensor:
         t_logits = F.linear(t_hidden.to(weight.dtype), weight, bias).to(s_logits.dtype)  # (c, V) the head's

@@ -36,7 +36,7 @@ LAYOUTS = {"qwen2_vl": "qwen", "qwen2_5_vl": "qwen", "qwen3_vl": "qwen", "llava"
 
 
 def _inner(model):
-    from nanogrpo.algo.logprobs import unwrap
+    from nanogrpo.algo.heads import unwrap
 
     inner = unwrap(model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -200,7 +200,7 @@ def forward_kwargs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | 
 
 def _plain(model) -> bool:
     """``model`` is the HF model itself (or a PEFT wrapper of it): no DDP / FSDP2 / DeepSpeed around it."""
-    from nanogrpo.algo.logprobs import unwrap
+    from nanogrpo.algo.heads import unwrap
 
     inner = unwrap(model)
     return inner is model and not any(c.__name__.startswith("FSDP") for c in type(model).__mro__)

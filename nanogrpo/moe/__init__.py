@@ -9,7 +9,8 @@ in the trainer's forward, the gate weights still computed from the trainer's own
     routes.py    route records: compact dtype, batch layout, micro-batch slices, vLLM's formats
     replay.py    hooks on the HF forward: replay a record, record the model's own, record generate()
     metrics.py   log-prob gap (mean |Δ|, k3 KL, share outside [1/τ, τ]) and router disagreement
-    part.py      RoutingReplay: what the training loop calls, and at which of its points
+
+What the training loop calls, and at which of its points: :class:`nanogrpo.training.routing.RoutingReplay`.
 """
 
 from nanogrpo.moe.families import (
@@ -20,9 +21,9 @@ from nanogrpo.moe.families import (
     moe_spec,
     prepare_for_training,
     require_moe,
+    route_dtype,
 )
 from nanogrpo.moe.metrics import mismatch_metrics, mismatch_sums, route_sums, router_disagreement
-from nanogrpo.moe.part import RoutingReplay
 from nanogrpo.moe.replay import (
     GenerationRoutes,
     RouteStats,
@@ -39,13 +40,12 @@ from nanogrpo.moe.routes import (
     from_server_choice,
     from_vllm,
     route_bytes,
-    route_dtype,
     trim_routes,
 )
 
 __all__ = [
     "GATES", "GenerationRoutes", "MoeSpec", "NO_ROUTE", "RouteError", "RouteStats", "RouteTrace",
-    "RoutingReplay", "batch_routes", "check_routes", "compare_routes", "from_completion_output",
+    "batch_routes", "check_routes", "compare_routes", "from_completion_output",
     "from_server_choice", "from_vllm", "is_moe", "mismatch_metrics", "mismatch_sums", "moe_spec",
     "prepare_for_training", "record_routes", "replay_routes", "require_moe", "route_bytes", "route_dtype",
     "route_sums", "router_disagreement", "trim_routes",

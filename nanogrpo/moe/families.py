@@ -44,6 +44,19 @@ class RouteError(ValueError):
     """Routes that do not fit the model or the batch, or a model replay cannot drive; one line."""
 
 
+MAX_EXPERTS = 32767
+"""The most experts a route record names (int16, -1 for none)."""
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest dtype that holds expert ids ``0 .. num_experts - 1`` and no-route (255 / -1)."""
+    if num_experts < 255:
+        return torch.uint8
+    if num_experts <= MAX_EXPERTS:
+        return torch.int16
+    raise RouteError(f"{num_experts} experts: route records hold at most {MAX_EXPERTS}")
+
+
 def softmax_gather(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Qwen2-MoE / Qwen3-MoE / OLMoE: softmax over all experts, the chosen ones' probabilities,
     renormalised under ``norm_topk_prob``. logits (T, E), idx (T, k) -> (T, k) in the logits' dtype."""
@@ -101,8 +114,6 @@ class MoeSpec:
 
     @property
     def route_dtype(self) -> torch.dtype:
-        from nanogrpo.moe.routes import route_dtype
-
         return route_dtype(self.num_experts)
 
     @property

@@ -22,7 +22,7 @@ import torch
 
 from nanogrpo.algo.corrections import logprob_gap_stats
 
-STAT_OPS = {"mismatch_tokens": "sum", "logprob_gap_sum": "sum", "logprob_gap_max": "max",
+STAT_OPS = {"mismatch_tokens": "sum", "mismatch_abs_sum": "sum", "mismatch_abs_max": "max",
             "mismatch_kl_sum": "sum", "mismatch_out_sum": "sum",
             "route_token_layers": "sum", "route_flipped": "sum"}
 """How each sum combines over micro-batches and ranks."""
@@ -37,7 +37,8 @@ def mismatch_sums(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tenso
     d = torch.where(m, t - engine.to(t.dtype), 0.0)                          # (N, C) log(π / μ)
     d = torch.nan_to_num(d, nan=0.0)
     lim = math.log(tau)
-    out = logprob_gap_stats(t, engine, m)                                    # logprob_gap_sum / _max
+    gap = logprob_gap_stats(t, engine, m)                                    # logprob_gap_sum / _max
+    out = {"mismatch_abs_sum": gap["logprob_gap_sum"], "mismatch_abs_max": gap["logprob_gap_max"]}
     out.update({"mismatch_tokens": m.sum(),
                 "mismatch_kl_sum": torch.where(m, torch.expm1(d) - d, 0.0).sum(),   # k3
                 "mismatch_out_sum": (m & (d.abs() > lim)).sum()})
@@ -72,7 +73,7 @@ def mismatch_metrics(tot: dict[str, float]) -> dict[str, float]:
     out = {}
     n = tot.get("mismatch_tokens", 0.0)
     if n:
-        out.update({"mismatch_abs": tot["logprob_gap_sum"] / n, "mismatch_abs_max": tot["logprob_gap_max"],
+        out.update({"mismatch_abs": tot["mismatch_abs_sum"] / n, "mismatch_abs_max": tot["mismatch_abs_max"],
                     "mismatch_kl": tot["mismatch_kl_sum"] / n,
                     "mismatch_ratio_out": tot["mismatch_out_sum"] / n})
     if tot.get("route_token_layers"):

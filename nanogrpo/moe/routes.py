@@ -13,7 +13,7 @@ Shapes:
   top_k), one row per token of the prompt (no padding) then of the completion;
 - in a batch (``RolloutBatch.routes``): (N, P + C, moe_layers, top_k), aligned with ``input_ids``:
   prompts left-padded, completions right-padded, :data:`NO_ROUTE` on padding (:func:`batch_routes`);
-- per micro-batch: the rows and columns ``training/step.py``'s ``_trim`` keeps (:func:`trim_routes`).
+- per micro-batch: the rows and columns ``training/micro.py``'s ``trim_rows`` keeps (:func:`trim_routes`).
 
 vLLM returns ``(tokens - 1, decoder layers, top_k)`` (uint8 for <= 256 experts, else uint16 / int32):
 in process as ``CompletionOutput.routed_experts`` (numpy), on its token route
@@ -38,18 +38,8 @@ from nanogrpo.moe.families import MoeSpec, RouteError
 NO_ROUTE = -1
 """No record for this token (unpacked value; stored as 255 in uint8, -1 in int16)."""
 ROUTE_DTYPES = (torch.uint8, torch.int16)
-MAX_EXPERTS = 32767
 MAX_NPY_BYTES = 1 << 30
 """The largest base64-decoded route array accepted from a server."""
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The smallest dtype that holds expert ids ``0 .. num_experts - 1`` and :data:`NO_ROUTE`."""
-    if num_experts < 255:
-        return torch.uint8
-    if num_experts <= MAX_EXPERTS:
-        return torch.int16
-    raise RouteError(f"{num_experts} experts: route records hold at most {MAX_EXPERTS}")
 
 
 def _sentinel(dtype: torch.dtype) -> int:
@@ -128,6 +118,46 @@ def batch_routes(per_row: Sequence[torch.Tensor | None], attention_mask: torch.T
     return out
 
 
+def pad_routes(per_row: Sequence[torch.Tensor | None], attention_mask: torch.Tensor,
+               prompt_len: int) -> torch.Tensor | None:
+    """The rollout's side of :func:`batch_routes`, before the model is known: per-sample records -> the
+    batch's (N, P + C, moe_layers, top_k) in the records' own shape and dtype, :data:`NO_ROUTE` on padding
+    and on rows without a record; None when no row has one. Whether they fit the model is checked where
+    they are used (:func:`check_routes`)."""
+    known = [r for r in per_row if r is not None]
+    if not known:
+        return None
+    tail, dtype = tuple(known[0].shape[1:]), known[0].dtype
+    if len(tail) != 2 or dtype not in ROUTE_DTYPES:
+        raise RouteError(f"route records of shape {tuple(known[0].shape)} and dtype {dtype}: expected "
+                         "(tokens, moe_layers, top_k) uint8 / int16")
+    n, width = attention_mask.shape
+    am = attention_mask.bool().cpu()
+    out = torch.full((n, width, *tail), _sentinel(dtype), dtype=dtype)        # (N, L, layers, k)
+    for i, r in enumerate(per_row):
+        if r is None:
+            continue
+        if tuple(r.shape[1:]) != tail:
+            raise RouteError(f"row {i}'s routes {tuple(r.shape)} differ in shape from row 0's {tail}")
+        plen, clen = int(am[i, :prompt_len].sum()), int(am[i, prompt_len:].sum())
+        if r.shape[0] != plen + clen:
+            raise RouteError(f"row {i}: routes for {r.shape[0]} tokens, the row has {plen} prompt + {clen} "
+                             "completion tokens")
+        out[i, prompt_len - plen:prompt_len + clen] = pack(unpack(r.cpu()), dtype)
+    return out
+
+
+def routes_defect(batch, spec: MoeSpec) -> str | None:
+    """Why ``batch.routes`` cannot be a record of ``spec``'s model (one line), or None (fits, or none)."""
+    if batch.routes is None:
+        return None
+    try:
+        check_routes(batch.routes, spec, "the batch's routes")
+    except RouteError as e:
+        return str(e)
+    return None
+
+
 def rows_without_routes(routes: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(N,) bool: rows with a real token that has no record, the row's last token apart (never fed back
     through the model, it has none from any engine). routes (N, L, layers, k), attention_mask (N, L)."""
@@ -139,7 +169,7 @@ def rows_without_routes(routes: torch.Tensor, attention_mask: torch.Tensor) -> t
 
 def trim_columns(attention_mask: torch.Tensor, completion_mask: torch.Tensor, prompt_len: int,
                  rows: torch.Tensor) -> tuple[int, int]:
-    """The columns ``training/step.py``'s ``_trim`` keeps for ``rows``: [lead, prompt_len + c), lead the
+    """The columns ``training/micro.py``'s ``trim_rows`` keeps for ``rows``: [lead, prompt_len + c), lead the
     leading all-padding prompt columns, c the longest completion (at least 1)."""
     am, cm = attention_mask[rows], completion_mask[rows]
     lead = int(torch.nonzero(am[:, :prompt_len].bool().any(0))[0])
@@ -148,7 +178,7 @@ def trim_columns(attention_mask: torch.Tensor, completion_mask: torch.Tensor, pr
 
 
 def trim_routes(batch, rows: torch.Tensor) -> torch.Tensor:
-    """``batch.routes`` of a micro-batch: rows ``rows``, the columns ``_trim`` keeps, so that they line up
+    """``batch.routes`` of a micro-batch: rows ``rows``, the columns ``trim_rows`` keeps, so that they line up
     with the ``input_ids`` the forward receives. (n, lead.. P + c, moe_layers, top_k)."""
     if batch.routes is None:
         raise RouteError("the batch carries no routes (moe.routing_replay=rollout needs an engine that "

@@ -383,13 +383,26 @@ class Collector:
                 lm[j, :len(m)] = torch.tensor(m, dtype=torch.bool)
         r = torch.tensor(s.total, dtype=torch.float32)                                 # (N,)
         batch = RolloutBatch(input_ids=ids, attention_mask=am, completion_mask=cm, loss_mask=lm,
-                             **_images_of(live, rows_b), rewards=r[rows_t], advantages=adv[rows_t],
+                             **_images_of(live, rows_b), routes=_routes_of(live, rows_b, am, p),
+                             rewards=r[rows_t], advantages=adv[rows_t],
                              group_ids=torch.tensor([i // g for i in rows_b], dtype=torch.int64),
                              old_logprobs=lp, prompt_len=p, group_size=size, policy_version=version,
                              truncated=torch.tensor(cut_b),
                              correct=torch.tensor([acc[i] > 0 for i in rows_b]),
                              meta={"ids": [str(s.rows[i // g].get("id", "")) for i in idx[::g]]})
         return batch, stats
+
+
+def _routes_of(live: list[_Round], rows: list[int], am: torch.Tensor, prompt_len: int) -> torch.Tensor | None:
+    """Mixture-of-experts models whose engine records routes: the experts each MoE layer chose for every
+    prompt and completion token of completions ``rows``, aligned with the batch (:mod:`nanogrpo.moe.routes`);
+    None otherwise."""
+    if all(getattr(x.gen, "routes", None) is None for x in live):
+        return None
+    from nanogrpo.moe.routes import pad_routes
+
+    per = [r for x in live for r in (x.gen.routes or [None] * len(x.gen.completion_ids))]  # per completion
+    return pad_routes([per[i] for i in rows], am, prompt_len)
 
 
 def _images_of(live: list[_Round], rows: list[int]) -> dict:

@@ -85,11 +85,17 @@ class SplitMode:
     def source(self, cfg: Config, backend, model, root: Path, fresh: bool) -> ServerFeed:
         """This rank's :class:`ServerFeed` (its inbox under ``root``; ``fresh``: a new run's, emptied)."""
         from nanogrpo.models.vision import image_token_error
+        from nanogrpo.moe import is_moe, moe_spec
+        from nanogrpo.moe.routes import routes_defect
+
+        spec = moe_spec(model) if is_moe(model) else None
+
+        def defect(b: RolloutBatch) -> str | None:  # images at odds with the tokens, routes of another model
+            return image_token_error(model, b) or (routes_defect(b, spec) if spec is not None else None)
 
         inbox = Inbox(Path(root) / "inbox", backend.rank, fresh=fresh)
         return ServerFeed(cfg, self.client, inbox, model.get_input_embeddings().num_embeddings,
-                          main=backend.is_main,
-                          check=lambda b: image_token_error(model, b))  # images at odds with their tokens
+                          main=backend.is_main, check=defect)
 
     def close(self) -> None:
         self.client.close()

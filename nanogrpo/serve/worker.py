@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         max_new = cfg.rollout.max_new_tokens
         engine = engine_for(cfg, model, tok, max_len=longest_context(cfg, tok, max_new) if episodes is None
                             else episodes.longest(max_new))
+        from nanogrpo.moe import is_moe
+
+        if is_moe(model) and hasattr(engine, "record_routes"):  # the trainer replays or measures them
+            engine.record_routes = True
         follower = WeightFollower(client, engine, WeightLayout.of_model(model), f"worker {worker_id}")
         if getattr(engine, "owns_weights", False):
             del model  # vllm holds its own copy of the weights; new ones come from the relay

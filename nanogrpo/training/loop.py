@@ -101,10 +101,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     item = run.source.next(run, step, run.take_pending(step))     # local | async pipeline | split mode
     item.version = version
     if not item.scored:
+        run.parts.after_rollout(run, item)                         # routes checked, the teacher's scores
         if run.ref is not None and item.batch is not None:        # the frozen reference (grpo.beta > 0)
-            item.batch.ref_logprobs = reference_logprobs(run.ref, item.batch, run.cfg, run.share_prefix,
-                                                         run.terms)
-        run.parts.after_rollout(run, item)                         # the teacher's scores, ...
+            share = run.share_prefix and run.terms.share_prefix(item.batch)
+            item.batch.ref_logprobs = reference_logprobs(run.ref, item.batch, run.cfg, share, run.terms)
     item.rollout_s = item.earlier_s + time.perf_counter() - t0
     t1 = time.perf_counter()
     sched = take_updates(run, step, item)
@@ -140,7 +140,7 @@ def step_row(run: Run, step: int, item: StepBatch, sched: Schedule | None, train
     every rank (a collective under several)."""
     be, cfg = run.backend, run.cfg
     results = sched.results if sched is not None else []
-    upd = step_metrics(results, sched.parts) if results else \
+    upd = step_metrics(results, sched.parts, run.terms.first_update) if results else \
         dict.fromkeys(("loss", "kl", "clip_frac", "grad_norm"), math.nan)
     step_s = item.rollout_s + train_s
     tokens = item.fields.get("completion_tokens", 0)

@@ -112,19 +112,20 @@ def _images(model, batch: RolloutBatch, rows: torch.Tensor):
 
 
 def forward_rows(model, batch: RolloutBatch, rows: torch.Tensor, mask: torch.Tensor | None,
-                 train: TrainConfig, share_prefix: bool, terms=None, head: bool = False, **stats):
+                 train: TrainConfig, share_prefix: bool, terms=None, kind: str = "pass", **stats):
     """One micro-batch's forward: ``batch``'s ``rows`` trimmed (:func:`trim_rows`; ``mask``: the trained
-    tokens), with their images, under ``terms.forward`` (``terms``: the run's
-    :class:`~nanogrpo.training.terms.Terms`, None: nothing added; ``head``: also what ``terms.head`` computes
-    beside the log-probs), through :func:`~nanogrpo.algo.logprobs.token_stats` (``stats``: its keywords).
+    tokens), with their images, through :func:`~nanogrpo.algo.logprobs.token_stats` (``stats``: its
+    keywords), under ``terms.forward(model, batch, rows, kind)`` (``terms``: the run's
+    :class:`~nanogrpo.training.terms.Terms`, None: nothing added). ``kind`` ``update``: the policy update's
+    forward, which also computes what ``terms.head`` asks for beside the log-probs, and whose context the
+    caller holds open through the backward (gradient checkpointing runs the forward again there).
     Returns (the trimmed rows as :func:`trim_rows` gives them, ``token_stats``' outputs)."""
     cut = trim_rows(batch, rows, mask)
     ids, am, p, lm = cut[:4]
-    if head and terms is not None:
+    if kind == "update" and terms is not None:
         stats["divergence"] = terms.head(batch, rows, ids, am, p, lm.shape[1])
-    context = terms.forward(batch, rows, batch.prompt_len - p, lm.shape[1]) if terms is not None \
-        else nullcontext()
-    with context:
+    opened = terms is not None and kind != "update"
+    with terms.forward(model, batch, rows, kind) if opened else nullcontext():
         out = token_stats(model, ids, am, p, lm, chunk=train.logprob_chunk, share_prefix=share_prefix,
                           mm=_images(model, batch, rows), **stats)
     return cut, out

@@ -94,7 +94,7 @@ def proximal_logprobs(batch: RolloutBatch | None, cfg: Config, be, share_prefix:
     if batch is not None:
         dt = acc_dtype(next(iter(be.module.parameters())).dtype)
         out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)  # (N, C)
-    for rows, lp, _, _ in no_grad_passes(batch, mask, train, be, share_prefix, terms,
+    for rows, lp, _, _ in no_grad_passes(batch, mask, train, be, share_prefix, terms, "proximal",
                                          temperature=cfg.rollout.logprob_temperature(),
                                          support=cfg.rollout.logprob_support()):
         out[rows, :lp.shape[1]] = lp.to(out.dtype)                                   # (n, c)
@@ -135,9 +135,11 @@ def run_updates(be, batch: RolloutBatch | None, cfg: Config, sched: Schedule, *,
     runs after each optimizer step (count the version, publish the weights, checkpoint), with ``sched.done``
     already counting it. ``terms``: what features add to the forwards and the loss
     (:class:`~nanogrpo.training.terms.Terms`)."""
-    share = cfg.train.share_prefix and be.prefix_sharing
+    terms = terms if terms is not None else Terms()
+    share = cfg.train.share_prefix and be.prefix_sharing and terms.share_prefix(batch)
     rows = mini_batch_rows(batch, sched.parts)
-    if sched.proximal is None and needs_proximal(cfg, sched.parts, not (fresh and exact)):
+    wanted = terms.wants_proximal and sched.total(cfg) > 1  # a feature's (R2 records the routes there)
+    if sched.proximal is None and (wanted or needs_proximal(cfg, sched.parts, not (fresh and exact))):
         sched.proximal = proximal_logprobs(batch, cfg, be, share, terms)
     while sched.done < sched.total(cfg):
         u = sched.done

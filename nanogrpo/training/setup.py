@@ -8,7 +8,8 @@
     the engine       fast / hf / vllm / vllm_server: rollouts and held-out evaluation
     the source       :class:`~nanogrpo.training.sources.LocalRollout`, ``AsyncRollout`` or split mode's
                      :class:`~nanogrpo.serve.feed.ServerFeed`
-    the parts        the server tier, distillation, mid-batch checkpoints (each from its own module)
+    the parts        the server tier, MoE routing replay, distillation, mid-batch checkpoints (each from its
+                     own module)
     the resume state the policy version, entropy control, each part's state, a step left mid-batch
     the logs         metrics and samples, the run monitor, the progress bar, held-out evaluation (rank 0)
 """
@@ -32,7 +33,7 @@ from nanogrpo.training.logging_sinks import RunLogger
 from nanogrpo.training.midbatch import MidBatchCheckpoints, read_pending
 from nanogrpo.training.prepare import PreparedRun
 from nanogrpo.training.run import Clock, Parts, Run
-from nanogrpo.training.terms import Terms
+from nanogrpo.training.terms import Terms, terms_of
 from nanogrpo.watch import Monitor
 
 log = logging.getLogger("nanogrpo.train")
@@ -73,9 +74,11 @@ def setup(prepared: PreparedRun, clock: Clock) -> Run | None:
         parts.append(tier)
     source = _source(prepared, backend, model, tok, engine, tier)
     parts.append(source)
-    if distill is not None:
-        parts.append(distill)
-    parts.append(MidBatchCheckpoints())
+    # the features, each a part from its own module (None: not this run's)
+    from nanogrpo.training.routing import RoutingReplay
+
+    parts += [p for p in (RoutingReplay.for_run(cfg, model, engine, engine_here=not split), distill,
+                          MidBatchCheckpoints()) if p is not None]
     resume_step = start_step if resume_from is not None else None
     logger = RunLogger(root, cfg, resume_step=resume_step,
                        fields={f"cpu_linear/{k}": v for k, v in linears.items()}) if main else None
@@ -88,7 +91,7 @@ def setup(prepared: PreparedRun, clock: Clock) -> Run | None:
         held_out = HeldOut(cfg, root, prepared.eval_rows, prepared.rewards, engine, tok, backend.module,
                            policy=None if sharded else backend.rollout_model(), tools=prepared.tools,
                            env=prepared.env)
-    run = Run(cfg, root, backend, tok, device, ref, source, parts, distill or Terms(),
+    run = Run(cfg, root, backend, tok, device, ref, source, parts, terms_of(parts),
               EntropyControl.from_config(cfg.grpo), RunLog(logger, monitor, main, source.label), held_out,
               evaluates, start_step, clock, engine=engine, linears=linears, resumed=resume_from is not None,
               reward_names=[s.strip() for s in cfg.rewards.functions] if split else prepared.rewards.specs)

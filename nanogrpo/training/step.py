@@ -37,7 +37,7 @@ zeroes every dropout probability on the modules (the saved config keeps its valu
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -74,20 +74,21 @@ class UpdateResult:
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, train: TrainConfig, share_prefix: bool,
                    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
-                   support: tuple[int, float] | None = None,
-                   terms: Terms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   support: tuple[int, float] | None = None, terms: Terms | None = None,
+                   kind: str = "pass") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, C) float32 (float64 for a float64 model) of the trained tokens (0 elsewhere), and with
     ``entropy`` the policy's entropies there, without gradients, over the micro-batches the update packs
     (length-sorted rows, all-padding columns dropped), so long-tailed completion lengths (multi-turn
     trajectories) cost little padding and tool output no log-prob; of ``logits / temperature`` (the run's
-    convention); under ``terms.forward`` (the run's :class:`~nanogrpo.training.terms.Terms`).
+    convention); under ``terms.forward`` (the run's :class:`~nanogrpo.training.terms.Terms`; ``kind``: what
+    the forward is to them).
     The reference forward, the top-ρ entropy threshold, and the trainer's log-probs before an update."""
     mask = batch.trained_mask if mask is None else mask
     dt = acc_dtype(next(iter(model.parameters())).dtype)                                      # float32 / 64
     out = torch.zeros(batch.completion_mask.shape, dtype=dt, device=batch.input_ids.device)    # (N, C)
     ent = torch.zeros_like(out) if entropy else None                                           # (N, C)
     for rows in micro_batch_indices(batch, train.micro_batch_size, train.micro_batch_tokens, share_prefix):
-        _, (lp, h) = forward_rows(model, batch, rows, mask, train, share_prefix, terms,
+        _, (lp, h) = forward_rows(model, batch, rows, mask, train, share_prefix, terms, kind,
                                   temperature=temperature, entropy="value" if entropy else "none",
                                   support=support)                                           # (n, c)
         out[rows, :lp.shape[1]] = lp.to(dt)
@@ -101,15 +102,16 @@ def reference_logprobs(ref: torch.nn.Module, batch: RolloutBatch, cfg: Config, s
     """Reference log-probs (N, C) float32 of the trained tokens (0 elsewhere) in the run's convention
     (``rollout.tempered_logprobs``: its temperature and support): :func:`batch_logprobs`."""
     return batch_logprobs(ref, batch, cfg.train, share_prefix, cfg.rollout.logprob_temperature(),
-                          support=cfg.rollout.logprob_support(), terms=terms)[0].float()
+                          support=cfg.rollout.logprob_support(), terms=terms, kind="reference")[0].float()
 
 
 def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train: TrainConfig, be,
-                   share_prefix: bool, terms: Terms | None = None, **stats):
+                   share_prefix: bool, terms: Terms | None = None, kind: str = "pass", **stats):
     """``token_stats`` over the update's micro-batches in eval mode under the update's autocast, for a
     caller under ``torch.no_grad``: yields (rows, log-probs (n, c), entropies (n, c) or None, loss mask
     (n, c)) per micro-batch. A collective on sharded backends: a rank with fewer micro-batches (or no
-    batch) runs empty forwards to match the others, as the update does."""
+    batch) runs empty forwards to match the others, as the update does. ``terms``, ``kind``: as
+    :func:`~nanogrpo.training.micro.forward_rows`'s."""
     fwd = be.model
     mbs = [] if batch is None else micro_batch_indices(batch, train.micro_batch_size,
                                                        train.micro_batch_tokens, share_prefix)
@@ -121,7 +123,7 @@ def no_grad_passes(batch: RolloutBatch | None, mask: torch.Tensor | None, train:
             with _autocast(be.module, train.autocast):
                 if k < len(mbs):
                     cut, (lp, ent) = forward_rows(fwd, batch, mbs[k], mask, train, share_prefix, terms,
-                                                  **stats)                                # (n, c) each
+                                                  kind, **stats)                          # (n, c) each
                     yield mbs[k], lp, ent, cut[3]
                 else:
                     _zero_loss(fwd, be.device, train.logprob_chunk)
@@ -137,7 +139,7 @@ def entropy_threshold_pass(batch: RolloutBatch | None, cfg: Config, be, share_pr
     micro-batches (``no_grad_passes``: a collective)."""
     mask = None if batch is None else trained_mask(batch, cfg.grpo)          # (N, C)
     parts = [torch.zeros(0, dtype=torch.float64)]
-    for _, _, ent, lm in no_grad_passes(batch, mask, cfg.train, be, share_prefix, terms,
+    for _, _, ent, lm in no_grad_passes(batch, mask, cfg.train, be, share_prefix, terms, "pass",
                                         temperature=cfg.rollout.logprob_temperature(),
                                         support=cfg.rollout.logprob_support(), entropy="value"):
         parts.append(ent[lm.bool()].double().cpu())                          # (t,)
@@ -178,7 +180,7 @@ def policy_update(be, batch: RolloutBatch | None, cfg: Config, *, on_policy: boo
     fwd = be.model
     spec = LossSpec.from_config(grpo, rollout)
     coef = grpo.entropy_coef if entropy_coef is None else entropy_coef
-    share = train.share_prefix and be.prefix_sharing
+    share = train.share_prefix and be.prefix_sharing and terms.share_prefix(batch)
     thr, n_ent = None, None
     if grpo.top_entropy_quantile < 1.0:
         thr, n_ent = entropy_threshold_pass(batch, cfg, be, share, terms)
@@ -198,32 +200,36 @@ def policy_update(be, batch: RolloutBatch | None, cfg: Config, *, on_policy: boo
     loss_sum, bad = 0.0, 0.0
     acc: dict[str, torch.Tensor] = {}
     for k in range(int(n_mb)):
-        with _autocast(be.module, train.autocast):
-            if k < len(mbs):
-                rows = mbs[k]
-                (_, _, _, lm, beh, ref, adv), (logp, ent, *head) = forward_rows(
-                    fwd, batch, rows, mask_all, train, share, terms, head=True,
-                    temperature=rollout.logprob_temperature(), support=rollout.logprob_support(),
-                    entropy="grad" if coef != 0.0 else "value")                      # (n, c) each
-                adv, extra, more = terms.loss(batch, rows, logp, head[0] if head else None, adv, lm)
-                trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
-                gap = logprob_gap_stats(logp if trainer_old is None else trainer_old, beh, lm.bool())
-                old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
-                loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm, totals,
-                                          behaviour=beh, proximal=trainer_old, entropy=ent,
-                                          entropy_mask=None if thr is None else entropy_mask(ent, lm, thr),
-                                          entropy_coef=coef, extra=extra)
-                kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
-                _accumulate(acc, {**stats, **gap, **more}, ops)
-            else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
-                loss = _zero_loss(fwd, be.device, train.logprob_chunk)
-        if not torch.isfinite(loss):
-            bad = 1.0
-            if be.world_size == 1:
-                be.zero_grad()
-                return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
-        be.backward(loss * be.world_size, last=k == int(n_mb) - 1)
+        with ExitStack() as forward:
+            if k < len(mbs):  # the terms' context spans the backward (gradient checkpointing recomputes)
+                forward.enter_context(terms.forward(fwd, batch, mbs[k], "update"))
+            with _autocast(be.module, train.autocast):
+                if k < len(mbs):
+                    rows = mbs[k]
+                    (_, _, _, lm, beh, ref, adv), (logp, ent, *head) = forward_rows(
+                        fwd, batch, rows, mask_all, train, share, terms, "update",
+                        temperature=rollout.logprob_temperature(), support=rollout.logprob_support(),
+                        entropy="grad" if coef != 0.0 else "value")                      # (n, c) each
+                    adv, extra, more = terms.loss(batch, rows, logp, head[0] if head else None, adv, lm)
+                    trainer_old = None if old_logprobs is None else old_logprobs[rows][:, :lm.shape[1]]
+                    gap = logprob_gap_stats(logp if trainer_old is None else trainer_old, beh, lm.bool())
+                    old, beh = anchor(spec.correction, on_policy, trainer_old, beh)
+                    top = None if thr is None else entropy_mask(ent, lm, thr)
+                    loss, stats = policy_loss(spec, logp, old, ref if spec.beta > 0 else None, adv, lm,
+                                              totals, behaviour=beh, proximal=trainer_old, entropy=ent,
+                                              entropy_mask=top, entropy_coef=coef, extra=extra)
+                    kept[rows, :logp.shape[1]] = logp.detach().to(kept.dtype)
+                    _accumulate(acc, {**stats, **gap, **more}, ops)
+                else:  # padding micro-batch: matches the other ranks' collectives, adds nothing
+                    loss = _zero_loss(fwd, be.device, train.logprob_chunk)
+            if not torch.isfinite(loss):
+                bad = 1.0
+                if be.world_size == 1:
+                    be.zero_grad()
+                    return UpdateResult(float("nan"), float("nan"), float("nan"), float("nan"), True)
+            be.backward(loss * be.world_size, last=k == int(n_mb) - 1)
         loss_sum += float(loss.detach())
+    _accumulate(acc, terms.stats(), ops)  # what the features counted outside the loss (their forwards)
     keys = list(ops)
     tot = dict(zip(["loss", "bad"] + keys, be.all_reduce([loss_sum, bad] + _stat_values(acc, keys, ops),
                                                          ["sum", "max"] + [ops[k] for k in keys])))
@@ -290,17 +296,19 @@ def _metrics(tot: dict[str, float], totals: BatchTotals, spec: LossSpec, coef: f
     return {k: (v if math.isfinite(v) else math.nan) for k, v in out.items()}
 
 
-def step_metrics(results: list[UpdateResult], per_pass: int = 1) -> dict[str, float]:
+def step_metrics(results: list[UpdateResult], per_pass: int = 1, first_update: tuple[str, ...] = ()
+                 ) -> dict[str, float]:
     """One step's metrics from its updates: loss, kl, grad norm, entropy and the correction stats of the
     first pass over the batch (its first ``per_pass`` = ``grpo.mini_batches`` optimizer steps: the batch as
     generated; means of their values, extremes of their extremes); clip fractions averaged and ratio
-    extremes over all of them."""
+    extremes over all of them. The log-prob gap, and ``first_update`` (features' measures of the weights
+    that sampled the batch: :attr:`~nanogrpo.training.terms.Terms.first_update`), the first step's alone."""
     first = results[0]
     out = {"loss": first.loss, "kl": first.kl, "clip_frac": first.clip_frac, "grad_norm": first.grad_norm,
            **first.metrics}
     if per_pass > 1:
         out.update(_pass_metrics(results[:per_pass]))
-        for k in ("logprob_gap", "logprob_gap_max"):  # the first optimizer step's: before any weight moved
+        for k in ("logprob_gap", "logprob_gap_max", *first_update):  # before any weight moved
             if k in first.metrics:
                 out[k] = first.metrics[k]
     done = [r for r in results if not r.skipped_nonfinite and r.metrics]

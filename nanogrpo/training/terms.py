@@ -4,15 +4,19 @@ The update (:func:`~nanogrpo.training.step.policy_update`) and every forward of 
 (:func:`~nanogrpo.training.micro.forward_rows`: the reference's, the proximal and entropy passes, the
 update's) ask the run's :class:`Terms` at these points, whatever the features:
 
-    forward(batch, rows, lead, c)       a context around one micro-batch's forward (``rows`` of ``batch``,
-                                        its columns from ``lead``, ``c`` completion columns)
+    share_prefix(batch)                 whether the batch's forwards may run a group's prompt once
+    forward(model, batch, rows, kind)   a context around one micro-batch's forward of ``model`` (``kind``:
+                                        ``update``, ``proximal``, ``reference`` or ``pass``; the update's
+                                        stays open through its backward)
     head(batch, rows, ids, am, p, c)    what the head computes beside the log-probs (``token_stats``'
                                         ``divergence``), or None
     loss(batch, rows, logp, head, adv, lm)   (advantages, an extra per-token loss or None, stats)
+    stats()                             stats gathered outside ``loss`` since the last call (per update)
     metrics(tot)                        the update's metrics from the stats summed over the batch
 
 :class:`Terms` itself adds nothing; on-policy distillation's teacher
-(:class:`~nanogrpo.training.distill.Distill`) is one. :class:`AllTerms` runs several in order.
+(:class:`~nanogrpo.training.distill.Distill`) and MoE routing replay
+(:class:`~nanogrpo.training.routing.RoutingReplay`) are terms. :class:`AllTerms` runs several in order.
 """
 
 from __future__ import annotations
@@ -27,9 +31,17 @@ class Terms:
     """Nothing added: the base every feature that acts inside the update overrides."""
 
     stat_ops: dict[str, str] = {}
-    """How each stat :meth:`loss` returns combines over micro-batches and ranks: ``sum``, ``min``, ``max``."""
+    """How each stat combines over micro-batches and ranks: ``sum``, ``min``, ``max``."""
+    first_update: tuple[str, ...] = ()
+    """Metrics a step takes from its first optimizer step alone (the weights that sampled the batch)."""
+    wants_proximal = False
+    """Whether a batch of several optimizer steps needs the forward over it before the first one
+    (:func:`~nanogrpo.training.schedule.proximal_logprobs`) for this feature's sake."""
 
-    def forward(self, batch, rows: torch.Tensor, lead: int, c: int):
+    def share_prefix(self, batch) -> bool:
+        return True
+
+    def forward(self, model, batch, rows: torch.Tensor, kind: str):
         return nullcontext()
 
     def head(self, batch, rows: torch.Tensor, ids: torch.Tensor, am: torch.Tensor, prompt_len: int, c: int):
@@ -38,6 +50,9 @@ class Terms:
     def loss(self, batch, rows: torch.Tensor, logp: torch.Tensor, head: Any, adv: torch.Tensor,
              lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         return adv, None, {}
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        return {}
 
     def metrics(self, tot: dict[str, float]) -> dict[str, float]:
         return {}
@@ -49,11 +64,16 @@ class AllTerms(Terms):
     def __init__(self, parts: list[Terms]):
         self.parts = parts
         self.stat_ops = {k: v for p in parts for k, v in p.stat_ops.items()}
+        self.first_update = tuple(k for p in parts for k in p.first_update)
+        self.wants_proximal = any(p.wants_proximal for p in parts)
 
-    def forward(self, batch, rows, lead, c):
+    def share_prefix(self, batch) -> bool:
+        return all(p.share_prefix(batch) for p in self.parts)
+
+    def forward(self, model, batch, rows, kind):
         stack = ExitStack()
         for p in self.parts:
-            stack.enter_context(p.forward(batch, rows, lead, c))
+            stack.enter_context(p.forward(model, batch, rows, kind))
         return stack
 
     def head(self, batch, rows, ids, am, prompt_len, c):
@@ -70,5 +90,14 @@ class AllTerms(Terms):
             stats.update(s)
         return adv, extra, stats
 
+    def stats(self):
+        return {k: v for p in self.parts for k, v in p.stats().items()}
+
     def metrics(self, tot):
         return {k: v for p in self.parts for k, v in p.metrics(tot).items()}
+
+
+def terms_of(parts: list) -> Terms:
+    """The run's terms: those of ``parts`` that act inside the update, as one (none: :class:`Terms`)."""
+    mine = [p for p in parts if isinstance(p, Terms)]
+    return mine[0] if len(mine) == 1 else AllTerms(mine) if mine else Terms()

@@ -15,7 +15,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from nanogrpo.algo.logprobs import LeanHead, LogitMap, acc_dtype, logit_map, position_ids_from_mask
+from nanogrpo.algo.heads import LogitMap, logit_map
+from nanogrpo.algo.logprobs import LeanHead, acc_dtype, position_ids_from_mask
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.errors import ModelError
 
@@ -69,10 +70,10 @@ class LocalTeacher:
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None, LogitMap]:
         """The teacher's output head: weight (V, H), bias or None, and what its forward does to the head's
-        output (:class:`~nanogrpo.algo.logprobs.LogitMap`: Cohere's and Granite's scales, Gemma's soft cap;
+        output (:class:`~nanogrpo.algo.heads.LogitMap`: Cohere's and Granite's scales, Gemma's soft cap;
         the identity for a plain head). A one-line ModelError when its logits are not known to be such a
         function of its last hidden state (a family of neither
-        :data:`~nanogrpo.algo.logprobs.PLAIN_HEAD_TYPES` nor :data:`~nanogrpo.algo.logprobs.LOGIT_MAPS`)."""
+        :data:`~nanogrpo.algo.heads.PLAIN_HEAD_TYPES` nor :data:`~nanogrpo.algo.heads.LOGIT_MAPS`)."""
         fmap = logit_map(self.model)
         h = self.model.get_output_embeddings() if fmap is not None else None
         if not (isinstance(h, LeanHead) or type(h) is torch.nn.Linear):  # (not a quantised Linear subclass)
