@@ -43,15 +43,15 @@ the same table):
   (:func:`nanogrpo.serve.weights.weights_cap`); every other answer (``/health``, ``/stats``,
   ``/upload``, ``/ack``, ``/weights/version``, a publish's answer) :data:`SMALL`. Past it: a
   :class:`~nanogrpo.serve.client.ServerError` at once, not retried.
-- The server tier's ``ServerClient`` (:mod:`nanogrpo.rollout.vllm_server.http`): a ``vllm serve``'s
+- The server tier's ``ServerClient`` (:mod:`nanogrpo.engines.vllm_server.http`): a ``vllm serve``'s
   ``POST /inference/v1/generate`` answer (one sample) at most 64 KiB + 1 KiB per token it may take
-  (:func:`~nanogrpo.rollout.vllm_server.http.generate_cap`); ``/health``, ``/pause``, ``/resume``,
+  (:func:`~nanogrpo.engines.vllm_server.http.generate_cap`); ``/health``, ``/pause``, ``/resume``,
   ``/weight_info``, ``/update_weight_version`` and the weight-transfer routes :data:`SMALL`. Past it: a
   ``ServerFault`` (that request fails on that server; a sync step's failure takes the server out).
 - ``openenv:URL`` (:mod:`nanogrpo.envs.adapters.openenv`): the server's ``/schema`` at start, at most
   1 MiB (past it: one line at start); its WebSocket messages at most ``env.kwargs.max_message_bytes``
   (1 MiB, the client library's own limit).
-- The agent endpoint (:mod:`nanogrpo.rollout.endpoint`) is a server: request bodies capped at 1 MiB
+- The agent endpoint (:mod:`nanogrpo.episodes.endpoint`) is a server: request bodies capped at 1 MiB
   while they stream (413).
 - Hub checks (:mod:`nanogrpo.hub`: a model's ``config.json`` in :mod:`nanogrpo.models.source`, a
   dataset in :mod:`nanogrpo.data.sources`): HEAD requests, so no body at all; headers are capped at

@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from nanogrpo.config import load_config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
+from nanogrpo.engines.session import WithoutSession
 from nanogrpo.envs import EnvRunner
+from nanogrpo.episodes.play import Episodes, EpisodeSettings, episode_return, generate_episodes
+from nanogrpo.episodes.render import ChatRenderer
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import rollout
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes, EpisodeSettings, episode_return, generate_episodes
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.render import ChatRenderer
-from nanogrpo.rollout.session import WithoutSession
 from tests import env_fixtures
 
 TOK = make_tokenizer()
@@ -371,9 +371,9 @@ import json, sys, time
 from nanogrpo.config import load_config
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes
-from nanogrpo.rollout.factory import make_engine
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.episodes.play import Episodes
+from nanogrpo.engines.factory import make_engine
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.config import Config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.vllm_server.engine import ServerEngine
+from nanogrpo.engines.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
+from nanogrpo.engines.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
 from nanogrpo.errors import ConfigError
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.vllm_server.engine import ServerEngine
-from nanogrpo.rollout.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
-from nanogrpo.rollout.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
 from nanogrpo.training.pipeline import Made, Pipeline, staleness
 
 
@@ -272,7 +272,7 @@ def test_a_server_gone_before_the_syncs_probe_is_taken_out_not_fatal(two):
 
     import torch
 
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
     from nanogrpo.training.pipeline import ServerTier
 
     a, b = two
@@ -402,8 +402,8 @@ def test_closing_the_pool_ends_waiting_and_in_flight_requests_at_once(two):
 
 @pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
-    from nanogrpo.rollout.vllm_server.contact import ServerUnreachable, connect
-    from nanogrpo.rollout.vllm_server.http import ServerRefused
+    from nanogrpo.engines.vllm_server.contact import ServerUnreachable, connect
+    from nanogrpo.engines.vllm_server.http import ServerRefused
 
     srv = serve()
     dead = url(srv)
@@ -421,7 +421,7 @@ def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
 
 @pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
-    from nanogrpo.rollout.vllm_server.contact import connect
+    from nanogrpo.engines.vllm_server.contact import connect
 
     a, _ = two
     srv = serve()
@@ -433,7 +433,7 @@ def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
 
 
 def test_a_server_with_another_model_is_refused_before_any_weights_move(two):
-    from nanogrpo.rollout.vllm_server.contact import ServerModelMismatch, connect
+    from nanogrpo.engines.vllm_server.contact import ServerModelMismatch, connect
 
     a, b = two
     pool = ServerPool([ServerClient(url(a)), ServerClient(url(b))])

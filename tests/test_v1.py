@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from nanogrpo.rollout.endpoint.episodes import Record
-from nanogrpo.rollout.trajectory import check_claimed
+from nanogrpo.episodes.endpoint.records import Record
+from nanogrpo.episodes.trajectory import check_claimed
 from tests.adapter_fixtures import need_verifiers
 from tests.test_endpoint import drive, start, tiny  # noqa: F401 - the fixture
 
@@ -51,7 +51,7 @@ def test_token_route_is_what_verifiers_and_the_server_tier_read(tiny):  # noqa: 
     from renderers.client import generate
     from renderers.default import DefaultRenderer
 
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine, StaleSample
+    from nanogrpo.engines.vllm_server.engine import ServerEngine, StaleSample
 
     model, tok = tiny
     ep, spy = start(tiny, budget=12)

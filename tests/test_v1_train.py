@@ -45,7 +45,7 @@ def v1(monkeypatch):
 def seen(monkeypatch):
     """The episodes verifiers handed back and the endpoint's record of every session, kept as they pass."""
     from nanogrpo.envs.adapters.verifiers_v1 import program, server
-    from nanogrpo.rollout.endpoint.server import Endpoint
+    from nanogrpo.episodes.endpoint.server import Endpoint
 
     out = {"episodes": [], "logs": []}
     real_result, real_close = program.result_of, Endpoint.close_session

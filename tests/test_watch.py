@@ -345,11 +345,11 @@ def test_no_rule_fires_on_the_shipped_demos_full_runs(stream):
 def test_every_shipped_demo_has_its_full_run_replayed():
     """A demo shipped without its stream here would go unchecked: nanogrpo bench watch --demos runs them all
     (nanogrpo.bench.watch.DEMOS), --export writes the streams."""
-    from nanogrpo import registry
+    from nanogrpo import entry_points
     from nanogrpo.bench.watch import DEMOS
 
-    assert sorted(DEMOS) == registry.preset_names()
-    assert sorted(p.stem for p in DATA.glob("*.jsonl")) == registry.preset_names()
+    assert sorted(DEMOS) == entry_points.preset_names()
+    assert sorted(p.stem for p in DATA.glob("*.jsonl")) == entry_points.preset_names()
     # the streams were recorded with the metric the entropy rule reads first
     for p in DATA.glob("*.jsonl"):
         assert any("sampled_nll" in json.loads(x) for x in p.read_text().splitlines()[1:]), p.name

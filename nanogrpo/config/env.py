@@ -1,4 +1,4 @@
-"""``[env]``: multi-turn environments (``nanogrpo.envs``; rollout in ``nanogrpo.rollout.episodes``)."""
+"""``[env]``: multi-turn environments (``nanogrpo.envs``; rollout in ``nanogrpo.episodes.play``)."""
 
 from __future__ import annotations
 

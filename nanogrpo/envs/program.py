@@ -12,9 +12,9 @@ it likes, through the OpenAI SDK (or any library built on it), then answers the 
         return 1.0 if check(reply, row) else 0.0  # or AgentResult(reward, success, info)
 
 During a rollout ``client`` points at nanogrpo's endpoint in front of the rollout engine
-(:mod:`nanogrpo.rollout.endpoint`: loopback only, a key per episode), which records every request's
+(:mod:`nanogrpo.episodes.endpoint`: loopback only, a key per episode), which records every request's
 token ids; the rollout assembles the episode's training sequences from them
-(:mod:`nanogrpo.rollout.trajectory`). A program that already reads ``OPENAI_BASE_URL`` /
+(:mod:`nanogrpo.episodes.trajectory`). A program that already reads ``OPENAI_BASE_URL`` /
 ``OPENAI_API_KEY`` runs unchanged given ``client.environ()``.
 
 - ``run(row, client)`` may be ``async def`` (``client.async_openai()``); it runs under
@@ -48,7 +48,7 @@ class ModelClient:
     session_key: str = ""
     """The key of the endpoint's token route sessions (``/inference/v1/generate`` with an
     ``X-Session-ID`` header naming the episode): for a client shared by many episodes, which cannot
-    carry a key per episode (:mod:`nanogrpo.rollout.endpoint.episodes`)."""
+    carry a key per episode (:mod:`nanogrpo.episodes.endpoint.records`)."""
     tokenizer: str = ""
     """Where the engine's tokenizer loads from (a directory or hub id): for programs that render
     prompts to token ids themselves."""
@@ -95,7 +95,7 @@ class AgentResult:
     """The program's own record of what to train (a library that keeps token ids, as verifiers 0.4's
     traces do), checked against the endpoint's record of every request: each sampled span must be a
     request's sampled tokens, with that request's prompt before it. None: the endpoint's record is
-    trained (:mod:`nanogrpo.rollout.trajectory`)."""
+    trained (:mod:`nanogrpo.episodes.trajectory`)."""
     sessions: list[str] = field(default_factory=list)
     """The token route sessions (``X-Session-ID``) whose requests are this episode's."""
 

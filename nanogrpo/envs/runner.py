@@ -1,5 +1,10 @@
 """Calling environments: many episodes at once, each call under a deadline, failures caught and counted.
 
+The line with :mod:`nanogrpo.episodes`: this module calls an environment's (or agent program's)
+methods and says what each call came to; it never sees a token. The episodes (what the model samples,
+how an observation is rendered and fed, what ends an episode and what it is worth) are played there,
+every call going through an :class:`EnvRunner`.
+
 :class:`EnvRunner` owns what a run's environments need: the factory (:mod:`nanogrpo.envs.load`), a
 pool of daemon worker threads for sync methods, one event loop (in a thread of its own) for
 ``async def`` methods, and the sandbox handle for environments that run model-written code. It is
@@ -139,7 +144,7 @@ class EnvSandbox:
 
     def run(self, code: str) -> tuple[str, str]:
         from nanogrpo.tools.protocols import Call
-        from nanogrpo.tools.registry import ToolRunner
+        from nanogrpo.tools.runner import ToolRunner
 
         if not isinstance(code, str):
             raise TypeError(f"sandbox.run takes the code as a string, not {type(code).__name__}")

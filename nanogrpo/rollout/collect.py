@@ -22,9 +22,9 @@ from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, refill_si
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import DataConfig, GrpoConfig, RolloutConfig
 from nanogrpo.data import encode_prompts
+from nanogrpo.engines.base import Engine, Generation, SamplingParams
 from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
-from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
 
 
 @dataclass

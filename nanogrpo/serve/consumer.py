@@ -228,8 +228,8 @@ def train_from_server(cfg: Config, url: str, resume_dir: Path | None = None) -> 
     evaluation = None
     if cfg.eval.every:  # held-out evaluation during training, by rank 0, as in single-process mode
         from nanogrpo.data import load_eval_rows
+        from nanogrpo.engines.factory import engine_for
         from nanogrpo.models.reward import reward_runner
-        from nanogrpo.rollout.factory import engine_for
         from nanogrpo.rollout.turns import longest_context
 
         if main:

@@ -22,11 +22,11 @@ from nanogrpo.algo.entropy import EntropyControl
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, save_config
 from nanogrpo.data import PromptSampler
+from nanogrpo.engines.factory import engine_for
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.cpu_linear import settle
 from nanogrpo.models.load import load_model, load_policy, resolve_device
 from nanogrpo.rollout.collect import rollout
-from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
 from nanogrpo.training.checkpoint import load_state
 from nanogrpo.training.logging_sinks import RunLogger, run_summary

@@ -5,7 +5,7 @@
   (``vf.TrainClientConfig``) pointed at nanogrpo's endpoint: verifiers renders each prompt to token ids
   with the model's own tokenizer (``renderers``) and calls the token route ``/inference/v1/generate``
   with the endpoint's session key, the trace id in ``X-Session-ID``; the endpoint records every
-  request (:mod:`nanogrpo.rollout.endpoint`).
+  request (:mod:`nanogrpo.episodes.endpoint`).
 - **In process** (``env.server`` empty): ``env.run_episode(task, ctx)`` on the environment runner's
   event loop, inside ``env.serving()`` (the interception server, shared tool servers), which is held
   while any episode of the rollout runs.
