@@ -12,8 +12,9 @@ from nanogrpo.engines.base import SamplingParams
 from nanogrpo.engines.factory import make_engine
 from nanogrpo.engines.session import WithoutSession
 from nanogrpo.envs import EnvRunner
-from nanogrpo.episodes.play import Episodes, EpisodeSettings, episode_return, generate_episodes
+from nanogrpo.episodes.play import Episodes, episode_return, generate_episodes
 from nanogrpo.episodes.render import ChatRenderer
+from nanogrpo.episodes.settings import EpisodeSettings
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
 from nanogrpo.models.tiny import make_tokenizer

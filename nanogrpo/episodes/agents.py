@@ -38,31 +38,13 @@ from typing import Any
 
 from nanogrpo.engines.base import Engine, MultiTurnGeneration, SamplingParams
 from nanogrpo.envs.program import ModelClient, as_agent_result, is_program
+from nanogrpo.envs.runner import Outcome
 from nanogrpo.episodes.endpoint import Endpoint, EndpointSettings
+from nanogrpo.episodes.settings import AgentSettings
 from nanogrpo.episodes.trajectory import Sequence, assemble, check_claimed
 
 FINISH_REASONS = ("done", "length", "max_turns", "too_long", "env_error", "env_timeout", "mismatch")
 BROKEN = ("env_error", "env_timeout", "mismatch")
-
-
-@dataclass
-class AgentSettings:
-    max_turns: int = 8
-    """Model calls per episode (``env.max_turns``)."""
-    max_len: int = 2048
-    """The longest context a request may build."""
-    error_penalty: float = -1.0
-    template: str = "auto"
-    model_name: str = "nanogrpo"
-    max_body_bytes: int = 1 << 20
-
-    @classmethod
-    def from_config(cls, cfg) -> AgentSettings:
-        e = cfg.env
-        longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + \
-            max(e.max_turns - 1, 0) * e.max_observation_tokens
-        name = cfg.model.path if isinstance(cfg.model.path, str) and cfg.model.path else "nanogrpo"
-        return cls(e.max_turns, longest, e.error_penalty, cfg.model.chat_template, name)
 
 
 @dataclass
@@ -290,9 +272,7 @@ def _raise(why: str):
     raise RuntimeError(why)
 
 
-def _bad(error: str):
-    from nanogrpo.envs.runner import Outcome
-
+def _bad(error: str) -> Outcome:
     return Outcome("error", error=error)
 
 

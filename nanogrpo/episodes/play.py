@@ -41,36 +41,12 @@ from typing import Any
 from nanogrpo.engines.base import Engine, MultiTurnGeneration, SamplingParams
 from nanogrpo.engines.session import open_session
 from nanogrpo.envs.base import EnvResultError, ObservationTooLong, as_step_result, text_bytes
+from nanogrpo.envs.runner import Outcome
 from nanogrpo.episodes.render import ChatRenderer, token_bytes
+from nanogrpo.episodes.settings import EpisodeSettings, longest_episode
 
 FINISH_REASONS = ("done", "length", "max_turns", "env_error", "env_timeout", "too_long")
 BROKEN = ("env_error", "env_timeout", "too_long")
-
-
-@dataclass
-class EpisodeSettings:
-    """What an episode rollout needs from the config (``[env]``, ``[data]``, ``[grpo]``)."""
-
-    max_turns: int = 8
-    max_observation_tokens: int = 256
-    max_prompt_tokens: int = 400
-    error_penalty: float = -1.0
-    discount: float = 1.0
-    system_prompt: str | None = None
-    template: str = "auto"
-
-    @classmethod
-    def from_config(cls, cfg) -> EpisodeSettings:
-        e = cfg.env
-        return cls(
-            e.max_turns,
-            e.max_observation_tokens,
-            cfg.data.max_prompt_tokens,
-            e.error_penalty,
-            cfg.grpo.turn_reward_discount,
-            cfg.data.system_prompt,
-            cfg.model.chat_template,
-        )
 
 
 @dataclass
@@ -138,92 +114,121 @@ class _Episode:
     error: str = ""
 
 
-def longest_episode(settings: EpisodeSettings, max_new: int) -> int:
-    """The longest context an episode can reach: its prompt, every sampled token and ``max_turns - 1``
-    observations."""
-    return (
-        settings.max_prompt_tokens
-        + max_new
-        + max(settings.max_turns - 1, 0) * settings.max_observation_tokens
-    )
-
-
 def episode_return(rewards: list[float], discount: float) -> float:
     return sum(r * discount**t for t, r in enumerate(rewards))
+
+
+@dataclass
+class _Started:
+    """The step's episodes once their environments were made and reset: the groups kept (every episode's
+    first observation rendered within ``max_prompt_tokens``) and what was dropped."""
+
+    eps: list[_Episode]
+    """The kept groups' episodes, in order."""
+    kept: list[int]
+    prompts: list[list[list[int]]]
+    """Per kept group, its episodes' prompts."""
+    dropped: int
+    long_prompts: int
+    dropped_envs: list[Any]
+    """The environments of the dropped groups (closed with the others)."""
 
 
 def generate_episodes(
     engine: Engine, tokenizer, runner, rows: list[dict], params: SamplingParams, settings: EpisodeSettings
 ) -> EpisodeGeneration:
     """``params.n`` episodes per row (see the module docstring)."""
-    n, budget = params.n, params.max_new_tokens
     render = ChatRenderer(tokenizer, settings.template, settings.system_prompt)
     per_token = token_bytes(tokenizer)
     prompt_cap = settings.max_prompt_tokens * per_token
-    t0 = time.perf_counter()
     obs_cap = settings.max_observation_tokens * per_token
+    t0 = time.perf_counter()
+    st = _start(runner, render, rows, params.n, settings, prompt_cap, obs_cap)
+    t_env = time.perf_counter() - t0
+    t_gen = 0.0
+    if st.eps:
+        t_gen, t_step = _run(engine, tokenizer, runner, render, st, params, settings, obs_cap)
+        t_env += t_step
+    elif st.dropped_envs:
+        runner.close_envs(st.dropped_envs)
+    returns = _returns(st.eps, settings)
+    return _generation(st, returns, t_gen, t_env)
+
+
+def _start(runner, render: ChatRenderer, rows: list[dict], n: int, settings: EpisodeSettings,
+           prompt_cap: int, obs_cap: int) -> _Started:
+    """An environment per episode, made and reset with its row; the groups whose ``n`` first
+    observations all render within ``max_prompt_tokens`` are kept."""
     made = runner.make(len(rows) * n, {"max_observation_bytes": max(prompt_cap, obs_cap)})
     eps = [_Episode(env=o.value if o.ok else None) for o in made]
     live_idx = [i for i, e in enumerate(eps) if e.env is not None]
-    starts = dict(
-        zip(
-            live_idx,
-            runner.call([eps[i].env for i in live_idx], "reset", [rows[i // n] for i in live_idx]),
-            strict=True,
-        )
-    )
-    t_env = time.perf_counter() - t0
+    answers = runner.call([eps[i].env for i in live_idx], "reset", [rows[i // n] for i in live_idx])
+    starts = dict(zip(live_idx, answers, strict=True))
     kept, prompts, dropped, long_prompts = [], [], 0, 0
     for g in range(len(rows)):
-        group = range(g * n, (g + 1) * n)
-        ids, too_long = [], False
-        for i in group:
-            o = starts.get(i)
-            if o is not None and o.status == "too_long":  # an adapter refused it before reading it whole
-                too_long = True
-                break
-            if o is None or not o.ok:
-                break
-            try:
-                obs = _observation(o.value)
-                if text_bytes(render.messages(obs), prompt_cap) > prompt_cap:
-                    too_long = True  # cannot fit in max_prompt_tokens: not tokenised
-                    break
-                ids.append(render.prompt(obs))
-            except EnvResultError as e:
-                runner.report("reset", _bad(e))
-                break
+        ids, too_long = _group_prompts(runner, render, [starts.get(i) for i in range(g * n, (g + 1) * n)],
+                                       prompt_cap)
         if too_long or (len(ids) == n and max(map(len, ids)) > settings.max_prompt_tokens):
             long_prompts += 1
-            continue
-        if len(ids) < n:
+        elif len(ids) < n:
             dropped += 1
-            continue
-        kept.append(g)
-        prompts.append(ids)
-    keep_eps = [i for g in kept for i in range(g * n, (g + 1) * n)]
-    kept_set = set(kept)
-    dropped_eps = [e.env for i, e in enumerate(eps) if e.env is not None and i // n not in kept_set]
-    eps = [eps[i] for i in keep_eps]
-    t_gen = 0.0
-    if eps:
-        longest = longest_episode(settings, budget)
-        if all(all(p == grp[0] for p in grp) for grp in prompts):  # the engine prefills each prompt once
-            session = open_session(engine, tokenizer, [grp[0] for grp in prompts], params, longest)
         else:
-            session = open_session(
-                engine, tokenizer, [p for grp in prompts for p in grp], replace(params, n=1), longest
-            )
+            kept.append(g)
+            prompts.append(ids)
+    kept_set = set(kept)
+    dropped_envs = [e.env for i, e in enumerate(eps) if e.env is not None and i // n not in kept_set]
+    return _Started([eps[i] for g in kept for i in range(g * n, (g + 1) * n)], kept, prompts, dropped,
+                    long_prompts, dropped_envs)
+
+
+def _group_prompts(runner, render: ChatRenderer, starts: list, prompt_cap: int
+                   ) -> tuple[list[list[int]], bool]:
+    """A group's prompts, its episodes' first observations rendered, up to the first episode that did not
+    start (its environment failed, or answered no observation); True when one cannot fit in
+    ``max_prompt_tokens`` (refused before it is tokenised)."""
+    ids: list[list[int]] = []
+    for o in starts:
+        if o is not None and o.status == "too_long":  # an adapter refused it before reading it whole
+            return ids, True
+        if o is None or not o.ok:
+            break
         try:
-            t_gen, t_step = _play(session, runner, render, tokenizer, eps, budget, settings, obs_cap)
-            t_env += t_step
-        finally:
-            session.close()
-            t1 = time.perf_counter()
-            runner.close_envs([e.env for e in eps] + dropped_eps)
-            t_env += time.perf_counter() - t1
-    elif dropped_eps:
-        runner.close_envs(dropped_eps)
+            obs = _observation(o.value)
+            if text_bytes(render.messages(obs), prompt_cap) > prompt_cap:
+                return ids, True  # cannot fit in max_prompt_tokens: not tokenised
+            ids.append(render.prompt(obs))
+        except EnvResultError as e:
+            runner.report("reset", _bad(e))
+            break
+    return ids, False
+
+
+def _run(engine: Engine, tokenizer, runner, render: ChatRenderer, st: _Started, params: SamplingParams,
+         settings: EpisodeSettings, obs_cap: int) -> tuple[float, float]:
+    """The kept episodes played to their end through one turn session, then every environment closed;
+    returns (generation seconds, environment seconds)."""
+    longest = longest_episode(settings, params.max_new_tokens)
+    if all(all(p == grp[0] for p in grp) for grp in st.prompts):  # the engine prefills each prompt once
+        session = open_session(engine, tokenizer, [grp[0] for grp in st.prompts], params, longest)
+    else:
+        session = open_session(
+            engine, tokenizer, [p for grp in st.prompts for p in grp], replace(params, n=1), longest
+        )
+    t_env = 0.0
+    try:
+        t_gen, t_env = _play(session, runner, render, tokenizer, st.eps, params.max_new_tokens, settings,
+                             obs_cap)
+    finally:
+        session.close()
+        t1 = time.perf_counter()
+        runner.close_envs([e.env for e in st.eps] + st.dropped_envs)
+        t_env += time.perf_counter() - t1
+    return t_gen, t_env
+
+
+def _returns(eps: list[_Episode], settings: EpisodeSettings) -> list[float]:
+    """Each episode's return (``error_penalty`` for a broken one); its success settled (a broken one
+    failed; else what the environment said, or a positive return)."""
     returns = [
         settings.error_penalty if e.finish in BROKEN else episode_return(e.rewards, settings.discount)
         for e in eps
@@ -233,6 +238,11 @@ def generate_episodes(
             e.success = False
         elif e.success is None:
             e.success = ret > 0
+    return returns
+
+
+def _generation(st: _Started, returns: list[float], t_gen: float, t_env: float) -> EpisodeGeneration:
+    eps = st.eps
     out = EpisodeGeneration(
         completion_ids=[e.ids for e in eps],
         logprobs=[e.logprobs for e in eps],
@@ -250,10 +260,10 @@ def generate_episodes(
             }
             for e, r in zip(eps, returns, strict=True)
         ],
-        kept=kept,
-        prompt_ids=[p for grp in prompts for p in grp],
+        kept=st.kept,
+        prompt_ids=[p for grp in st.prompts for p in grp],
     )
-    out.env_metrics = env_metrics(eps, returns, dropped, long_prompts, t_env)
+    out.env_metrics = env_metrics(eps, returns, st.dropped, st.long_prompts, t_env)
     return out
 
 
@@ -266,9 +276,7 @@ def _observation(value: Any):
     return obs
 
 
-def _bad(e: Exception):
-    from nanogrpo.envs.runner import Outcome
-
+def _bad(e: Exception) -> Outcome:
     return Outcome("error", error=str(e))
 
 
@@ -367,9 +375,7 @@ def _play(
     return t_gen, t_env
 
 
-def _too_long_outcome(error: str):
-    from nanogrpo.envs.runner import Outcome
-
+def _too_long_outcome(error: str) -> Outcome:
     return Outcome("too_long", error=error)
 
 
