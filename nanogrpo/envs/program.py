@@ -18,8 +18,11 @@ token ids; the rollout assembles the episode's training sequences from them
 ``OPENAI_API_KEY`` runs unchanged given ``client.environ()``.
 
 - ``run(row, client)`` may be ``async def`` (``client.async_openai()``); it runs under
-  ``env.timeout_s`` for the **whole episode** (model calls included); a program that raises, runs
-  past it or answers a non-finite reward gets ``env.error_penalty`` (counted), the run goes on.
+  ``env.timeout_s`` for the **whole episode** (model calls included), counted from when it starts; a
+  program that raises, runs past it or answers a non-finite reward gets ``env.error_penalty``
+  (counted), the run goes on. At most ``env.max_concurrent`` run at once; left at 0, a program's
+  ``episodes_at_once()`` (optional: how many of its episodes this machine can run at once, None for
+  no bound) says how many.
 - it answers a number (the reward; success when above 0), an :class:`AgentResult`, or a dict with
   ``reward`` (and optionally ``success``, ``info``).
 - a plain function ``fn(row, client)`` is a program through ``env.source = "agent:module:function"``
@@ -124,6 +127,14 @@ class Program:
 def agent(fn, **kwargs) -> Program:
     """``fn(row, client, **kwargs)`` as an agent program (``nanogrpo.train(env=agent(fn))``)."""
     return Program(fn, **kwargs)
+
+
+def episodes_at_once(program: Any) -> int | None:
+    """What ``program`` says this machine can run of its episodes at once (its optional
+    ``episodes_at_once()``, or an attribute of that name); None: no bound."""
+    hint = getattr(program, "episodes_at_once", None)
+    n = hint() if callable(hint) else hint
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def is_program(obj: Any) -> bool:

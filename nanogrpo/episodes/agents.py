@@ -31,17 +31,20 @@ failed episode's, a straggler's) are counted (``agent/unclaimed_requests``), nev
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanogrpo.engines.base import Engine, MultiTurnGeneration, SamplingParams
-from nanogrpo.envs.program import ModelClient, as_agent_result, is_program
+from nanogrpo.envs.program import ModelClient, as_agent_result, episodes_at_once, is_program
 from nanogrpo.envs.runner import Outcome
 from nanogrpo.episodes.endpoint import Endpoint, EndpointSettings
 from nanogrpo.episodes.settings import AgentSettings
 from nanogrpo.episodes.trajectory import Sequence, assemble, check_claimed
+
+log = logging.getLogger("nanogrpo.envs")
 
 FINISH_REASONS = ("done", "length", "max_turns", "too_long", "env_error", "env_timeout", "mismatch")
 BROKEN = ("env_error", "env_timeout", "mismatch")
@@ -75,10 +78,12 @@ class _Episode:
 class AgentEpisodes:
     """A run's agent programs: the environment runner that calls them, the endpoint they call."""
 
-    def __init__(self, runner, settings: AgentSettings):
+    def __init__(self, runner, settings: AgentSettings, limit: int | None = None):
         self.runner = runner
         """An :class:`~nanogrpo.envs.runner.EnvRunner` whose factory makes programs."""
         self.settings = settings
+        self.limit = limit
+        """Episodes running at once (``env.max_concurrent``, or what the program says); None: all."""
         self.endpoint: Endpoint | None = None
         self.probe: Any = None
         self.tokenizer_dir: str | None = None
@@ -91,8 +96,13 @@ class AgentEpisodes:
             if probe.ok:
                 runner.close_envs([probe.value])
             return None
-        out = cls(runner, AgentSettings.from_config(cfg))
+        limit = cfg.env.max_concurrent or episodes_at_once(probe.value)
+        out = cls(runner, AgentSettings.from_config(cfg), limit)
         out.probe = probe.value
+        if limit is not None:
+            log.info("environment %s: at most %d episodes at once (%s), each under env.timeout_s=%g s from "
+                     "its start", runner.source, limit, "env.max_concurrent" if cfg.env.max_concurrent
+                     else "what this machine runs of them; env.max_concurrent sets it", cfg.env.timeout_s)
         return out
 
     def longest(self, max_new: int) -> int:
@@ -175,8 +185,9 @@ class AgentEpisodes:
         calls0, gen0 = ep.batcher.calls, ep.batcher.generate_s
         ep.batcher.live = live.count
         done: list = []
-        worker = threading.Thread(target=lambda: done.append(self.runner.run_all(fns, "run", is_async)),
-                                  name="nanogrpo-agents", daemon=True)
+        worker = threading.Thread(
+            target=lambda: done.append(self.runner.run_all(fns, "run", is_async, limit=self.limit)),
+            name="nanogrpo-agents", daemon=True)
         worker.start()
         ep.serve(until=lambda: not worker.is_alive())
         worker.join()
@@ -202,6 +213,7 @@ class AgentEpisodes:
             extra_sequences=[e.seqs[:-1] for e in eps])
         out.env_metrics = agent_metrics(eps, ep, wall, calls)
         out.env_metrics["agent/unclaimed_requests"] = sum(len(g.records) for g in unclaimed)
+        self.runner.say_if_all_failed(out.env_metrics, [e.error for e in eps])
         return out
 
     def _episode(self, o, log, ep) -> _Episode:
@@ -289,6 +301,7 @@ def agent_metrics(eps: list[_Episode], ep: Endpoint | None, wall_s: float, calls
            "env/return_mean": sum(e.reward for e in eps) / k if eps else float("nan"),
            "env/success_rate": sum(e.success for e in eps) / k if eps else float("nan"),
            "env/groups_dropped": 0, "env/prompts_too_long": 0,
+           "env/failed": sum(e.finish in BROKEN for e in eps),
            "env/time_s": wall_s,
            "agent/requests": sum(e.requests for e in eps),
            "agent/sequences_per_episode": len(seqs) / k,

@@ -152,7 +152,9 @@ def generate_episodes(
     elif st.dropped_envs:
         runner.close_envs(st.dropped_envs)
     returns = _returns(st.eps, settings)
-    return _generation(st, returns, t_gen, t_env)
+    out = _generation(st, returns, t_gen, t_env)
+    runner.say_if_all_failed(out.env_metrics, [e.error for e in st.eps])
+    return out
 
 
 def _start(runner, render: ChatRenderer, rows: list[dict], n: int, settings: EpisodeSettings,
@@ -403,6 +405,7 @@ def env_metrics(
         "env/success_rate": sum(bool(e.success) for e in eps) / k if eps else float("nan"),
         "env/groups_dropped": dropped,
         "env/prompts_too_long": long_prompts,
+        "env/failed": sum(e.finish in BROKEN for e in eps),
         "env/time_s": env_s,
     }
     for why in FINISH_REASONS:

@@ -107,6 +107,20 @@ class V1Program:
                     stack, self._serving = self._serving, None
                     await stack.aclose()
 
+    def episodes_at_once(self) -> int | None:
+        """How many episodes this machine can run at once (:func:`nanogrpo.envs.program.episodes_at_once`):
+        one per CPU core this process may use when a seat's harness is a program started on this machine
+        for each turn (a runtime on this machine, ``subprocess`` or a container, and a harness that is not
+        the in-process ``nanogrpo-chat``): each start is seconds of CPU. None (no bound) otherwise, and
+        for an environment server elsewhere (``env.server`` an address)."""
+        if self.server and self.server != "start":
+            return None
+        try:
+            local = source.local_harness_seats(self.spec)
+        except Exception:  # noqa: BLE001 - a config verifiers reads differently: no bound, as without this
+            return None
+        return source.usable_cpus() if local else None
+
     # ------------------------------------------------------------------ episodes
 
     async def run(self, row: dict[str, Any], client: ModelClient) -> AgentResult:
