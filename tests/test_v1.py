@@ -120,7 +120,7 @@ def test_token_route_is_what_verifiers_and_the_server_tier_read(tiny):  # noqa: 
 
 def test_a_harness_run_as_a_process_per_turn_bounds_the_episodes_to_the_cpu_cores():
     """verifiers' ``null`` harness in the ``subprocess`` runtime (what nanogrpo pins by default) starts a
-    Python process per turn, seconds of CPU each: one episode per usable core at once (issue 50, item 12);
+    Python process per turn, seconds of CPU each: two episodes per usable core at once (issue 50, item 12);
     the in-process ``nanogrpo-chat`` harness, or a server elsewhere, is no bound."""
     need_verifiers("v1")
     import os
@@ -129,7 +129,7 @@ def test_a_harness_run_as_a_process_per_turn_bounds_the_episodes_to_the_cpu_core
 
     cores = len(os.sched_getaffinity(0))
     source = "tests.v1_fixtures:GuessTaskset"
-    assert load(source, {})().episodes_at_once() == cores
+    assert load(source, {})().episodes_at_once() == 2 * cores
     assert load(source, {"agent": {"harness": {"id": "nanogrpo-chat"}}})().episodes_at_once() is None
     assert load(source, {"agent": {"runtime": {"type": "prime"}}})().episodes_at_once() is None
     assert load(source, {}, "tcp://127.0.0.1:5999")().episodes_at_once() is None

@@ -141,7 +141,7 @@ def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured,
 
 def test_a_step_of_32_null_harness_episodes_keeps_the_default_deadline(tmp_path):
     """32 episodes of the null harness (a Python process each) under the default env.timeout_s (30 s):
-    one per CPU core at a time, each timed from its own start, every one ends well. All at once, on two
+    two per CPU core at a time, each timed from its own start, every one ends well. All at once, on two
     cores, every one ran past the deadline before its first model call (issue 50, item 12)."""
     rows = make_split("train", 4)
     r = train(tmp_path, {"env.source": "verifiers:tests.v1_fixtures:GuessTaskset", "env.timeout_s": 30.0,

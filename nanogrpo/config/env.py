@@ -47,6 +47,6 @@ class EnvConfig(_Strict):
     """Episodes of agent programs (verifiers 0.4 environments included) running at once; the others wait
     their turn, and each one's deadline (``env.timeout_s``) starts when it starts. 0: what the program
     says this machine can run (verifiers 0.4 with a harness that is a process per turn, the ``null`` or
-    ``bash`` harness in the ``subprocess`` runtime: one per CPU core this process may use), else no
+    ``bash`` harness in the ``subprocess`` runtime: two per CPU core this process may use), else no
     bound. Environments with ``reset``/``step`` play every episode of the step together (their calls:
     ``env.workers``)."""

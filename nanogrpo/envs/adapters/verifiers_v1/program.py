@@ -49,6 +49,11 @@ def unbind_renderers_lock() -> None:
         rc._max_prompt_len_lock = asyncio.Lock()
 
 
+PER_CORE = 2
+"""Episodes at once per CPU core when each turn starts a harness process here
+(:meth:`V1Program.episodes_at_once`)."""
+
+
 class V1Program:
     """One verifiers environment for every episode of a run (the adapters' programs are shared)."""
 
@@ -109,17 +114,18 @@ class V1Program:
 
     def episodes_at_once(self) -> int | None:
         """How many episodes this machine can run at once (:func:`nanogrpo.envs.program.episodes_at_once`):
-        one per CPU core this process may use when a seat's harness is a program started on this machine
+        two per CPU core this process may use when a seat's harness is a program started on this machine
         for each turn (a runtime on this machine, ``subprocess`` or a container, and a harness that is not
-        the in-process ``nanogrpo-chat``): each start is seconds of CPU. None (no bound) otherwise, and
-        for an environment server elsewhere (``env.server`` an address)."""
+        the in-process ``nanogrpo-chat``): each start is seconds of CPU, and a harness waits on the model
+        between starts (one per core left the cores idle then; docs/figures.md). None (no bound)
+        otherwise, and for an environment server elsewhere (``env.server`` an address)."""
         if self.server and self.server != "start":
             return None
         try:
             local = source.local_harness_seats(self.spec)
         except Exception:  # noqa: BLE001 - a config verifiers reads differently: no bound, as without this
             return None
-        return source.usable_cpus() if local else None
+        return PER_CORE * source.usable_cpus() if local else None
 
     # ------------------------------------------------------------------ episodes
 
