@@ -18,12 +18,12 @@ import time
 import torch
 
 from nanogrpo.config import Config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
 from nanogrpo.envs.base import Environment, StepResult
 from nanogrpo.envs.program import agent
+from nanogrpo.episodes.play import Episodes
 from nanogrpo.models.load import load_policy
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes
-from nanogrpo.rollout.factory import make_engine
 from tests.adapter_fixtures import _rows, answer_of, sdk_agent
 
 

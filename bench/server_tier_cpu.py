@@ -99,10 +99,10 @@ def bench_sync(shape: str, repeats: int, parts: str = "tier,relay") -> None:
 
 def _bench_tier(shape: str, repeats: int, model, model_dir: str, tmp: Path) -> None:
     """Weight syncs to two ``vllm serve`` processes (the vLLM environment)."""
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.engines.vllm_server import state_source
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
 
     urls, procs, _, up = _servers(model_dir, tmp)
     try:
@@ -219,10 +219,10 @@ def bench_staleness(steps: int, ks: list[int]) -> None:
 _SYNC_WORKER = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
-from nanogrpo.rollout.vllm_server import state_source
-from nanogrpo.rollout.vllm_server.http import ServerClient
-from nanogrpo.rollout.vllm_server.pool import ServerPool
-from nanogrpo.rollout.vllm_server.sync import WeightSync
+from nanogrpo.engines.vllm_server import state_source
+from nanogrpo.engines.vllm_server.http import ServerClient
+from nanogrpo.engines.vllm_server.pool import ServerPool
+from nanogrpo.engines.vllm_server.sync import WeightSync
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 pool = ServerPool([ServerClient(u) for u in json.loads(sys.argv[2])])
 sync = WeightSync(pool, state_source(model, torch.float32))
@@ -301,12 +301,12 @@ def bench_lora(shape: str, r: int, repeats: int, steps: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from nanogrpo.config import ModelConfig
+    from nanogrpo.engines.vllm_server import base_source, state_source
+    from nanogrpo.engines.vllm_server.adapters import AdapterSync
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
     from nanogrpo.models.lora import apply_lora
-    from nanogrpo.rollout.vllm_server import base_source, state_source
-    from nanogrpo.rollout.vllm_server.adapters import AdapterSync
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
 
     tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-lora-"))
     model_dir = _model_dir(shape, tmp)

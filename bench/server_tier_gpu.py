@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from nanogrpo.config import Config
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.vllm_server import state_source
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
     from nanogrpo.launch import start, wait_healthy
     from nanogrpo.models.tiny import make_model, make_tokenizer
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
 
     tmp = Path(tempfile.mkdtemp(prefix="nanogrpo-bench-gpu-"))
     tok = make_tokenizer()

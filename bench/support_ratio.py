@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanogrpo.algo.logprobs import token_logprobs
     from nanogrpo.config import load_config
     from nanogrpo.data import encode_prompts, load_rows
+    from nanogrpo.engines import SamplingParams, make_engine
     from nanogrpo.models.load import load_policy
-    from nanogrpo.rollout import SamplingParams, make_engine
     from nanogrpo.rollout.collect import pad_batch
 
     cfg = load_config(preset="demo", overrides=["model.cpu_linear=torch"])

@@ -35,9 +35,9 @@ def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="run GRPO (single process, or consuming a server with --server)",
                        description="Run GRPO. With no --config, the embedded CPU demo preset is the base; "
                                    "flags and key=value overrides apply on top.")
-    from nanogrpo import registry  # reads the demos' entry points only (no config, no torch)
+    from nanogrpo import entry_points  # reads the demos' entry points only (no config, no torch)
 
-    presets = ", ".join(registry.preset_names())
+    presets = ", ".join(entry_points.preset_names())
     p.add_argument("--config", help=f"TOML/YAML config file (e.g. configs/gsm8k-qwen2.5-0.5b.toml), or a "
                                     f"shipped preset: {presets}")
     p.add_argument("--model", help="local HF model directory or hub id (model.path)")

@@ -31,4 +31,4 @@ class ToolError(NanoGRPOError):
 
 class InstallError(NanoGRPOError):
     """nanogrpo's install is incomplete or a package registered with it is broken (its package metadata:
-    the demos' registry, :mod:`nanogrpo.registry`)."""
+    the demos' registry, :mod:`nanogrpo.entry_points`)."""

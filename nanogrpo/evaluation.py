@@ -47,16 +47,16 @@ from tqdm import tqdm
 
 from nanogrpo.config import Config
 from nanogrpo.data import encode_prompts, load_eval_rows
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import engine_for
+from nanogrpo.episodes.play import Episodes
 from nanogrpo.grading.grade import final_answer
 from nanogrpo.grading.latex import clean, plain_values
 from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
 from nanogrpo.rollout.collect import completion_samples, generate, pad_batch
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes
-from nanogrpo.rollout.factory import engine_for
 from nanogrpo.rollout.turns import longest_context
-from nanogrpo.tools.registry import ToolRunner
+from nanogrpo.tools.runner import ToolRunner
 
 
 def vote_key(answer: str | None) -> str | None:
@@ -136,9 +136,9 @@ def evaluate_rows(engine, tokenizer, rows: list[dict], cfg: Config, rewards: Rew
                   seed: int = 0, tools=None, policy=None, env=None,
                   progress: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Completions for ``rows`` (greedy when ``k == 1``); returns the summary and one record per problem.
-    ``tools``: a :class:`nanogrpo.tools.registry.ToolRunner` (multi-turn completions) or None.
+    ``tools``: a :class:`nanogrpo.tools.runner.ToolRunner` (multi-turn completions) or None.
     ``policy``: the model whose entropy over the completions is reported (``entropy``), or None.
-    ``env``: an :class:`~nanogrpo.rollout.episodes.Episodes`: the rows start episodes, scored by success.
+    ``env``: an :class:`~nanogrpo.episodes.play.Episodes`: the rows start episodes, scored by success.
     ``progress``: a progress bar over the problems on stderr (``nanogrpo eval``)."""
     bar = _bar(rows, k, progress)
     try:

@@ -43,36 +43,42 @@ the same table):
   (:func:`nanogrpo.serve.weights.weights_cap`); every other answer (``/health``, ``/stats``,
   ``/upload``, ``/ack``, ``/weights/version``, a publish's answer) :data:`SMALL`. Past it: a
   :class:`~nanogrpo.serve.client.ServerError` at once, not retried.
-- The server tier's ``ServerClient`` (:mod:`nanogrpo.rollout.vllm_server.http`): a ``vllm serve``'s
+- The server tier's ``ServerClient`` (:mod:`nanogrpo.engines.vllm_server.http`): a ``vllm serve``'s
   ``POST /inference/v1/generate`` answer (one sample) at most 64 KiB + 1 KiB per token it may take
-  (:func:`~nanogrpo.rollout.vllm_server.http.generate_cap`); ``/health``, ``/pause``, ``/resume``,
+  (:func:`~nanogrpo.engines.vllm_server.http.generate_cap`); ``/health``, ``/pause``, ``/resume``,
   ``/weight_info``, ``/update_weight_version`` and the weight-transfer routes :data:`SMALL`. Past it: a
   ``ServerFault`` (that request fails on that server; a sync step's failure takes the server out).
 - ``openenv:URL`` (:mod:`nanogrpo.envs.adapters.openenv`): the server's ``/schema`` at start, at most
   1 MiB (past it: one line at start); its WebSocket messages at most ``env.kwargs.max_message_bytes``
   (1 MiB, the client library's own limit).
-- The agent endpoint (:mod:`nanogrpo.rollout.endpoint`) is a server: request bodies capped at 1 MiB
+- The agent endpoint (:mod:`nanogrpo.episodes.endpoint`) is a server: request bodies capped at 1 MiB
   while they stream (413).
 - Hub checks (:mod:`nanogrpo.hub`: a model's ``config.json`` in :mod:`nanogrpo.models.source`, a
   dataset in :mod:`nanogrpo.data.sources`): HEAD requests, so no body at all; headers are capped at
   100 KiB by httpcore's parser.
 
 Not nanogrpo's reads: ``transformers`` and ``datasets`` download models and datasets with their own
-clients (to disk); point ``HF_ENDPOINT`` only at a hub you trust. Servers nanogrpo runs read request
-bodies with a cap as they arrive, with or without ``Content-Length`` (``nanogrpo serve``:
-:func:`nanogrpo.serve.routes.read_body`, 413 past ``server.max_body_mb``; headers: 64 KiB).
+clients (to disk); point ``HF_ENDPOINT`` only at a hub you trust.
 A new client reads through this module, with a bound that fits what it reads, and adds its row here.
+
+Servers nanogrpo runs (``nanogrpo serve``, the agent endpoint) read each request body through
+:func:`receive_capped`: as it arrives, with or without ``Content-Length``, refused (:class:`BodyRefused`)
+past its cap (413), past its deadline (408), or when it is shorter than declared or its client left (400),
+before any of it is parsed (``nanogrpo serve``: 413 past ``server.max_body_mb``; headers: 64 KiB).
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import socket
 import zlib
 from typing import Any
 
 from nanogrpo.errors import NanoGRPOError
 
-__all__ = ["ERROR_BODY", "SMALL", "BodyError", "aread_capped", "arequest", "read_capped", "request"]
+__all__ = ["ERROR_BODY", "SMALL", "BodyError", "BodyRefused", "aread_capped", "arequest", "read_capped",
+           "receive_capped", "request"]
 
 SMALL = 1 << 20
 """A health, stats or other JSON answer of a few kilobytes: 1 MiB."""
@@ -81,6 +87,7 @@ ERROR_BODY = 64 << 10
 _DECODE_STEP = 64 << 10
 """Decoded bytes produced per step when a body comes compressed."""
 _DROP = ("content-encoding", "content-length", "transfer-encoding")
+_UINT = re.compile(r"[0-9]{1,16}")
 
 
 class BodyError(NanoGRPOError):
@@ -149,6 +156,52 @@ async def aread_capped(resp: Any, cap: int) -> bytes:
             await resp.aclose()
         elif resp.status_code >= 500:
             _not_reused(resp)
+
+
+# ---------------------------------------------------------------------- request bodies (servers)
+
+
+class BodyRefused(NanoGRPOError):
+    """A request body a server refused while reading it: ``status`` (400, 408 or 413), ``reason`` (a tag:
+    ``bad_header``, ``too_large``, ``slow_client``, ``disconnect``, ``truncated``) and a one-line message."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+async def receive_capped(request: Any, cap: int, timeout_s: float, write: Any) -> int:
+    """Hand a request's body (starlette's ``Request``) to ``write`` chunk by chunk as it arrives; returns
+    its size. Refused (:class:`BodyRefused`): more than ``cap`` bytes (before any is read when
+    ``Content-Length`` says so), a body slower than ``timeout_s``, a client that left, a body shorter
+    than declared, a ``Content-Length`` that is not ASCII digits."""
+    from starlette.requests import ClientDisconnect
+
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not _UINT.fullmatch(cl):
+            raise BodyRefused(400, "bad_header", "Content-Length is not a non-negative integer")
+        if int(cl) > cap:
+            raise BodyRefused(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
+    size = 0
+
+    async def pull() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise BodyRefused(413, "too_large", f"body exceeds the limit of {cap} bytes")
+            write(chunk)
+
+    try:
+        await asyncio.wait_for(pull(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyRefused(408, "slow_client", f"body not received within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise BodyRefused(400, "disconnect", "client disconnected before the body was complete") from None
+    if cl is not None and size != int(cl):
+        raise BodyRefused(400, "truncated", f"body has {size} bytes but Content-Length says {cl}")
+    return size
 
 
 # ---------------------------------------------------------------------- internals

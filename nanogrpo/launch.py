@@ -69,9 +69,9 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     import torch
     from transformers import AutoConfig
 
+    from nanogrpo.engines.vllm_inprocess import kv_bytes_per_token
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.rollout.turns import longest_context
-    from nanogrpo.rollout.vllm_engine import kv_bytes_per_token
 
     v = cfg.vllm_server
     cuda = torch.cuda.is_available() if cuda is None else cuda

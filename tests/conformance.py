@@ -36,11 +36,11 @@ import torch
 import transformers as tf
 
 from nanogrpo.algo.logprobs import lean_head, token_logprobs
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
 from nanogrpo.models.load import disable_dropout
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rollout.collect import pad_batch
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
 
 TOK = make_tokenizer()
 V, EOS, PAD = len(TOK), TOK.eos_token_id, TOK.pad_token_id
@@ -159,7 +159,7 @@ def fast_checks(case: Case) -> dict:
     """Everything but the training run; one dict of results (see the module docstring)."""
     model = build(case)
     engine = make_engine("auto", model, TOK, max_len=case.max_len)
-    from nanogrpo.rollout.factory import choose_engine
+    from nanogrpo.engines.factory import choose_engine
 
     _, why = choose_engine(model, case.max_len)
     want = hf_greedy(model, PROMPTS, N_NEW)

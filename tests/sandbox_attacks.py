@@ -4,7 +4,7 @@ Run by ``tests/test_sandbox_attacks.py`` as the user it tests (an unprivileged u
 holds what a trainer holds (a dataset file with the answers, a secret in its environment and in
 its memory, an abstract and a named unix socket), starts a sibling process of its own uid (a stand-in for a
 DDP rank or the reward pool: it writes a heartbeat), and runs the model-written probes below
-through :class:`~nanogrpo.tools.registry.ToolRunner` with the built-in ``python`` tool and the
+through :class:`~nanogrpo.tools.runner.ToolRunner` with the built-in ``python`` tool and the
 sandbox layers named in ``LAYERS`` (comma-separated, or ``-``) left off. After every call it
 checks the trainer's nice value, CPU set, scheduling policy, I/O priority and rlimits, that the
 sibling and the fork server are alive and not stopped, that no file appeared outside, and that
@@ -208,7 +208,7 @@ def _ioprio() -> int | None:
 def main(argv: list[str]) -> int:
     from nanogrpo.config import ToolsConfig
     from nanogrpo.tools.protocols import Call
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
 
     disable = tuple(x for x in argv[0].split(",") if x and x != "-") if argv else ()
     leaks_only = argv[1:] == ["leaks"]

@@ -13,13 +13,13 @@ import time
 import pytest
 
 from nanogrpo.config import Config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
 from nanogrpo.envs.load import resolve
 from nanogrpo.envs.runner import EnvRunner
+from nanogrpo.episodes.agents import AgentEpisodes
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.load import load_policy
-from nanogrpo.rollout.agents import AgentEpisodes
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
 from tests.adapter_fixtures import ROWS, answer_of, need, need_verifiers, verifiers_api
 
 need("openai")
@@ -287,7 +287,7 @@ def test_an_openenv_server_at_capacity_drops_and_counts_and_says_so_once(policy,
     import uvicorn
 
     need("openenv.core")
-    from nanogrpo.rollout.episodes import Episodes
+    from nanogrpo.episodes.play import Episodes
     from tests.adapter_fixtures import openenv_template, template_app
 
     app = template_app(openenv_template(tmp_path))

@@ -12,8 +12,8 @@ import pytest
 
 import nanogrpo
 from nanogrpo.config import Config
-from nanogrpo.rollout.agents import AgentEpisodes
-from nanogrpo.rollout.episodes import Episodes
+from nanogrpo.episodes.agents import AgentEpisodes
+from nanogrpo.episodes.play import Episodes
 from tests.adapter_fixtures import ROWS, answer_of, need, need_verifiers
 from tests.test_adapters import openenv_server  # noqa: F401 - the fixture
 

@@ -37,9 +37,9 @@ def test_demo_config_is_the_preset():
 
 
 def test_every_demo_ships_its_preset_as_a_config_copy():
-    from nanogrpo import registry
+    from nanogrpo import entry_points
 
-    for preset in registry.preset_names():
+    for preset in entry_points.preset_names():
         assert load_config(CONFIGS / f"{preset}.toml") == load_config(preset_path(preset)), preset
 
 

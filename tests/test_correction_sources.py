@@ -23,7 +23,7 @@ K3 = W + SHIFT - 1              # k3 with log(pi_old / mu) = -SHIFT
 @pytest.mark.slow
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_in_process_engine_with_its_own_numerics(tmp_path, monkeypatch, mini_batches):
-    import nanogrpo.rollout.factory as factory  # where the run's setup takes its engine from
+    import nanogrpo.engines.factory as factory  # where the run's setup takes its engine from
 
     d = write_tiny_run_assets(tmp_path)
     monkeypatch.setattr(factory, "engine_for", lambda cfg, model, tok, **kw: OwnCopyEngine(model, tok, True))

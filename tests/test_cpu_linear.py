@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from nanogrpo.algo.logprobs import LeanHead, token_logprobs
 from nanogrpo.config import Config
+from nanogrpo.engines import HFEngine, SamplingParams
+from nanogrpo.engines.fast import FastEngine
 from nanogrpo.models import cpu_linear
 from nanogrpo.models.cpu_linear import OneDnnLinear, OneDnnLinearFn, onednn_available, use_onednn_linears
 from nanogrpo.models.load import load_model
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.rollout import HFEngine, SamplingParams
-from nanogrpo.rollout.fast import FastEngine
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch build without oneDNN's linear")
 

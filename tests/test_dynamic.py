@@ -10,11 +10,11 @@ import torch
 from nanogrpo.algo.advantages import refill_size, surplus_mask
 from nanogrpo.config import load_config
 from nanogrpo.data import PromptSampler
+from nanogrpo.engines.base import Generation
 from nanogrpo.errors import ConfigError
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner, overlong
 from nanogrpo.rollout.collect import Collector
-from nanogrpo.rollout.engine import Generation
 
 TOK = make_tokenizer()
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from nanogrpo.algo.logprobs import position_ids_from_mask
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
+from nanogrpo.episodes.endpoint import HOST, Endpoint, EndpointSettings
+from nanogrpo.episodes.endpoint.app import strip_stop, tool_calls
+from nanogrpo.episodes.trajectory import assemble
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.rollout.endpoint import HOST, Endpoint, EndpointSettings
-from nanogrpo.rollout.endpoint.app import strip_stop, tool_calls
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.trajectory import assemble
 from tests.adapter_fixtures import need
 
 openai = need("openai")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
+from nanogrpo.engines import HFEngine, SamplingParams, make_engine
+from nanogrpo.engines.fast import FastEngine
 from nanogrpo.errors import ConfigError, ModelError
 from nanogrpo.models.tiny import make_model, make_tokenizer, model_config
-from nanogrpo.rollout import HFEngine, SamplingParams, make_engine
-from nanogrpo.rollout.fast import FastEngine
 
 TOK = make_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id

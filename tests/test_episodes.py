@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from nanogrpo.config import load_config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
+from nanogrpo.engines.session import WithoutSession
 from nanogrpo.envs import EnvRunner
+from nanogrpo.episodes.play import Episodes, episode_return, generate_episodes
+from nanogrpo.episodes.render import ChatRenderer
+from nanogrpo.episodes.settings import EpisodeSettings
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
 from nanogrpo.models.tiny import make_tokenizer
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import Collector
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes, EpisodeSettings, episode_return, generate_episodes
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.render import ChatRenderer
-from nanogrpo.rollout.session import WithoutSession
 from tests import env_fixtures
 
 TOK = make_tokenizer()
@@ -350,9 +351,9 @@ import json, sys, time
 from nanogrpo.config import load_config
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.source import check_model_source
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.episodes import Episodes
-from nanogrpo.rollout.factory import make_engine
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.episodes.play import Episodes
+from nanogrpo.engines.factory import make_engine
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -8,10 +8,10 @@ import pytest
 
 from nanogrpo.cli import main
 from nanogrpo.config import Config
+from nanogrpo.engines.base import Generation
 from nanogrpo.evaluation import evaluate_rows, majority_index, vote_key
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rewards import RewardRunner
-from nanogrpo.rollout.engine import Generation
 
 
 def test_vote_key_normalises_numbers():

@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
+from nanogrpo.engines import SamplingParams, make_engine
+from nanogrpo.engines.factory import choose_engine
+from nanogrpo.engines.fast import FastEngine, fast_support
+from nanogrpo.engines.fast.cache import rope_table
 from nanogrpo.errors import ModelError
-from nanogrpo.rollout import SamplingParams, make_engine
-from nanogrpo.rollout.factory import choose_engine
-from nanogrpo.rollout.fast import FastEngine, fast_support
-from nanogrpo.rollout.fast.cache import rope_table
 from tests.conformance import CASES, TOK, build
 
 ROPE_CASES = [c for c in CASES if "RoPE" in c.name or "longrope" in c.name or c.name.startswith("Qwen3 (")]
@@ -54,7 +54,7 @@ def test_length_bound_rope_is_refused_past_its_range(caplog):
     with pytest.raises(ModelError, match=r"dynamic RoPE.*longer than 64"):
         engine.generate([list(range(5, 55))], SamplingParams(max_new_tokens=20, temperature=0.0))
     assert engine.generate([list(range(5, 45))], SamplingParams(max_new_tokens=20, temperature=0.0))
-    with caplog.at_level(logging.INFO, logger="nanogrpo.rollout"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.engines"):
         assert make_engine("auto", model, TOK, max_len=100).name == "hf"
         assert make_engine("auto", model, TOK, max_len=64).name == "fast"
     lines = [r.getMessage() for r in caplog.records]
@@ -88,7 +88,7 @@ def test_auto_decides_on_the_configuration():
 def test_sliding_layers_per_family():
     from transformers import MistralConfig, Qwen2Config, SmolLM3Config
 
-    from nanogrpo.rollout.fast.families import FAMILIES, layer_windows
+    from nanogrpo.engines.fast.families import FAMILIES, layer_windows
 
     def wins(kind, cfg):
         return layer_windows(FAMILIES[kind], cfg)
@@ -127,7 +127,7 @@ def test_wrapped_or_non_plain_projections_take_hf():
 
 def test_moe_takes_hf_with_the_reason(caplog):
     moe = build(next(c for c in CASES if "MoE" in c.name))
-    with caplog.at_level(logging.INFO, logger="nanogrpo.rollout"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.engines"):
         assert make_engine("auto", moe, TOK).name == "hf"
     assert [r.getMessage() for r in caplog.records] == [
         "rollout engine: hf (qwen3_moe is a mixture of experts: the fast engine has no grouped expert "

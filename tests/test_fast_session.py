@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.fast import FastEngine
+from nanogrpo.engines.fast.cached_session import FastSession
+from nanogrpo.engines.session import ReprefillSession, open_session
+from nanogrpo.engines.stops import StopStrings
 from nanogrpo.errors import ModelError
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.fast import FastEngine
-from nanogrpo.rollout.fast.session import FastSession
-from nanogrpo.rollout.session import ReprefillSession, open_session
-from nanogrpo.rollout.stops import StopStrings
 from tests.conformance import CASES, EOS, PAD, PROMPTS, TOK, build, forward_logprobs
 
 FAST = [c for c in CASES if c.engine == "fast"]

@@ -6,12 +6,12 @@ that is never run by the other tests:
 - **no import up the layers**: each top-level part of ``nanogrpo`` may import its own modules and the
   parts of lower layers, never a part of its own layer or of a higher one;
 - **the library imports no demo**: the demos are examples over the library, as a user's package is;
-  data, models and config find them by name through the registry (package metadata), never by import.
+  data, models and config find them by name through their entry points (package metadata), never by import.
 
 The layers, lowest first (README, "The source tree"):
 
     errors
-    registry                                 the demos' registry: package metadata, read by name
+    entry_points                             the demos found by name: package metadata (entry points)
     algo, http_limits                        the algorithm's pure functions, HTTP bodies read with a cap
                                              (by clients of every layer above)
     batch                                    the wire record (its images' tensors: algo.vision)
@@ -24,13 +24,15 @@ The layers, lowest first (README, "The source tree"):
     models, moe                              loading, the embedded models and their warm starts; mixtures of
                                              experts' routers (routes recorded, replayed)
     rewards                                  running rewards: functions, reward models, judges
-    rollout                                  engines and rollouts
+    engines                                  generation engines: token ids in, ids and log-probs out
+    episodes                                 episodes with environments and agent programs (over engines)
+    rollout                                  what makes a training batch: groups, tool turns, scores
     evaluation                               evaluation with the training rewards
     training                                 the trainer, its update step, checkpoints, logs
     serve, report, launch                    split mode, plots (each over training); the vLLM servers'
                                              command line
     demos                                    the demos' constants and tasks (rows made in code): found
-                                             through the registry, imported by nothing below
+                                             through their entry points, imported by nothing below
     bench, demos.programs                    benchmarks (they run the demos); the demos' builders and
                                              environments (anything in a demo's folder but its task)
     api                                      the public functions (nanogrpo.train, ...)
@@ -57,7 +59,7 @@ PKG = Path(nanogrpo.__file__).parent
 
 LAYERS = [
     {"errors"},
-    {"registry"},
+    {"entry_points"},
     {"algo", "http_limits"},
     {"batch"},
     {"config"},
@@ -66,6 +68,8 @@ LAYERS = [
     {"data"},
     {"models", "moe"},
     {"rewards"},
+    {"engines"},
+    {"episodes"},
     {"rollout"},
     {"evaluation"},
     {"training"},
@@ -174,9 +178,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
-LIBRARY = ("data", "models", "config", "grading", "rewards", "rollout", "algo", "training", "transfer",
-           "serve", "envs", "watch", "registry")
-"""The parts that find the demos by name (:mod:`nanogrpo.registry`) and must never import one."""
+LIBRARY = ("data", "models", "config", "grading", "rewards", "engines", "episodes", "rollout", "algo",
+           "training", "transfer", "serve", "envs", "watch", "entry_points")
+"""The parts that find the demos by name (:mod:`nanogrpo.entry_points`) and must never import one."""
 
 
 def demo_imports(graph: dict[str, set[str]], sources: dict[str, str]) -> list[str]:
@@ -241,9 +245,9 @@ def test_the_walker_sees_what_it_must():
     assert imports_of(reexport, "nanogrpo.cli", False, known) == {"nanogrpo.data"}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     fake = {"nanogrpo.serve.server": {"nanogrpo.cli"}, "nanogrpo.cli": set()}
-    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 13, cli layer 17)"]
+    assert upward_imports(fake) == ["nanogrpo.serve.server -> nanogrpo.cli (serve is layer 15, cli layer 19)"]
     graph = import_graph()
-    assert "nanogrpo.rollout.fast.session" in graph["nanogrpo.rollout.fast.engine"]
+    assert "nanogrpo.engines.fast.cached_session" in graph["nanogrpo.engines.fast.engine"]
     assert "nanogrpo.demos.arithmetic.task" in graph["nanogrpo.demos.tools.task"]  # not the package __init__
     assert demo_imports({"nanogrpo.data.sources": {"nanogrpo.demos.game.task", "nanogrpo.errors"},
                          "nanogrpo.bench.variants": {"nanogrpo.demos.arithmetic"}}, {}) == [

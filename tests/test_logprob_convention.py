@@ -8,7 +8,7 @@ import torch
 
 from nanogrpo.algo.logprobs import _full_logprobs, linear_logprobs, position_ids_from_mask, token_logprobs
 from nanogrpo.config import RolloutConfig
-from nanogrpo.rollout import SamplingParams, make_engine
+from nanogrpo.engines import SamplingParams, make_engine
 from nanogrpo.rollout.collect import pad_batch
 from tests.test_engines import PAD, PROMPTS, TOK, qwen
 

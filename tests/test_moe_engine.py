@@ -12,6 +12,9 @@ import transformers as tf
 
 from nanogrpo.algo.logprobs import token_logprobs
 from nanogrpo.batch import RolloutBatch
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
+from nanogrpo.engines.hf import HFEngine
 from nanogrpo.errors import ModelError
 from nanogrpo.moe import (
     NO_ROUTE,
@@ -26,9 +29,6 @@ from nanogrpo.moe import (
 )
 from nanogrpo.moe.routes import unpack
 from nanogrpo.rollout.collect import pad_batch
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.hf import HFEngine
 from tests.moe_models import COMMON, PAD, TOK, build
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40, 41, 42, 43]]
@@ -51,7 +51,7 @@ def rollout(model, n: int = 3, new: int = 10, prompts=PROMPTS):
 @pytest.mark.parametrize("fam", ["olmoe", "mixtral"])
 def test_auto_gives_moe_models_the_hf_engine_and_fast_refuses_in_one_line(fam, caplog):
     model = build(fam)
-    with caplog.at_level(logging.INFO, logger="nanogrpo.rollout"):
+    with caplog.at_level(logging.INFO, logger="nanogrpo.engines"):
         assert make_engine("auto", model, TOK).name == "hf"
     assert [r.getMessage() for r in caplog.records] == [
         f"rollout engine: hf ({fam} is a mixture of experts: the fast engine has no grouped expert matmul; "

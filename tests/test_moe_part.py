@@ -9,10 +9,10 @@ import torch
 from nanogrpo.algo.logprobs import token_logprobs
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import Config
+from nanogrpo.engines.hf import HFEngine
 from nanogrpo.errors import ConfigError
 from nanogrpo.moe import RouteError, record_routes, router_disagreement
 from nanogrpo.moe.routes import NO_ROUTE, unpack
-from nanogrpo.rollout.hf import HFEngine
 from nanogrpo.training.micro import micro_batch_indices, trim_rows
 from nanogrpo.training.routing import POLICY, RoutingReplay
 from tests.moe_models import TOK, build

@@ -37,11 +37,11 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from nanogrpo.batch import RolloutBatch  # noqa: E402
 from nanogrpo.config import load_config  # noqa: E402
+from nanogrpo.engines.hf import HFEngine  # noqa: E402
 from nanogrpo.models.tiny_vision import make_vlm, save_vlm  # noqa: E402
 from nanogrpo.models.vision import forward_kwargs, image_spec, llava_images  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
 from nanogrpo.rollout.collect import Collector  # noqa: E402
-from nanogrpo.rollout.hf import HFEngine  # noqa: E402
 from nanogrpo.training.distributed import Backend  # noqa: E402
 from nanogrpo.training.step import batch_logprobs, policy_update  # noqa: E402
 from tests.vision_fixtures import picture  # noqa: E402

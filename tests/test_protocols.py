@@ -9,7 +9,7 @@ from nanogrpo.cli import main
 from nanogrpo.config import load_config
 from nanogrpo.errors import ToolError
 from nanogrpo.tools.protocols import CodeProtocol, HermesProtocol, make_protocol
-from nanogrpo.tools.registry import ToolRunner, resolve_tool
+from nanogrpo.tools.runner import ToolRunner, resolve_tool
 
 
 @pytest.mark.parametrize("turn,call", [

@@ -344,9 +344,9 @@ def test_rewards_see_how_each_completion_of_a_rollout_ended() -> None:
     """A real rollout (the embedded model, its engine): each reward sees how its completion ended."""
     from nanogrpo.config import load_config
     from nanogrpo.data import load_rows
+    from nanogrpo.engines.factory import make_engine
     from nanogrpo.models.load import load_policy
     from nanogrpo.rollout.collect import Collector
-    from nanogrpo.rollout.factory import make_engine
 
     cfg = load_config(preset="demo", overrides=["rewards.workers=0", "grpo.group_size=4"])
     model, tok, _ = load_policy(cfg.model)

@@ -195,7 +195,7 @@ def test_the_python_tool_gets_no_sample_and_a_custom_tool_only_its_fields():
     from nanogrpo.config import ToolsConfig
     from nanogrpo.errors import ConfigError
     from nanogrpo.tools.protocols import Call
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
 
     row = {"question": "Q?", "answer": "42", "id": 7}
     with pytest.raises((ConfigError, ValueError), match="sample_fields"):

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
+from nanogrpo.engines.hf import load_in_place
 from nanogrpo.models.tiny import make_model
-from nanogrpo.rollout.hf import load_in_place
 from nanogrpo.serve.client import ServerClient, ServerError, encode_state_dict, load_published
 from nanogrpo.serve.server import ServerState, Settings, create_app
 from nanogrpo.serve.weights import WeightLayout, WeightsError, check_weights
@@ -301,8 +301,8 @@ def test_a_retried_publish_whose_first_attempt_landed_is_a_success(first_attempt
 
 
 def test_a_worker_keeps_its_weights_when_it_cannot_load_a_publish_and_retries_with_backoff():
+    from nanogrpo.engines.hf import HFEngine
     from nanogrpo.models.tiny import make_tokenizer
-    from nanogrpo.rollout.hf import HFEngine
     from nanogrpo.serve.worker import WeightFollower
 
     tok = make_tokenizer()

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from nanogrpo.config import Config
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.vllm_server.engine import ServerEngine
+from nanogrpo.engines.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
+from nanogrpo.engines.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
 from nanogrpo.errors import ConfigError
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.vllm_server.engine import ServerEngine
-from nanogrpo.rollout.vllm_server.http import ServerClient, ServerDown, ServerFault, generate_cap
-from nanogrpo.rollout.vllm_server.pool import BACK, OUT, UP, NoServer, ServerPool
 from nanogrpo.training.pipeline import Made, Pipeline
 from nanogrpo.training.server_tier import staleness
 
@@ -273,7 +273,7 @@ def test_a_server_gone_before_the_syncs_probe_is_taken_out_not_fatal(two):
 
     import torch
 
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
     from nanogrpo.training.server_tier import ServerTier
 
     a, b = two
@@ -404,8 +404,8 @@ def test_closing_the_pool_ends_waiting_and_in_flight_requests_at_once(two):
 
 @pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
-    from nanogrpo.rollout.vllm_server.contact import ServerUnreachable, connect
-    from nanogrpo.rollout.vllm_server.http import ServerRefused
+    from nanogrpo.engines.vllm_server.contact import ServerUnreachable, connect
+    from nanogrpo.engines.vllm_server.http import ServerRefused
 
     srv = serve()
     dead = url(srv)
@@ -423,7 +423,7 @@ def test_a_dead_port_at_start_is_one_line_naming_it_in_seconds():
 
 @pytest.mark.slow  # (over 1 s: the fast suite stays under a minute)
 def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
-    from nanogrpo.rollout.vllm_server.contact import connect
+    from nanogrpo.engines.vllm_server.contact import connect
 
     a, _ = two
     srv = serve()
@@ -435,7 +435,7 @@ def test_servers_answering_at_start_are_used_the_others_taken_back_later(two):
 
 
 def test_a_server_with_another_model_is_refused_before_any_weights_move(two):
-    from nanogrpo.rollout.vllm_server.contact import ServerModelMismatch, connect
+    from nanogrpo.engines.vllm_server.contact import ServerModelMismatch, connect
 
     a, b = two
     pool = ServerPool([ServerClient(url(a)), ServerClient(url(b))])
@@ -595,7 +595,7 @@ class AdapterServer:
 
 class BaseState:
     """A PEFT policy's frozen base weights as the weight sync's source (what
-    :func:`~nanogrpo.rollout.vllm_server.base_source` gives, without vLLM's ``WeightSource`` class)."""
+    :func:`~nanogrpo.engines.vllm_server.base_source` gives, without vLLM's ``WeightSource`` class)."""
 
     def __init__(self, model):
         from nanogrpo.models.lora import base_state_dict
@@ -631,10 +631,10 @@ def test_the_adapter_syncs_metrics_count_every_byte_sent_on_a_rejoin(tmp_path, m
     faked."""
     pytest.importorskip("peft")
     from nanogrpo.config import ModelConfig
+    from nanogrpo.engines.vllm_server.adapters import AdapterSync
+    from nanogrpo.engines.vllm_server.sync import WeightSync
     from nanogrpo.models.lora import apply_lora
     from nanogrpo.models.tiny import make_model, make_tokenizer
-    from nanogrpo.rollout.vllm_server.adapters import AdapterSync
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
 
     model = apply_lora(make_model("tiny", make_tokenizer()), ModelConfig(lora_r=4, lora_alpha=8.0))
     servers = [AdapterServer("http://a"), AdapterServer("http://b")]

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.hf import HFEngine
+from nanogrpo.engines.stops import StopStrings
 from nanogrpo.models.tiny import make_model
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.hf import HFEngine
-from nanogrpo.rollout.stops import StopStrings
 
 CORPUS = ["<code>print(12*34)</code>\n<output>\n408\n</output>\n</think><answer>408</answer>",
           "héllo wörld ünïcode ✓ <tool_call>{}</tool_call>\n", "a </code>> </co de </code>\n\n"]

@@ -18,7 +18,7 @@ from nanogrpo.algo.logprobs import (
 )
 from nanogrpo.algo.support import keep_mask, support_logprobs, support_threshold, truncate
 from nanogrpo.config import RolloutConfig, load_config
-from nanogrpo.rollout import SamplingParams, make_engine
+from nanogrpo.engines import SamplingParams, make_engine
 from nanogrpo.rollout.collect import pad_batch
 from tests.test_engines import PAD, PROMPTS, TOK, qwen
 
@@ -154,7 +154,7 @@ def test_the_config_turns_support_on_only_for_tempered_truncated_sampling():
     assert RolloutConfig(top_p=0.9).logprob_support() is None                         # seed convention
     assert RolloutConfig(tempered_logprobs=True).logprob_support() is None
     assert RolloutConfig(tempered_logprobs=True, top_k=20, top_p=0.95).logprob_support() == (20, 0.95)
-    from nanogrpo.rollout.vllm_engine import vllm_options  # no longer refused
+    from nanogrpo.engines.vllm_inprocess import vllm_options  # tempered + top-p: vLLM takes it
     cfg = load_config(overrides=["rollout.tempered_logprobs=true", "rollout.top_p=0.9"])
     assert vllm_options(cfg)["tempered_logprobs"] is True
 

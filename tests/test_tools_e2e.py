@@ -96,7 +96,7 @@ def test_gsm8k_tool_configs_train_on_a_tiny_stand_in(name, tmp_path):
     assert rows[0]["num_completions"] == 16 and "tools/use_rate" in rows[0]
     from nanogrpo.config import load_config
     from nanogrpo.tools.protocols import Call
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
 
     with ToolRunner(load_config(REPO / "configs" / name).tools) as tools:   # its sandbox, its preloads
         [res] = tools.run([Call("import numpy, sympy\nprint(numpy.arange(4).sum(), sympy.sqrt(8))")], [{}])

@@ -108,13 +108,13 @@ def test_bad_input_fails_at_start_with_one_line(extra, match, tmp_path, capsys):
 
 def test_train_help_lists_every_shipped_preset(capsys, monkeypatch):
     """`nanogrpo train --help` names the seven shipped presets (issue 44: it named `demo` only)."""
-    from nanogrpo import registry
+    from nanogrpo import entry_points
 
     monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width (and inside names)
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    names = registry.preset_names()
+    names = entry_points.preset_names()
     assert len(names) == 7 and f"shipped preset: {', '.join(names)}" in text, text
 
 

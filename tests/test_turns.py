@@ -10,16 +10,16 @@ import torch
 from nanogrpo.algo.logprobs import position_ids_from_mask
 from nanogrpo.config import load_config
 from nanogrpo.data import encode_prompts, load_rows
+from nanogrpo.engines.base import SamplingParams
+from nanogrpo.engines.factory import make_engine
+from nanogrpo.engines.session import WithoutSession
 from nanogrpo.models.load import load_policy
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.rewards import RewardRunner
 from nanogrpo.rollout.collect import Collector
-from nanogrpo.rollout.engine import SamplingParams
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.session import WithoutSession
 from nanogrpo.rollout.turns import TRUNCATED, _Wrapper, generate_with_tools
 from nanogrpo.tools.protocols import Call, HermesProtocol, make_protocol
-from nanogrpo.tools.registry import ToolRunner
+from nanogrpo.tools.runner import ToolRunner
 
 ENGINES = ["hf", "fast", "fast-reprefill"]
 """``fast`` keeps its KV cache across turns (its own session), ``fast-reprefill`` is the generic

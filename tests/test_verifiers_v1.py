@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from nanogrpo.rollout.endpoint.episodes import Record
-from nanogrpo.rollout.trajectory import check_claimed
+from nanogrpo.episodes.endpoint.records import Record
+from nanogrpo.episodes.trajectory import check_claimed
 from tests.adapter_fixtures import need_verifiers
 from tests.test_endpoint import drive, start, tiny  # noqa: F401 - the fixture
 
@@ -51,7 +51,7 @@ def test_token_route_is_what_verifiers_and_the_server_tier_read(tiny):  # noqa: 
     from renderers.client import generate
     from renderers.default import DefaultRenderer
 
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine, StaleSample
+    from nanogrpo.engines.vllm_server.engine import ServerEngine, StaleSample
 
     model, tok = tiny
     ep, spy = start(tiny, budget=12)
@@ -116,3 +116,20 @@ def test_token_route_is_what_verifiers_and_the_server_tier_read(tiny):  # noqa: 
         assert drive(ep, lambda: post(body, "trace-d").status_code) == 401  # no rollout open: no new session
     finally:
         ep.stop()
+
+
+def test_a_harness_run_as_a_process_per_turn_bounds_the_episodes_to_the_cpu_cores():
+    """verifiers' ``null`` harness in the ``subprocess`` runtime (what nanogrpo pins by default) starts a
+    Python process per turn, seconds of CPU each: two episodes per usable core at once (issue 50, item 12);
+    the in-process ``nanogrpo-chat`` harness, or a server elsewhere, is no bound."""
+    need_verifiers("v1")
+    import os
+
+    from nanogrpo.envs.adapters.verifiers_v1 import load
+
+    cores = len(os.sched_getaffinity(0))
+    source = "tests.verifiers_v1_fixtures:GuessTaskset"
+    assert load(source, {})().episodes_at_once() == 2 * cores
+    assert load(source, {"agent": {"harness": {"id": "nanogrpo-chat"}}})().episodes_at_once() is None
+    assert load(source, {"agent": {"runtime": {"type": "prime"}}})().episodes_at_once() is None
+    assert load(source, {}, "tcp://127.0.0.1:5999")().episodes_at_once() is None

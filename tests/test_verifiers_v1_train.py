@@ -45,7 +45,7 @@ def v1(monkeypatch):
 def seen(monkeypatch):
     """The episodes verifiers handed back and the endpoint's record of every session, kept as they pass."""
     from nanogrpo.envs.adapters.verifiers_v1 import program, server
-    from nanogrpo.rollout.endpoint.server import Endpoint
+    from nanogrpo.episodes.endpoint.server import Endpoint
 
     out = {"episodes": [], "logs": []}
     real_result, real_close = program.result_of, Endpoint.close_session
@@ -137,6 +137,18 @@ def test_a_hand_written_taskset_trains_with_the_null_harness(tmp_path, captured,
         g = guessed(trace.last_reply)
         assert batch.rewards[j] == (0.0 if g is None else max(0.0, 1.0 - abs(g - secret) / 15))  # @vf.reward
         assert gen.infos[j]["success"] == (g == secret)  # the task's success metric
+
+
+def test_a_step_of_32_null_harness_episodes_keeps_the_default_deadline(tmp_path):
+    """32 episodes of the null harness (a Python process each) under the default env.timeout_s (30 s):
+    two per CPU core at a time, each timed from its own start, every one ends well. All at once, on two
+    cores, every one ran past the deadline before its first model call (issue 50, item 12)."""
+    rows = make_split("train", 4)
+    r = train(tmp_path, {"env.source": "verifiers:tests.verifiers_v1_fixtures:GuessTaskset",
+                         "env.timeout_s": 30.0, "rollout.prompts_per_step": 4, "grpo.group_size": 8}, rows)
+    m = r.metrics[-1]
+    assert m["env/episodes"] == 32 and m["env/finish/env_timeout"] == 0 and m["env/failed"] == 0, m
+    assert m["agent/requests"] == 32 and m["env/finish/done"] == 32
 
 
 def test_verifiers_textarena_env_plays_guess_the_number(tmp_path, captured, seen):  # noqa: F811

@@ -17,12 +17,12 @@ pytest.importorskip("PIL")
 from nanogrpo.batch import BatchError, RolloutBatch  # noqa: E402
 from nanogrpo.config import Config  # noqa: E402
 from nanogrpo.data.images import encode_with_images, render, smart_resize  # noqa: E402
+from nanogrpo.engines.base import SamplingParams  # noqa: E402
+from nanogrpo.engines.hf import HFEngine  # noqa: E402
 from nanogrpo.models.tiny_vision import FAMILIES, make_vlm  # noqa: E402
 from nanogrpo.models.vision import forward_kwargs, image_spec  # noqa: E402
 from nanogrpo.rewards import RewardRunner  # noqa: E402
 from nanogrpo.rollout.collect import Collector  # noqa: E402
-from nanogrpo.rollout.engine import SamplingParams  # noqa: E402
-from nanogrpo.rollout.hf import HFEngine  # noqa: E402
 from nanogrpo.training.step import batch_logprobs  # noqa: E402
 from tests.vision_fixtures import MAX_PIXELS, MIN_PIXELS, picture  # noqa: E402
 
@@ -202,7 +202,7 @@ def test_images_travel_on_the_wire_and_bad_ones_are_refused():
 
 
 def test_fast_and_vllm_engines_refuse_a_vision_model_in_one_line():
-    from nanogrpo.rollout.factory import make_engine
+    from nanogrpo.engines.factory import make_engine
 
     model, tok = make_vlm("qwen2_vl")
     for name in ("fast", "vllm"):

@@ -22,9 +22,9 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from nanogrpo.algo.logprobs import token_logprobs
+from nanogrpo.engines import SamplingParams
 from nanogrpo.errors import ConfigError, ModelError
 from nanogrpo.models.tiny import make_tokenizer, model_config
-from nanogrpo.rollout import SamplingParams
 from nanogrpo.rollout.collect import pad_batch
 
 if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
@@ -32,7 +32,7 @@ if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from nanogrpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from nanogrpo.engines.vllm_inprocess import VLLMEngine  # noqa: E402
 
 TOK = make_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -262,8 +262,8 @@ def test_lora_adapter_sync_serves_the_adapter_on_the_base_and_moves_only_the_ada
     and a load moves the adapter's bytes, not the model's."""
     pytest.importorskip("peft")
     from nanogrpo.config import ModelConfig
+    from nanogrpo.engines.vllm_inprocess import policy_state_dict
     from nanogrpo.models.lora import apply_lora
-    from nanogrpo.rollout.vllm_engine import policy_state_dict
 
     model = apply_lora(qwen(5), ModelConfig(lora_r=8))
     engine = VLLMEngine(model, tokenizer=TOK, max_model_len=128, max_batch=16)
@@ -299,10 +299,10 @@ def test_multiturn_greedy_equals_turn_by_turn_generate():
     room for the tool outputs) equal a turn-by-turn ``model.generate`` reference."""
     from nanogrpo.config import load_config
     from nanogrpo.data import encode_prompts, load_rows
+    from nanogrpo.engines.factory import engine_for
     from nanogrpo.models.load import load_policy
-    from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import generate_with_tools, longest_context
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
     from tests.test_turns import reference
 
     cfg = load_config(preset="demo-tools", overrides=["model.cpu_linear=torch", "rollout.engine=vllm",
@@ -331,7 +331,7 @@ def test_multiturn_greedy_equals_turn_by_turn_generate():
             assert got == want, (tok.decode(got), tok.decode(want))
     # a row vLLM stopped where nanogrpo's token rule sees no stop string is sampled on: greedy, the
     # result is the row sampled without stop strings
-    from nanogrpo.rollout.stops import StopStrings
+    from nanogrpo.engines.stops import StopStrings
 
     plain = SamplingParams(max_new_tokens=20, temperature=0.0)
     full = engine.generate(prompts[1:2], plain)

@@ -57,7 +57,7 @@ def test_every_sync_gives_both_servers_the_trainers_weights(servers, tmp_path):
 
 
 def test_servers_are_synced_at_once_or_one_after_another(servers):
-    from nanogrpo.rollout.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.http import ServerClient
 
     spans: dict[str, list[float]] = {}
 
@@ -120,10 +120,10 @@ def test_passes_at_once_each_yield_the_whole_model_from_one_state():
 def test_stop_strings_are_stopped_by_the_server(servers):
     from nanogrpo.data.prompts import encode_prompts
     from nanogrpo.demos.arithmetic.task import make_split
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.stops import StopStrings
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
     from nanogrpo.models.load import load_tokenizer
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.stops import StopStrings
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
 
     model = _model()
     engine, sync = _tier(servers, model)
@@ -146,10 +146,10 @@ def test_multi_turn_sessions_run_on_the_servers(servers):
     is what the servers sample from its whole context (prompt, turn 1, the fed tool output)."""
     from nanogrpo.data.prompts import encode_prompts
     from nanogrpo.demos.arithmetic.task import make_split
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.session import open_session
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
     from nanogrpo.models.load import load_tokenizer
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.session import open_session
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
 
     engine, sync = _tier(servers, _model())
     sync.sync(0)
@@ -226,9 +226,9 @@ def test_a_server_killed_mid_run_and_restarted(servers, tmp_path):
 
 @pytest.mark.parametrize("parallel", [True], ids=["at-once"])  # one after another: the fault harness's
 def test_a_sync_interrupted_by_a_killed_server(servers, caplog, parallel):  # kill-at-mid-bucket case
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
 
     class KilledAfterStart(ServerClient):  # the real server, killed between start and finish
         def start_weight_update(self) -> None:

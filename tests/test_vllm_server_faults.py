@@ -55,7 +55,7 @@ if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
-from nanogrpo.rollout.vllm_server.http import ServerClient, ServerDown  # noqa: E402
+from nanogrpo.engines.vllm_server.http import ServerClient, ServerDown  # noqa: E402
 from nanogrpo.transfer.source import StateSource  # noqa: E402
 from tests.vllm_fixtures import ROOT, child_env, demo_model, free_port, probe_diff, rows, train  # noqa: E402
 
@@ -143,10 +143,10 @@ def _broken_source() -> None:
 
 
 def _tier(servers, model):
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.engines.vllm_server import state_source
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
 
     plain = state_source(model, torch.float32)
     source = ArmedSource(plain._state, torch.float32)
@@ -165,7 +165,7 @@ def _nudge(model, k: float = 1.01) -> None:
 
 def _generate_through(engine, versions: tuple[int, int], out: dict) -> threading.Thread:
     """Sample in a thread while the sync runs: every sample's version must lie in ``versions``."""
-    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.engines.base import SamplingParams
 
     def run() -> None:
         try:
@@ -201,7 +201,7 @@ def _cases():
 
 @pytest.mark.parametrize("point,fault", list(_cases()))
 def test_a_fault_leaves_the_server_out_and_never_resumed(servers, point, fault):
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
 
     model = demo_model(seed=3)
     engine, sync, clients = _tier(servers, model)
@@ -210,7 +210,7 @@ def test_a_fault_leaves_the_server_out_and_never_resumed(servers, point, fault):
         sync.sync(100)
         assert [s.state for s in engine.pool.slots] == [UP, UP]
         if point == "init-start":  # the faulted sync builds that server's transfer group again
-            from nanogrpo.rollout.vllm_server.pool import _drop_transfer
+            from nanogrpo.engines.vllm_server.pool import _drop_transfer
 
             _drop_transfer(engine.pool.slots[1])
         _nudge(model)
@@ -256,7 +256,7 @@ def test_a_fault_leaves_the_server_out_and_never_resumed(servers, point, fault):
 
 
 def test_both_servers_faulted_stop_the_sync_with_one_line(servers):
-    from nanogrpo.rollout.vllm_server.sync import SyncError
+    from nanogrpo.engines.vllm_server.sync import SyncError
 
     model = demo_model(seed=4)
     engine, sync, clients = _tier(servers, model)

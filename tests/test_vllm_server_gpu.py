@@ -34,12 +34,12 @@ def _probe(transfer: str, device: str, server_gpu: str, tmp: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from nanogrpo.demos.arithmetic.build import embedded_path
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.vllm_server import state_source
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
 
     port = _port()
     url = f"http://127.0.0.1:{port}"

@@ -73,12 +73,12 @@ def _nudge(model, seed: int) -> None:
 
 
 def _tier(servers, model, adapter_dir, keep: int = 2):
-    from nanogrpo.rollout.vllm_server import base_source
-    from nanogrpo.rollout.vllm_server.adapters import AdapterSync
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.engines.vllm_server import base_source
+    from nanogrpo.engines.vllm_server.adapters import AdapterSync
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
 
     pool = ServerPool([ServerClient(u) for u in servers.urls], wait_s=30.0)
     base = WeightSync(pool, base_source(model, torch.float32), timeout_s=60)
@@ -86,7 +86,7 @@ def _tier(servers, model, adapter_dir, keep: int = 2):
 
 
 def _probe(engine, model) -> dict[str, float]:
-    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.engines.base import SamplingParams
 
     out = {}
     for slot in engine.pool.usable():
@@ -111,9 +111,9 @@ def test_a_lora_servers_start_logs_no_error(lora_servers):
 
 
 def test_every_adapter_sync_gives_both_servers_the_trainers_policy(lora_servers, tmp_path):
-    from nanogrpo.rollout.engine import SamplingParams
-    from nanogrpo.rollout.vllm_engine import policy_state_dict
-    from nanogrpo.rollout.vllm_server.adapters import adapter_name
+    from nanogrpo.engines.base import SamplingParams
+    from nanogrpo.engines.vllm_inprocess import policy_state_dict
+    from nanogrpo.engines.vllm_server.adapters import adapter_name
 
     model = _policy(1)
     engine, sync = _tier(lora_servers, model, tmp_path / "adapters")
@@ -137,7 +137,7 @@ def test_every_adapter_sync_gives_both_servers_the_trainers_policy(lora_servers,
             _nudge(model, 10 + version)
         assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["policy-v3", "policy-v4"]
         # a request for an adapter the servers dropped is refused by them (404): never sampled under it
-        from nanogrpo.rollout.vllm_server.engine import StaleSample
+        from nanogrpo.engines.vllm_server.engine import StaleSample
 
         engine.max_version = 1
         body = engine._body(PROMPT, SamplingParams(max_new_tokens=2, seed=0), 0, None)
@@ -149,7 +149,7 @@ def test_every_adapter_sync_gives_both_servers_the_trainers_policy(lora_servers,
 
 
 def test_a_server_killed_between_adapter_versions_comes_back_with_the_current_one(lora_servers, tmp_path):
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
 
     model = _policy(2)
     engine, sync = _tier(lora_servers, model, tmp_path / "adapters")
@@ -178,7 +178,7 @@ def test_a_server_killed_between_adapter_versions_comes_back_with_the_current_on
 
 
 def test_a_server_that_cannot_read_the_adapter_is_taken_out(lora_servers, tmp_path):
-    from nanogrpo.rollout.vllm_server.pool import OUT, UP
+    from nanogrpo.engines.vllm_server.pool import OUT, UP
 
     model = _policy(3)
     engine, sync = _tier(lora_servers, model, tmp_path / "adapters")

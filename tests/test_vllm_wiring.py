@@ -16,9 +16,9 @@ import torch
 
 from nanogrpo.cli import main
 from nanogrpo.config import load_config
+from nanogrpo.engines.base import Generation
+from nanogrpo.engines.hf import HFEngine
 from nanogrpo.errors import ConfigError
-from nanogrpo.rollout.engine import Generation
-from nanogrpo.rollout.hf import HFEngine
 from nanogrpo.training.metrics import read_metrics
 from tests.run_fixtures import write_tiny_run_assets
 
@@ -57,7 +57,7 @@ class OwnCopyEngine:
 @pytest.mark.slow
 def test_trainer_pushes_weights_and_takes_the_ratio_against_behaviour_logprobs(tmp_path, monkeypatch,
                                                                                 behaviour):
-    import nanogrpo.rollout.factory as factory  # where the run's setup takes its engine from
+    import nanogrpo.engines.factory as factory  # where the run's setup takes its engine from
 
     d = write_tiny_run_assets(tmp_path)
     built = []
@@ -128,7 +128,7 @@ def test_split_mode_trainer_takes_the_ratio_against_a_marked_fresh_batch(tmp_pat
 
 
 def test_vllm_options_from_config():
-    from nanogrpo.rollout.vllm_engine import vllm_options
+    from nanogrpo.engines.vllm_inprocess import vllm_options
 
     cfg = load_config(preset="demo")
     o = vllm_options(cfg)
@@ -173,9 +173,9 @@ def test_lora_policy_state_dict_is_the_merged_model():
     import copy
 
     from nanogrpo.config import ModelConfig
+    from nanogrpo.engines.vllm_inprocess import policy_state_dict
     from nanogrpo.models.lora import apply_lora
     from nanogrpo.models.tiny import make_model, make_tokenizer
-    from nanogrpo.rollout.vllm_engine import policy_state_dict
 
     base = make_model("tiny", make_tokenizer(), seed=0)
     model = apply_lora(base, ModelConfig(lora_r=4))

@@ -196,6 +196,50 @@ def test_no_signal_fires_after_window_steps_without_a_group_unless_solved():
     assert R.no_signal(history(rows(6, groups_kept=[8, 8, 8, 0, 1, 0], accuracy=0.4)), s) is None
 
 
+def _episodes(failed: list[int], n: int = 8, why: str = "env_timeout") -> list[dict]:
+    """Rows of a run with ``n`` episodes a step, ``failed[i]`` of them failed at step i + 1 (as ``why``)."""
+    return rows(len(failed), **{"env/episodes": n, "env/failed": failed, f"env/finish/{why}": failed,
+                                "env/finish/done": [n - f for f in failed], "env/groups_dropped": 0})
+
+
+def test_episodes_failed_fires_at_the_first_step_whose_every_episode_failed_and_ends_the_run_at_the_third():
+    """Issue 50, item 12: a verifiers run whose every episode timed out said nothing ('watch: no alarm')."""
+    s = WatchConfig().episodes_failed
+    assert R.episodes_failed(history(_episodes([0, 3, 7])), s) is None  # some episodes ended well
+    f = R.episodes_failed(history(_episodes([0, 8])), s)
+    assert f is not None and f.step == f.since == 2 and not f.stop
+    assert f.message.startswith("all 8 episodes of this step failed (env_timeout): they ran past "
+                                "env.timeout_s; raise env.timeout_s")
+    f = R.episodes_failed(history(_episodes([0, 8, 8, 8])), s)
+    assert f.since == 2 and f.stop and f.values["steps_in_a_row"] == 3
+    f = R.episodes_failed(history(_episodes([8, 8, 4, 8])), s)
+    assert f.since == 4 and not f.stop  # the streak starts again
+    errs = R.episodes_failed(history(_episodes([8], why="env_error")), s)
+    assert "(env_error): they ended in an error of the environment" in errs.message
+    dropped = rows(1, **{"env/episodes": 0, "env/failed": 0, "env/groups_dropped": 4})
+    assert "no episode of this step ran" in R.episodes_failed(history(dropped), s).message
+    nothing = rows(1, **{"env/episodes": 0, "env/failed": 0, "env/groups_dropped": 0})  # no row on a rank
+    assert R.episodes_failed(history(nothing), s) is None
+    assert R.episodes_failed(history(_episodes([8, 8, 8])), WatchConfig(episodes_failed={"stop_after": 0})
+                             .episodes_failed).stop is False
+
+
+def test_the_monitor_ends_the_run_at_the_third_failed_step_with_the_line_in_the_summary(tmp_path, caplog):
+    m = Monitor(WatchConfig(), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="nanogrpo.watch"):
+        out = [m.observe(r) for r in _episodes([0, 8, 8, 8])]
+    assert [o["watch/episodes_failed"] for o in out] == [0.0, 1.0, 1.0, 1.0]
+    assert m.stop is not None and m.stop.step == 4
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("step 2: episodes_failed since step 2: all 8 episodes")
+    assert lines[1].endswith("stopping the run (watch.episodes_failed.stop_after)")
+    end = summary(read_events(tmp_path))
+    assert end.startswith("watch: episodes_failed at step 2 (since 2); stopped the run at step 4 "
+                          "(episodes_failed: all 8 episodes of this step failed (env_timeout)"), end
+    assert WatchConfig().may_stop() and not WatchConfig(episodes_failed={"stop_after": 0}).may_stop()
+    assert not WatchConfig(off=["episodes_failed"]).may_stop()
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -345,11 +389,11 @@ def test_no_rule_fires_on_the_shipped_demos_full_runs(stream):
 def test_every_shipped_demo_has_its_full_run_replayed():
     """A demo shipped without its stream here would go unchecked: nanogrpo bench watch --demos runs them all
     (nanogrpo.bench.watch.DEMOS), --export writes the streams."""
-    from nanogrpo import registry
+    from nanogrpo import entry_points
     from nanogrpo.bench.watch import DEMOS
 
-    assert sorted(DEMOS) == registry.preset_names()
-    assert sorted(p.stem for p in DATA.glob("*.jsonl")) == registry.preset_names()
+    assert sorted(DEMOS) == entry_points.preset_names()
+    assert sorted(p.stem for p in DATA.glob("*.jsonl")) == entry_points.preset_names()
     # the streams were recorded with the metric the entropy rule reads first
     for p in DATA.glob("*.jsonl"):
         assert any("sampled_nll" in json.loads(x) for x in p.read_text().splitlines()[1:]), p.name

@@ -214,11 +214,11 @@ def demo_model(seed: int | None = None):
 
 def tier(servers: Servers, model, clients=None, **sync_kw):
     """A pool, engine and weight sync over the servers, for ``model`` (in this process)."""
-    from nanogrpo.rollout.vllm_server import state_source
-    from nanogrpo.rollout.vllm_server.engine import ServerEngine
-    from nanogrpo.rollout.vllm_server.http import ServerClient
-    from nanogrpo.rollout.vllm_server.pool import ServerPool
-    from nanogrpo.rollout.vllm_server.sync import WeightSync
+    from nanogrpo.engines.vllm_server import state_source
+    from nanogrpo.engines.vllm_server.engine import ServerEngine
+    from nanogrpo.engines.vllm_server.http import ServerClient
+    from nanogrpo.engines.vllm_server.pool import ServerPool
+    from nanogrpo.engines.vllm_server.sync import WeightSync
 
     pool = ServerPool(clients or [ServerClient(u) for u in servers.urls], wait_s=20.0)
     sync_kw.setdefault("timeout_s", 60)
@@ -227,7 +227,7 @@ def tier(servers: Servers, model, clients=None, **sync_kw):
 
 def probe_diff(engine, model, prompt: list[int]) -> dict[str, float]:
     """Each usable server's largest log-prob difference from ``model`` on a sample of ``prompt``."""
-    from nanogrpo.rollout.engine import SamplingParams
+    from nanogrpo.engines.base import SamplingParams
 
     out = {}
     for slot in engine.pool.usable():

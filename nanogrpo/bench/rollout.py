@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from nanogrpo.rollout.engine import SamplingParams
+from nanogrpo.engines.base import SamplingParams
 
 FAST_VARIANTS = {"fast": {}, "fast-nofuse": {"fuse": False}, "fast-nocompile": {"compile": False},
                  "fast-eager": {"compile": False, "cuda_graphs": False},
@@ -88,7 +88,7 @@ class _TRLStyle:
 
     @torch.no_grad()
     def generate(self, prompts, params):
-        from nanogrpo.rollout.hf import left_pad
+        from nanogrpo.engines.hf import left_pad
 
         dev = next(self.model.parameters()).device
         ids, mask = left_pad([p for p in prompts for _ in range(params.n)], self.tok.pad_token_id, dev)
@@ -100,16 +100,16 @@ class _TRLStyle:
 
 
 def _engine(name: str, model, tok, max_len: int = 0, batch: int = 0):
-    if name == "vllm":  # vLLM in this process over a copy of the weights (nanogrpo.rollout.vllm_engine)
-        from nanogrpo.rollout.vllm_engine import VLLMEngine
+    if name == "vllm":  # vLLM in this process over a copy of the weights (nanogrpo.engines.vllm_inprocess)
+        from nanogrpo.engines.vllm_inprocess import VLLMEngine
 
         return VLLMEngine(model, tokenizer=tok, ignore_eos=True, max_model_len=max_len, max_batch=batch)
     if name in FAST_VARIANTS:
-        from nanogrpo.rollout.fast import FastEngine
+        from nanogrpo.engines.fast import FastEngine
 
         return FastEngine(model, tokenizer=tok, ignore_eos=True, **FAST_VARIANTS[name])
     if name == "hf":
-        from nanogrpo.rollout.hf import HFEngine
+        from nanogrpo.engines.hf import HFEngine
 
         return HFEngine(model, tokenizer=tok, ignore_eos=True)
     return _TRLStyle(model, tok)
@@ -154,7 +154,7 @@ def check(name: str, model, tok, prompts, params) -> dict:
     """Sampled-token log-probs vs ``log_softmax`` of one forward pass over prompt + completion
     (max / mean abs difference), and the mean share of greedy tokens equal to ``model.generate``'s
     before the first difference (1.0 = identical)."""
-    from nanogrpo.rollout.hf import left_pad
+    from nanogrpo.engines.hf import left_pad
 
     prompts = prompts[:16]
     engine = _engine(name, model, tok, len(prompts[0]) + params.max_new_tokens, len(prompts))

@@ -141,12 +141,12 @@ def run_nanogrpo(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """``a.steps`` calls of the trainer's own ``train_step`` on a fresh random-init model."""
     from nanogrpo.config import Config
     from nanogrpo.data import PromptSampler
+    from nanogrpo.engines.factory import make_engine
     from nanogrpo.models.cpu_linear import apply_cpu_linear
     from nanogrpo.models.cpu_linear import linear as onednn_linear
     from nanogrpo.models.load import frozen_copy
     from nanogrpo.models.tiny import make_model, make_tokenizer
     from nanogrpo.rewards import reward_runner
-    from nanogrpo.rollout.factory import make_engine
     from nanogrpo.training.loop import train_step
     from nanogrpo.training.optim import MasterAdamW
     from nanogrpo.training.setup import local_run

@@ -52,11 +52,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _engine(name: str, cfg, model, tok, max_len: int):
-    from nanogrpo.rollout.factory import make_engine
-    from nanogrpo.rollout.session import WithoutSession
+    from nanogrpo.engines.factory import make_engine
+    from nanogrpo.engines.session import WithoutSession
 
     if name == "vllm":
-        from nanogrpo.rollout.vllm_engine import VLLMEngine, vllm_options
+        from nanogrpo.engines.vllm_inprocess import VLLMEngine, vllm_options
 
         return VLLMEngine(model, tokenizer=tok, **{**vllm_options(cfg), "max_model_len": max_len})
     if name == "fast-reprefill":
@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from nanogrpo.config import load_config
     from nanogrpo.data import encode_prompts, load_rows
+    from nanogrpo.engines.base import SamplingParams
     from nanogrpo.models.load import load_policy
-    from nanogrpo.rollout.engine import SamplingParams
     from nanogrpo.rollout.turns import generate_with_tools, longest_context
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
 
     if a.threads:
         torch.set_num_threads(a.threads)

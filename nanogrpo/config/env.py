@@ -1,4 +1,4 @@
-"""``[env]``: multi-turn environments (``nanogrpo.envs``; rollout in ``nanogrpo.rollout.episodes``)."""
+"""``[env]``: multi-turn environments (``nanogrpo.envs``; rollout in ``nanogrpo.episodes.play``)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,10 @@ class EnvConfig(_Strict):
     ``tcp://HOST:PORT``: a running ``vf.EnvServer`` (``nanogrpo.envs.adapters.verifiers_v1.server``)."""
     workers: int = Field(32, ge=1)
     """Threads running sync environment calls at once (``async def`` methods share one event loop)."""
+    max_concurrent: int = Field(0, ge=0)
+    """Episodes of agent programs (verifiers 0.4 environments included) running at once; the others wait
+    their turn, and each one's deadline (``env.timeout_s``) starts when it starts. 0: what the program
+    says this machine can run (verifiers 0.4 with a harness that is a process per turn, the ``null`` or
+    ``bash`` harness in the ``subprocess`` runtime: two per CPU core this process may use), else no
+    bound. Environments with ``reset``/``step`` play every episode of the step together (their calls:
+    ``env.workers``)."""

@@ -16,7 +16,7 @@ from nanogrpo.config.base import _Strict
 class RolloutConfig(_Strict):
     engine: Literal["auto", "hf", "fast", "vllm", "vllm_server"] = "auto"
     """``auto``: ``fast`` when it computes the model's configuration exactly (Llama, Qwen2/2.5, Qwen3,
-    Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.rollout.fast.families``), else
+    Mistral, Ministral, OLMo2, SmolLM3, Phi3 families; see ``nanogrpo.engines.fast.families``), else
     ``hf``; the choice and its reason are logged. ``vllm``: vLLM in this process; ``vllm_server``: running
     vLLM servers (``rollout.servers``, the ``[vllm_server]`` section)."""
     servers: list[str] = Field(default_factory=list)
@@ -85,7 +85,7 @@ class RolloutConfig(_Strict):
 
 class VllmConfig(_Strict):
     """``rollout.engine=vllm``: vLLM in the trainer's (or a rollout worker's) own process, its weights
-    pushed in place after every update (``nanogrpo.rollout.vllm_engine``). Needs the ``vllm`` extra."""
+    pushed in place after every update (``nanogrpo.engines.vllm_inprocess``). Needs the ``vllm`` extra."""
 
     max_model_len: int = Field(0, ge=0)
     """Longest prompt + completion vLLM holds; 0: ``data.max_prompt_tokens`` + the longest of
@@ -123,7 +123,7 @@ class VllmConfig(_Strict):
 class VllmServerConfig(_Strict):
     """``rollout.engine=vllm_server``: generation on running ``vllm serve`` processes (``rollout.servers``),
     their weights synced by the trainer through vLLM's weight-transfer protocol
-    (``nanogrpo.rollout.vllm_server``; start the servers with ``nanogrpo vllm-serve``). Needs the ``vllm``
+    (``nanogrpo.engines.vllm_server``; start the servers with ``nanogrpo vllm-serve``). Needs the ``vllm``
     extra in the trainer's environment too (the trainer-side transfer engines are vLLM's)."""
 
     transfer: Literal["gloo", "nccl", "ipc"] = "gloo"

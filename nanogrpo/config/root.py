@@ -14,7 +14,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from nanogrpo import registry
+from nanogrpo import entry_points
 from nanogrpo.config.base import _Strict
 from nanogrpo.config.data import DataConfig
 from nanogrpo.config.distill import DistillConfig
@@ -161,8 +161,8 @@ RUN_CONFIG_FILE = "config.yaml"
 
 def preset_names() -> list[str]:
     """The presets of the registered demos (``demo``, ``demo-NAME``: one per demo; and any an installed
-    package registers, :mod:`nanogrpo.registry`), sorted."""
-    return registry.preset_names()
+    package registers, :mod:`nanogrpo.entry_points`), sorted."""
+    return entry_points.preset_names()
 
 
 def _not_found(path: Path) -> ConfigError:
@@ -202,7 +202,7 @@ def preset_path(name: str) -> Path:
     """Path of a preset: the ``preset.toml`` of the demo that registers it (``demo`` is
     ``nanogrpo/demos/arithmetic/preset.toml``, ``demo-NAME`` ``nanogrpo/demos/NAME/preset.toml``); for a
     name no demo registers, the one-line ``config file not found`` that lists the presets."""
-    found = registry.preset_file(name)
+    found = entry_points.preset_file(name)
     if found is None:
         raise _not_found(Path(name))
     return found
@@ -344,7 +344,7 @@ def config_from(source: str | Path | None = None, overrides: Overrides = ()) -> 
     exists, the name of a shipped preset; None is the demo preset. ``overrides`` apply on top."""
     if source is None:
         return load_config(preset="demo", overrides=overrides)
-    if not Path(source).exists() and registry.preset_file(str(source)) is not None:
+    if not Path(source).exists() and entry_points.preset_file(str(source)) is not None:
         return load_config(preset=str(source), overrides=overrides)
     return load_config(source, overrides)
 

@@ -143,8 +143,16 @@ class NoSignalRule(_Strict):
     broken run."""
 
 
+class EpisodesFailedRule(_Strict):
+    """Every episode of a step failed: nothing from the environment to train on."""
+
+    stop_after: int = Field(3, ge=0)
+    """Steps in a row whose every episode failed (or none of whose groups started) that end the run, a
+    checkpoint saved, its summary saying why (0: the rule only flags them)."""
+
+
 RULE_NAMES = ("reward_hacking", "one_component", "length_limit", "template_collapse", "entropy_collapse",
-              "kl_spike", "clip_spike", "engine_drift", "no_signal")
+              "kl_spike", "clip_spike", "engine_drift", "no_signal", "episodes_failed")
 """The rules, in the order they are checked and listed (:data:`nanogrpo.watch.RULES`)."""
 
 
@@ -174,6 +182,9 @@ class WatchConfig(_Strict):
     """The engine's behaviour log-probs drift from the trainer's log-probs of the same policy."""
     no_signal: NoSignalRule = Field(default_factory=NoSignalRule)
     """Every group has zero reward variance, step after step: no gradient."""
+    episodes_failed: EpisodesFailedRule = Field(default_factory=EpisodesFailedRule)
+    """Every episode of a step failed (timed out, raised, ...): said in one line with the key to change;
+    ``stop_after`` such steps in a row end the run."""
 
     @model_validator(mode="after")
     def _known_rules(self) -> WatchConfig:
@@ -190,3 +201,8 @@ class WatchConfig(_Strict):
     def active(self) -> list[str]:
         """The rules checked: all but ``off``; none when ``enabled`` is false."""
         return [n for n in RULE_NAMES if self.enabled and n not in self.off]
+
+    def may_stop(self) -> bool:
+        """Whether a rule may end the run: one in ``stop_on``, or ``episodes_failed`` with ``stop_after``."""
+        stops = "episodes_failed" in self.active() and self.episodes_failed.stop_after > 0
+        return bool(self.stop_on) or stops

@@ -14,7 +14,7 @@
   (``agentica-org/DeepScaleR-Preview-Dataset``, 40k problems, ``answer``; train
   only). Offline, point ``source`` at a local copy in the same format (the
   reference is found as ``data.answer_from=auto`` finds it).
-- a demo's task, by the name its package registers (:mod:`nanogrpo.registry`; this module imports
+- a demo's task, by the name its package registers (:mod:`nanogrpo.entry_points`; this module imports
   no demo): ``arithmetic``, the default demo's word problems (``nanogrpo/demos/arithmetic/task.py``);
   ``multidigit``, the tool demo's; ``game``, ``dialogue``, the rows that start the multi-turn demos'
   episodes (played with an environment, ``[env]``); ``vision``; and any installed package's own.
@@ -42,7 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from nanogrpo import hub, registry
+from nanogrpo import entry_points, hub
 from nanogrpo.config import DataConfig
 from nanogrpo.data.samples import normalize_rows
 from nanogrpo.errors import DataError
@@ -262,11 +262,12 @@ def _load_rows(cfg: DataConfig, split: str, source: str) -> list[dict[str, Any]]
     path = Path(source.replace("{split}", split))
     if path.suffix.lower() in READERS:  # a file: the registry is not asked
         return normalize_rows(read_file(path), origin=f"data file {path}", **fields)
-    task = registry.task_module(source)
+    task = entry_points.task_module(source)
     if task is not None:
         return _task_rows(cfg, split, source, task)
+    demos = ", ".join(entry_points.source_names())
     raise DataError(f"unknown data source {source!r}: use a preset ({', '.join(PRESETS)}), a demo's task "
-                    f"({', '.join(registry.source_names())}), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
+                    f"({demos}), a {'/'.join(FILE_SUFFIXES)} file, or hf:NAME")
 
 
 def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, Any]]:

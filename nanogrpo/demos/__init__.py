@@ -15,7 +15,7 @@ model: ``rm:embedded-rm``).
 
 The demos sit over the library, as a user's own package would: nothing in nanogrpo's layers imports
 them. Each registers itself in nanogrpo's ``pyproject.toml`` (entry points ``nanogrpo.demos``), and the
-data sources, models and presets are found there by name (:mod:`nanogrpo.registry`). A package of
+data sources, models and presets are found there by name (:mod:`nanogrpo.entry_points`). A package of
 your own registers its tasks the same way: copy a folder into it, change its constants, and name it
 in your ``pyproject.toml``::
 

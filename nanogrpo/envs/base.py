@@ -42,7 +42,7 @@ None) and the runner sets it, before ``reset``, to a :class:`SandboxHandle`:
 ``self.sandbox.run(code) -> (status, output)``, under the ``[tools]`` limits (time, memory, files,
 output; no network where the kernel allows). Environment code itself is trusted as the user's own.
 
-Nothing here knows tokens or training: the rollout (:mod:`nanogrpo.rollout.episodes`) renders the
+Nothing here knows tokens or training: the rollout (:mod:`nanogrpo.episodes.play`) renders the
 observations with the chat template, trains the model's tokens only and keeps the KV cache across turns.
 """
 

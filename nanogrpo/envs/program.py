@@ -12,14 +12,17 @@ it likes, through the OpenAI SDK (or any library built on it), then answers the 
         return 1.0 if check(reply, row) else 0.0  # or AgentResult(reward, success, info)
 
 During a rollout ``client`` points at nanogrpo's endpoint in front of the rollout engine
-(:mod:`nanogrpo.rollout.endpoint`: loopback only, a key per episode), which records every request's
+(:mod:`nanogrpo.episodes.endpoint`: loopback only, a key per episode), which records every request's
 token ids; the rollout assembles the episode's training sequences from them
-(:mod:`nanogrpo.rollout.trajectory`). A program that already reads ``OPENAI_BASE_URL`` /
+(:mod:`nanogrpo.episodes.trajectory`). A program that already reads ``OPENAI_BASE_URL`` /
 ``OPENAI_API_KEY`` runs unchanged given ``client.environ()``.
 
 - ``run(row, client)`` may be ``async def`` (``client.async_openai()``); it runs under
-  ``env.timeout_s`` for the **whole episode** (model calls included); a program that raises, runs
-  past it or answers a non-finite reward gets ``env.error_penalty`` (counted), the run goes on.
+  ``env.timeout_s`` for the **whole episode** (model calls included), counted from when it starts; a
+  program that raises, runs past it or answers a non-finite reward gets ``env.error_penalty``
+  (counted), the run goes on. At most ``env.max_concurrent`` run at once; left at 0, a program's
+  ``episodes_at_once()`` (optional: how many of its episodes this machine can run at once, None for
+  no bound) says how many.
 - it answers a number (the reward; success when above 0), an :class:`AgentResult`, or a dict with
   ``reward`` (and optionally ``success``, ``info``).
 - a plain function ``fn(row, client)`` is a program through ``env.source = "agent:module:function"``
@@ -48,7 +51,7 @@ class ModelClient:
     session_key: str = ""
     """The key of the endpoint's token route sessions (``/inference/v1/generate`` with an
     ``X-Session-ID`` header naming the episode): for a client shared by many episodes, which cannot
-    carry a key per episode (:mod:`nanogrpo.rollout.endpoint.episodes`)."""
+    carry a key per episode (:mod:`nanogrpo.episodes.endpoint.records`)."""
     tokenizer: str = ""
     """Where the engine's tokenizer loads from (a directory or hub id): for programs that render
     prompts to token ids themselves."""
@@ -95,7 +98,7 @@ class AgentResult:
     """The program's own record of what to train (a library that keeps token ids, as verifiers 0.4's
     traces do), checked against the endpoint's record of every request: each sampled span must be a
     request's sampled tokens, with that request's prompt before it. None: the endpoint's record is
-    trained (:mod:`nanogrpo.rollout.trajectory`)."""
+    trained (:mod:`nanogrpo.episodes.trajectory`)."""
     sessions: list[str] = field(default_factory=list)
     """The token route sessions (``X-Session-ID``) whose requests are this episode's."""
 
@@ -124,6 +127,14 @@ class Program:
 def agent(fn, **kwargs) -> Program:
     """``fn(row, client, **kwargs)`` as an agent program (``nanogrpo.train(env=agent(fn))``)."""
     return Program(fn, **kwargs)
+
+
+def episodes_at_once(program: Any) -> int | None:
+    """What ``program`` says this machine can run of its episodes at once (its optional
+    ``episodes_at_once()``, or an attribute of that name); None: no bound."""
+    hint = getattr(program, "episodes_at_once", None)
+    n = hint() if callable(hint) else hint
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def is_program(obj: Any) -> bool:

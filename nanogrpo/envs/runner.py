@@ -1,5 +1,10 @@
 """Calling environments: many episodes at once, each call under a deadline, failures caught and counted.
 
+The line with :mod:`nanogrpo.episodes`: this module calls an environment's (or agent program's)
+methods and says what each call came to; it never sees a token. The episodes (what the model samples,
+how an observation is rendered and fed, what ends an episode and what it is worth) are played there,
+every call going through an :class:`EnvRunner`.
+
 :class:`EnvRunner` owns what a run's environments need: the factory (:mod:`nanogrpo.envs.load`), a
 pool of daemon worker threads for sync methods, one event loop (in a thread of its own) for
 ``async def`` methods, and the sandbox handle for environments that run model-written code. It is
@@ -33,6 +38,7 @@ from typing import Any
 
 from nanogrpo.envs.base import ObservationTooLong, SessionRefused
 from nanogrpo.envs.load import Factory, resolve
+from nanogrpo.watch.episodes import all_failed
 
 log = logging.getLogger("nanogrpo.envs")
 _WARN_LIMIT = 3
@@ -118,6 +124,16 @@ def _copy_result(src: Future, dst: Future) -> None:
         dst.set_result(src.result())
 
 
+def _outcome(f: Future) -> Outcome:
+    """What a finished call came to."""
+    e = f.exception()
+    if e is None:
+        return Outcome(value=f.result())
+    if isinstance(e, SessionRefused):
+        return Outcome("refused", value=e, error=first_line(e))
+    return Outcome("too_long" if isinstance(e, ObservationTooLong) else "error", error=first_line(e))
+
+
 def first_line(e: BaseException) -> str:
     """``Type: the first line of the message that says something`` (a line of letters or digits: a
     banner of ``*****`` or ``-----`` above the message, as nltk's missing-data error has, is skipped)."""
@@ -139,7 +155,7 @@ class EnvSandbox:
 
     def run(self, code: str) -> tuple[str, str]:
         from nanogrpo.tools.protocols import Call
-        from nanogrpo.tools.registry import ToolRunner
+        from nanogrpo.tools.runner import ToolRunner
 
         if not isinstance(code, str):
             raise TypeError(f"sandbox.run takes the code as a string, not {type(code).__name__}")
@@ -206,39 +222,33 @@ class EnvRunner:
         return job
 
     def run_all(
-        self, fns: Sequence[Callable[[], Any]], what: str, is_async: Sequence[bool] | None = None
+        self, fns: Sequence[Callable[[], Any]], what: str, is_async: Sequence[bool] | None = None,
+        limit: int | None = None,
     ) -> list[Outcome]:
-        """Run ``fns`` concurrently, each under the deadline (counted from when it starts)."""
-        jobs = [self._submit(f, bool(is_async and is_async[i])) for i, f in enumerate(fns)]
+        """Run ``fns`` concurrently, each under the deadline counted from when it starts; ``limit``: at
+        most that many running at once (the rest start as earlier ones end: their deadlines too)."""
+        waiting = list(range(len(fns)))[::-1]
+        jobs: dict[int, _Job] = {}
         out: dict[int, Outcome] = {}
-        pending = {j.future: i for i, j in enumerate(jobs)}
+        pending: dict[Future, int] = {}
+
+        def start_more() -> None:
+            while waiting and (limit is None or len(pending) < limit):
+                i = waiting.pop()
+                jobs[i] = self._submit(fns[i], bool(is_async and is_async[i]))
+                pending[jobs[i].future] = i
+
+        start_more()
         while pending:
             now = time.monotonic()
             started = [jobs[i].started for i in pending.values() if jobs[i].started is not None]
             wait_s = max(0.0, min(started) + self.timeout_s - now) if started else 0.05
             done, _ = wait(list(pending), timeout=min(wait_s, 0.5) + 1e-3, return_when=FIRST_COMPLETED)
             for f in done:
-                i = pending.pop(f)
-                e = f.exception()
-                if e is None:
-                    out[i] = Outcome(value=f.result())
-                elif isinstance(e, SessionRefused):
-                    out[i] = Outcome("refused", value=e, error=first_line(e))
-                else:
-                    out[i] = Outcome("too_long" if isinstance(e, ObservationTooLong) else "error",
-                                     error=first_line(e))
-            now = time.monotonic()
-            for f, i in list(pending.items()):
-                j = jobs[i]
-                if j.started is not None and now - j.started > self.timeout_s:
-                    del pending[f]
-                    out[i] = Outcome("timeout", error=f"{what} ran past env.timeout_s={self.timeout_s:g} s")
-                    if j.inner is not None:
-                        j.inner.cancel()
-                    if not j.abandoned and j.inner is None and self._workers is not None:
-                        j.abandoned = True  # its thread is stuck in the call: leave it, start another
-                        self._workers.spawn()
-        results = [out[i] for i in range(len(jobs))]
+                out[pending.pop(f)] = _outcome(f)
+            self._expire(jobs, pending, out, what)
+            start_more()
+        results = [out[i] for i in range(len(fns))]
         for r in results:
             if not r.ok:
                 self.report(what, r)
@@ -246,14 +256,41 @@ class EnvRunner:
         if refused and not self._capacity_said:
             self._capacity_said = True
             e = refused[0].value
-            limit = f" (its limit: {e.limit})" if e.limit is not None else ""
+            limit_said = f" (its limit: {e.limit})" if e.limit is not None else ""
             log.warning("environment %s: the server refused %d of the %d sessions opened at once%s: its "
                         "concurrency limit is below the episodes in flight (rollout.prompts_per_step x "
                         "grpo.group_size), and each group with a refused session is dropped "
                         "(env/groups_dropped); %s, or lower rollout.prompts_per_step", self.source,
-                        len(refused), len(results), limit,
+                        len(refused), len(results), limit_said,
                         (e.hint or "raise the server's limit") + f" to at least {len(results)}")
         return results
+
+    def _expire(self, jobs: dict[int, _Job], pending: dict[Future, int], out: dict[int, Outcome],
+                what: str) -> None:
+        """The calls past their deadline end as ``timeout``: an async one cancelled, a sync one's thread
+        left to its call and replaced."""
+        now = time.monotonic()
+        for f, i in list(pending.items()):
+            j = jobs[i]
+            if j.started is not None and now - j.started > self.timeout_s:
+                del pending[f]
+                out[i] = Outcome("timeout", error=f"{what} ran past env.timeout_s={self.timeout_s:g} s")
+                if j.inner is not None:
+                    j.inner.cancel()
+                if not j.abandoned and j.inner is None and self._workers is not None:
+                    j.abandoned = True  # its thread is stuck in the call: leave it, start another
+                    self._workers.spawn()
+
+    def say_if_all_failed(self, metrics: dict[str, Any], errors: Sequence[str]) -> str | None:
+        """One warning when every episode of a step failed (or none started): how many, the cause, the key
+        to change (:func:`nanogrpo.watch.episodes.all_failed`) and the first error; the line, else None."""
+        line = all_failed(metrics, self.timeout_s)
+        if line is None:
+            return None
+        first = next((e for e in errors if e), "")
+        log.warning("environment %s: %s%s", self.source, line,
+                    f" (first error: {first[:300]})" if first else "")
+        return line
 
     def report(self, what: str, r: Outcome) -> None:
         key = f"{what}/{r.status}"

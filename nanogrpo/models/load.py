@@ -4,7 +4,7 @@
 character-level tokenizer, warm-started by a short supervised stage on the
 embedded arithmetic task (``nanogrpo/demos/arithmetic/build.py``), shipped with the package
 (``nanogrpo/demos/arithmetic/weights``), so ``nanogrpo train`` works offline with no arguments;
-``embedded-NAME`` is demo NAME's (found by name: :mod:`nanogrpo.registry`).
+``embedded-NAME`` is demo NAME's (found by name: :mod:`nanogrpo.entry_points`).
 """
 
 from __future__ import annotations

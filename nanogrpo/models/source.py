@@ -1,7 +1,7 @@
 """Where a model is loaded from: a demo's shipped weights (``embedded``, ``embedded-NAME``), a local
 directory, or an HF hub id, checked in seconds.
 
-A demo's weights are found by the model name its package registers (:mod:`nanogrpo.registry`;
+A demo's weights are found by the model name its package registers (:mod:`nanogrpo.entry_points`;
 nothing here imports a demo), asked only for a bare name (no ``/``, not ``.``/``~``-relative).
 
 Nothing here imports torch or transformers, so a bad model path is reported before they load.
@@ -21,7 +21,7 @@ import logging
 import re
 from pathlib import Path
 
-from nanogrpo import hub, registry
+from nanogrpo import entry_points, hub
 from nanogrpo.errors import ModelError
 
 __all__ = ["EMBEDDED", "check_model_source", "hub_source", "resolve_model_path"]
@@ -37,11 +37,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def _demo(path: str) -> registry.Demo | None:
+def _demo(path: str) -> entry_points.Demo | None:
     """The demo whose shipped weights ``path`` names; a path or an ``org/name`` id is none (not asked)."""
     if "/" in path or path.startswith((".", "~")):
         return None
-    return registry.model_demo(path)
+    return entry_points.model_demo(path)
 
 
 def _looks_like_path(s: str) -> bool:

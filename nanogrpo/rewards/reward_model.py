@@ -9,7 +9,7 @@ The model is a Hugging Face ``AutoModelForSequenceClassification`` with one outp
 the OpenAssistant DeBERTa reward models and the like; a local directory or a hub id), loaded once, on
 first use, on ``rewards.rm_device`` (``auto``: the trainer's device; in split mode the rollout
 worker's), in bfloat16 on a GPU and float32 on the CPU. ``rm:embedded-rm`` is the demo's own reward
-model, found by the model name its package registers (:mod:`nanogrpo.registry`), as a policy's
+model, found by the model name its package registers (:mod:`nanogrpo.entry_points`), as a policy's
 ``embedded-NAME`` is; it ships in ``nanogrpo/demos/rm/weights``, built by ``nanogrpo/demos/rm/build.py``.
 
 What it reads, as such models expect it:

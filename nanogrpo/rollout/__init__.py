@@ -1,8 +1,3 @@
-"""Rollout engines: token ids in, completion ids + log-probs out (see ``engine.py``)."""
-
-from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
-from nanogrpo.rollout.factory import make_engine
-from nanogrpo.rollout.fast import FastEngine
-from nanogrpo.rollout.hf import HFEngine
-
-__all__ = ["Engine", "Generation", "SamplingParams", "HFEngine", "FastEngine", "make_engine"]
+"""What makes a training batch: :mod:`.collect` (sample a group per prompt, score it, the advantages, the
+batch) and :mod:`.turns` (multi-turn rollouts with a tool). The engines that generate are
+:mod:`nanogrpo.engines`; episodes with an environment or an agent program, :mod:`nanogrpo.episodes`."""

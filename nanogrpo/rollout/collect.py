@@ -6,7 +6,7 @@ each ``nanogrpo rollout`` worker, only where the batch goes differs. With a tool
 completion is a multi-turn trajectory (:mod:`nanogrpo.rollout.turns`): the rewards see its whole text
 and, in the sample dict, its ``turns`` and ``tool_calls``; the batch carries a ``loss_mask`` that leaves
 the tool output out. With an environment (``env``), each completion is an episode
-(:mod:`nanogrpo.rollout.episodes`): the sample dict carries its return (``env_reward``, the ``env``
+(:mod:`nanogrpo.episodes.play`): the sample dict carries its return (``env_reward``, the ``env``
 reward), ``success`` (what ``accuracy`` counts), ``turns`` and ``turn_rewards``; the environment's
 observations are left out of the loss. The step's figures are :class:`~nanogrpo.rollout.stats.RolloutStats`.
 """
@@ -23,9 +23,9 @@ from nanogrpo.algo.advantages import AGGREGATIONS, Reduce, advantages, refill_si
 from nanogrpo.batch import RolloutBatch
 from nanogrpo.config import Config, DataConfig, GrpoConfig
 from nanogrpo.data import encode_prompts
+from nanogrpo.engines.base import Engine, Generation, SamplingParams
 from nanogrpo.rewards import RewardRunner, correctness
 from nanogrpo.rewards.builtin import BUILTIN, format_name
-from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
 from nanogrpo.rollout.stats import (
     RolloutStats,
     distinct_ngrams,
@@ -151,8 +151,8 @@ class Collector:
     """A run's rollout, built once: ``engine`` samples, ``rewards`` score, ``cfg`` (the run's config) says
     how (``data``, ``rollout``, ``grpo``, the chat template, the rollout table's size; with
     ``distill.teacher`` no group is dropped: the teacher's signal is in every group). ``tools``: a
-    :class:`nanogrpo.tools.registry.ToolRunner` for multi-turn rollouts; ``env``: an
-    :class:`~nanogrpo.rollout.episodes.Episodes` (episodes with an environment). ``reduce``: several ranks
+    :class:`nanogrpo.tools.runner.ToolRunner` for multi-turn rollouts; ``env``: an
+    :class:`~nanogrpo.episodes.play.Episodes` (episodes with an environment). ``reduce``: several ranks
     roll out shares of one batch: sums over them for the batch-level advantage estimators and the
     refill decisions (every rank then calls :meth:`collect`, with or without rows)."""
 

@@ -48,7 +48,7 @@ class RolloutStats:
     """Model rewards' figures (``judge/…``, ``rm/…``), :attr:`nanogrpo.rewards.RewardResult.metrics`."""
     tool_metrics: dict[str, float] = field(default_factory=dict)
     """``tools/…`` metrics of multi-turn rollouts (:func:`nanogrpo.rollout.turns.tool_metrics`), ``env/…``
-    ones of episodes (:func:`nanogrpo.rollout.episodes.env_metrics`)."""
+    ones of episodes (:func:`nanogrpo.episodes.play.env_metrics`)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:

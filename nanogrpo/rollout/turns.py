@@ -2,14 +2,14 @@
 
 For ``len(prompts) * n`` trajectories at once (prompt-major, as ``Engine.generate``):
 
-1. every live trajectory samples a turn through a :class:`~nanogrpo.rollout.engine.TurnSession`
+1. every live trajectory samples a turn through a :class:`~nanogrpo.engines.base.TurnSession`
    (the engine's own, keeping its KV cache, or the generic re-prefill one), which ends it at EOS,
    at the protocol's stop string (``</code>``, ``</tool_call>``) or at the trajectory's remaining
    token budget;
 2. a turn that closed a call: the protocol pulls the call out of the turn's text; all calls of
    the step go to the sandbox together (``tools.workers`` at a time);
 3. each output, cut to ``tools.max_output_tokens`` (first by bytes, to what that many tokens can hold
-   at most, :func:`~nanogrpo.rollout.render.token_bytes`, so a flood is never tokenised whole; then by
+   at most, :func:`~nanogrpo.episodes.render.token_bytes`, so a flood is never tokenised whole; then by
    tokens), is tokenised on its own, between the
    protocol's text before and after it (each piece tokenised separately, the ids appended: the
    context is never re-tokenised, so the tokens trained on are exactly those the model saw; the
@@ -32,24 +32,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanogrpo.rollout.engine import Engine, Generation, SamplingParams
-from nanogrpo.rollout.session import open_session
+from nanogrpo.engines.base import Engine, MultiTurnGeneration, SamplingParams
+from nanogrpo.engines.session import open_session
 from nanogrpo.tools.protocols import Call
 
 TRUNCATED = "\n[output cut]"
 ERROR_STATUSES = ("error", "denied", "crash", "overflow", "invalid")
-
-
-@dataclass
-class MultiTurnGeneration(Generation):
-    """A :class:`Generation` of whole trajectories, tool output included."""
-
-    loss_masks: list[list[bool]] = field(default_factory=list)
-    """Per trajectory, per completion token: True if the model sampled it (trained), False if fed."""
-    infos: list[dict[str, Any]] = field(default_factory=list)
-    """Per trajectory: ``turns`` (a dict per turn: ``text``, ``tool_call``, ``tool_output``,
-    ``tool_status``), ``tool_calls``, ``tool_errors`` (the keys rewards see in their sample dict)."""
-    tool_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,7 +59,7 @@ class _Wrapper:
     """Token ids of the protocol's text around an output, and of an output cut to size."""
 
     def __init__(self, tokenizer, protocol, max_output_tokens: int):
-        from nanogrpo.rollout.render import token_bytes
+        from nanogrpo.episodes.render import token_bytes
 
         self.tok = tokenizer
         self.before = self.encode(protocol.before_output)

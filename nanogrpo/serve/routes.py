@@ -27,6 +27,7 @@ gets a 4xx with a one-line reason and leaves the state as it was.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import math
 import os
@@ -37,11 +38,12 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanogrpo.batch import BatchError, RolloutBatch
+from nanogrpo.http_limits import BodyRefused, receive_capped
 from nanogrpo.serve.queue import LEASE_RE, AckResult
 from nanogrpo.serve.state import Reject, ServerState
 from nanogrpo.serve.weights import MAX_VERSION, WeightsError, check_weights_file, weights_cap
@@ -71,7 +73,8 @@ def check_auth(token: str | None, request: Request) -> None:
 
 
 async def read_body(request: Request, cap: int, timeout_s: float) -> bytes:
-    """The request body, refusing more than ``cap`` bytes and bodies slower than ``timeout_s``."""
+    """The request body, refusing more than ``cap`` bytes and bodies slower than ``timeout_s``
+    (:func:`nanogrpo.http_limits.receive_capped`)."""
     buf = bytearray()
     await _receive(request, cap, timeout_s, buf.extend)
     return bytes(buf)
@@ -89,34 +92,10 @@ async def spool_body(request: Request, cap: int, timeout_s: float, path) -> int:
 
 
 async def _receive(request: Request, cap: int, timeout_s: float, write) -> int:
-    """Hand the body to ``write`` chunk by chunk as it arrives, refusing more than ``cap`` bytes (before
-    reading, when ``Content-Length`` says so), a body slower than ``timeout_s`` or shorter than declared;
-    returns its size."""
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        if not _UINT.fullmatch(cl):
-            raise Reject(400, "bad_header", "Content-Length is not a non-negative integer")
-        if int(cl) > cap:
-            raise Reject(413, "too_large", f"body of {cl} bytes exceeds the limit of {cap} bytes")
-    size = 0
-
-    async def pull() -> None:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise Reject(413, "too_large", f"body exceeds the limit of {cap} bytes")
-            write(chunk)
-
     try:
-        await asyncio.wait_for(pull(), timeout_s)
-    except asyncio.TimeoutError:
-        raise Reject(408, "slow_client", f"body not received within {timeout_s:.0f} s") from None
-    except ClientDisconnect:
-        raise Reject(400, "disconnect", "client disconnected before the body was complete") from None
-    if cl is not None and size != int(cl):
-        raise Reject(400, "truncated", f"body has {size} bytes but Content-Length says {cl}")
-    return size
+        return await receive_capped(request, cap, timeout_s, write)
+    except BodyRefused as e:
+        raise Reject(e.status, e.reason, e.message) from None
 
 
 def _file_chunks(f, chunk: int = 1 << 20):
@@ -189,172 +168,206 @@ def _id_header(request: Request, name: str) -> str | None:
     return value
 
 
-# ---------------------------------------------------------------------- the app
+# ---------------------------------------------------------------------- the routes
+# Each handler takes the server's state and the request; create_app binds them to one state.
+
+
+def guard(st: ServerState, handler, auth: bool = True):
+    """``handler(request)`` behind the token check (``auth``) and the refusals: a :class:`Reject` becomes
+    its status and one-line reason, counted in ``st.rejected``."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            if auth:
+                check_auth(st.token, request)
+            return await handler(request)
+        except Reject as r:
+            st.rejected[r.bucket] += 1
+            return PlainTextResponse(r.reason + "\n", status_code=r.status, headers=r.headers or None)
+    return endpoint
+
+
+def _busy(st: ServerState, reason: str) -> Reject:
+    return Reject(503, "queue_full", reason, st.s.retry_after_s)
+
+
+def _retry_later(st: ServerState, bucket: str, reason: str) -> Reject:
+    return Reject(429, bucket, reason, st.s.retry_after_s)
+
+
+async def health(st: ServerState, request: Request) -> Response:
+    return JSONResponse({"ok": True, "queue_ready": len(st.queue.ready), "weights_version": st.relay.version})
+
+
+async def stats(st: ServerState, request: Request) -> Response:
+    return JSONResponse(st.stats())
+
+
+def _admit_upload(st: ServerState, bid: str) -> None:
+    """Refuse an upload before its body is read: its batch is being processed, the queue is full, the
+    reference model or the upload slots are busy."""
+    q = st.queue
+    if bid in q.processing:
+        raise _retry_later(st, "in_progress", f"batch {bid} is being processed; retry later")
+    if q.full() and not q.seen(bid):  # a retry of a queued batch is told "duplicate" instead
+        raise _busy(st, f"queue full ({q.capacity} batches); retry later")
+    if st.ref_fn is not None and st.pending >= st.s.max_pending:
+        raise _retry_later(st, "busy", "reference model busy; retry later")
+    if st.reading >= st.s.max_reading:
+        raise _retry_later(st, "busy", f"{st.reading} uploads already arriving; retry later")
+
+
+async def upload(st: ServerState, request: Request) -> Response:
+    q = st.queue
+    bid = _id_header(request, "x-batch-id") or uuid.uuid4().hex
+    _admit_upload(st, bid)
+    st.reading += 1
+    try:
+        body = await read_body(request, st.s.max_body, st.s.body_timeout_s)
+    finally:
+        st.reading -= 1
+    batch = await asyncio.to_thread(decode_batch, st, body) if len(body) > (1 << 20) \
+        else decode_batch(st, body)
+    # valid: the queue's state decides (it may also have moved while the body arrived)
+    if bid in q.processing:
+        raise _retry_later(st, "in_progress", f"batch {bid} is being processed; retry later")
+    if q.seen(bid):
+        st.duplicates += 1
+        return JSONResponse({"queued": False, "duplicate": True, "id": bid, "depth": q.depth()})
+    if q.full():
+        raise _busy(st, f"queue full ({q.capacity} batches); retry later")
+    q.begin(bid)  # holds a slot and the id; abandoned (id free for a retry) if anything below fails
+    try:
+        if st.ref_fn is not None:
+            body = await st.add_reference(batch)  # Reject(503) on failure: the client retries
+        q.put(bid, body, batch.policy_version)
+    finally:
+        q.abandon(bid)
+    st.count_upload(batch)
+    st.new_batch()
+    return JSONResponse({"queued": True, "id": bid, "depth": q.depth()})
+
+
+async def get(st: ServerState, request: Request) -> Response:
+    q = st.queue
+    wait = number_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
+    deadline = time.monotonic() + wait
+    while True:
+        if await request.is_disconnected():  # a long poll whose client left must not take a batch
+            return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
+        item = q.lease()
+        if item is not None:
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
+        ev = st.event()
+        ev.clear()
+        try:
+            await asyncio.wait_for(ev.wait(), min(left, 0.5))
+        except asyncio.TimeoutError:
+            pass
+    st.record_state()
+    headers = {"X-Batch-Id": item.id, "X-Lease": item.lease, "X-Lease-Seconds": f"{q.lease_s:g}",
+               "X-Policy-Version": str(item.version), "X-Queue-Depth": str(q.depth())}
+    # the lease's clock starts once the body has gone out
+    return Response(item.body, media_type=OCTET, headers=headers,
+                    background=BackgroundTask(q.start_clock, item.lease))
+
+
+async def ack(st: ServerState, request: Request) -> Response:
+    lease = request.query_params.get("lease") or request.headers.get("x-lease") or ""
+    if not LEASE_RE.fullmatch(lease):
+        raise Reject(400, "bad_param", "lease must be the X-Lease of a /get answer")
+    result, bid = st.queue.ack(lease)
+    if result in (AckResult.ACKED, AckResult.AGAIN):
+        st.record_state()
+        return JSONResponse({"acked": True, "id": bid, "again": result == AckResult.AGAIN})
+    if result == AckResult.OTHER_SERVER:
+        raise Reject(410, "ack_gone", "lease from a previous server instance: its queue is gone")
+    raise Reject(409, "ack_lost", f"lease {lease} no longer holds its batch: it ran out and the batch "
+                                  "went to another consumer, or was dropped as stale")
+
+
+def _check_version(relay, version: int) -> None:
+    """A publish of ``version`` is refused unless it is newer than the relay's (409, with the relay's
+    version and publish id) and within the bounded step (400)."""
+    why = relay.check_version(version)
+    if why == "old":
+        raise Reject(409, "old_version", f"version {version} is not newer than the server's "
+                     f"{relay.version}", headers={"X-Policy-Version": str(relay.version),
+                                                  "X-Publish-Id": relay.publish_id})
+    if why:
+        raise Reject(400, "bad_version", why)
+
+
+async def _receive_weights(st: ServerState, request: Request, version: int, pid: str) -> tuple[int, dict]:
+    """The publish's body spooled to disk and checked against the model's layout, then taken as the
+    relay's weights; returns its size and the tensors' shapes."""
+    relay = st.relay
+    cap = st.s.max_weights_body if relay.layout is None else \
+        min(st.s.max_weights_body, weights_cap(relay.layout))  # no more than the model can hold
+    spooled = relay.spool_path()
+    size = await spool_body(request, cap, st.s.body_timeout_s * 10, spooled)
+    try:
+        shapes = await asyncio.to_thread(check_weights_file, spooled, relay.layout)
+        _check_version(relay, version)
+    except BaseException as e:
+        spooled.unlink(missing_ok=True)
+        if isinstance(e, WeightsError):
+            raise Reject(400, "bad_weights", str(e)) from None
+        raise
+    relay.accept(spooled, version, pid, shapes)
+    return size, shapes
+
+
+async def publish(st: ServerState, request: Request) -> Response:
+    relay = st.relay
+    raw = request.headers.get("x-policy-version", "")
+    if not _UINT.fullmatch(raw):
+        raise Reject(400, "bad_header", "X-Policy-Version must be a non-negative integer (ASCII digits)")
+    version = int(raw)
+    pid = _id_header(request, "x-publish-id") or ""
+    _check_version(relay, version)
+    if relay.busy:
+        raise _retry_later(st, "busy", "another weights upload is in progress")
+    relay.busy = True
+    try:
+        size, shapes = await _receive_weights(st, request, version, pid)
+    finally:
+        relay.busy = False
+    st.expire_stale()
+    st.log.info("policy version %d published (%d tensors, %.1f MB)", version, len(shapes), size / 1e6)
+    return JSONResponse({"version": version, "tensors": len(shapes)})
+
+
+async def weights(st: ServerState, request: Request) -> Response:
+    relay = st.relay
+    have = int(number_param(request, "have", -1, -1, MAX_VERSION))
+    headers = {"X-Policy-Version": str(relay.version), "X-Publish-Id": relay.publish_id}
+    if relay.path is None or relay.version <= have:
+        return Response(status_code=204, headers=headers)
+    f = relay.open()  # opened at once: a publish meanwhile replaces the file, not what this reply sends
+    headers["Content-Length"] = str(os.fstat(f.fileno()).st_size)
+    return StreamingResponse(_file_chunks(f), media_type=OCTET, headers=headers)
+
+
+async def weights_version(st: ServerState, request: Request) -> Response:
+    return JSONResponse({"version": st.relay.version, "publish_id": st.relay.publish_id})
+
+
+ROUTES = [("/health", health, ["GET"]), ("/stats", stats, ["GET"]), ("/upload", upload, ["POST"]),
+          ("/get", get, ["GET", "POST"]), ("/ack", ack, ["POST"]), ("/weights", publish, ["POST"]),
+          ("/weights", weights, ["GET"]), ("/weights/version", weights_version, ["GET"])]
+"""Path, handler, methods; every route but ``/health`` needs the token."""
 
 
 def create_app(st: ServerState) -> Starlette:
-    q = st.queue
-    relay = st.relay
-
-    def guarded(handler, auth: bool = True):
-        async def endpoint(request: Request) -> Response:
-            try:
-                if auth:
-                    check_auth(st.token, request)
-                return await handler(request)
-            except Reject as r:
-                st.rejected[r.bucket] += 1
-                return PlainTextResponse(r.reason + "\n", status_code=r.status, headers=r.headers or None)
-        return endpoint
-
-    def busy(reason: str) -> Reject:
-        return Reject(503, "queue_full", reason, st.s.retry_after_s)
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"ok": True, "queue_ready": len(q.ready), "weights_version": relay.version})
-
-    async def stats(request: Request) -> Response:
-        return JSONResponse(st.stats())
-
-    async def upload(request: Request) -> Response:
-        bid = _id_header(request, "x-batch-id") or uuid.uuid4().hex
-        if bid in q.processing:
-            raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
-                         st.s.retry_after_s)
-        if q.full() and not q.seen(bid):  # a retry of a queued batch is told "duplicate" below instead
-            raise busy(f"queue full ({q.capacity} batches); retry later")
-        if st.ref_fn is not None and st.pending >= st.s.max_pending:
-            raise Reject(429, "busy", "reference model busy; retry later", st.s.retry_after_s)
-        if st.reading >= st.s.max_reading:
-            raise Reject(429, "busy", f"{st.reading} uploads already arriving; retry later",
-                         st.s.retry_after_s)
-        st.reading += 1
-        try:
-            body = await read_body(request, st.s.max_body, st.s.body_timeout_s)
-        finally:
-            st.reading -= 1
-        batch = await asyncio.to_thread(decode_batch, st, body) if len(body) > (1 << 20) \
-            else decode_batch(st, body)
-        # valid: now the queue's state decides (it may also have moved while the body arrived)
-        if bid in q.processing:
-            raise Reject(429, "in_progress", f"batch {bid} is being processed; retry later",
-                         st.s.retry_after_s)
-        if q.seen(bid):
-            st.duplicates += 1
-            return JSONResponse({"queued": False, "duplicate": True, "id": bid, "depth": q.depth()})
-        if q.full():
-            raise busy(f"queue full ({q.capacity} batches); retry later")
-        q.begin(bid)  # holds a slot and the id; abandoned (id free for a retry) if anything below fails
-        try:
-            if st.ref_fn is not None:
-                body = await st.add_reference(batch)  # Reject(503) on failure: the client retries
-            q.put(bid, body, batch.policy_version)
-        finally:
-            q.abandon(bid)
-        st.count_upload(batch)
-        st.new_batch()
-        return JSONResponse({"queued": True, "id": bid, "depth": q.depth()})
-
-    async def get(request: Request) -> Response:
-        wait = number_param(request, "wait", 0.0, 0.0, st.s.max_wait_s)
-        deadline = time.monotonic() + wait
-        while True:
-            if await request.is_disconnected():  # a long poll whose client left must not take a batch
-                return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
-            item = q.lease()
-            if item is not None:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return Response(status_code=204, headers={"X-Queue-Depth": str(q.depth())})
-            ev = st.event()
-            ev.clear()
-            try:
-                await asyncio.wait_for(ev.wait(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                pass
-        st.record_state()
-        headers = {"X-Batch-Id": item.id, "X-Lease": item.lease, "X-Lease-Seconds": f"{q.lease_s:g}",
-                   "X-Policy-Version": str(item.version), "X-Queue-Depth": str(q.depth())}
-        # the lease's clock starts once the body has gone out
-        return Response(item.body, media_type=OCTET, headers=headers,
-                        background=BackgroundTask(q.start_clock, item.lease))
-
-    async def ack(request: Request) -> Response:
-        lease = request.query_params.get("lease") or request.headers.get("x-lease") or ""
-        if not LEASE_RE.fullmatch(lease):
-            raise Reject(400, "bad_param", "lease must be the X-Lease of a /get answer")
-        result, bid = q.ack(lease)
-        if result in (AckResult.ACKED, AckResult.AGAIN):
-            st.record_state()
-            return JSONResponse({"acked": True, "id": bid, "again": result == AckResult.AGAIN})
-        if result == AckResult.OTHER_SERVER:
-            raise Reject(410, "ack_gone", "lease from a previous server instance: its queue is gone")
-        raise Reject(409, "ack_lost", f"lease {lease} no longer holds its batch: it ran out and the batch "
-                                      "went to another consumer, or was dropped as stale")
-
-    async def publish(request: Request) -> Response:
-        raw = request.headers.get("x-policy-version", "")
-        if not _UINT.fullmatch(raw):
-            raise Reject(400, "bad_header", "X-Policy-Version must be a non-negative integer (ASCII digits)")
-        version = int(raw)
-        pid = _id_header(request, "x-publish-id") or ""
-
-        def check_version() -> None:
-            why = relay.check_version(version)
-            if why == "old":
-                raise Reject(409, "old_version", f"version {version} is not newer than the server's "
-                             f"{relay.version}", headers={"X-Policy-Version": str(relay.version),
-                                                          "X-Publish-Id": relay.publish_id})
-            if why:
-                raise Reject(400, "bad_version", why)
-        check_version()
-        if relay.busy:
-            raise Reject(429, "busy", "another weights upload is in progress", st.s.retry_after_s)
-        relay.busy = True
-        try:
-            cap = st.s.max_weights_body if relay.layout is None else \
-                min(st.s.max_weights_body, weights_cap(relay.layout))  # no more than the model can hold
-            spooled = relay.spool_path()
-            size = await spool_body(request, cap, st.s.body_timeout_s * 10, spooled)
-            try:
-                shapes = await asyncio.to_thread(check_weights_file, spooled, relay.layout)
-                check_version()
-            except BaseException as e:
-                spooled.unlink(missing_ok=True)
-                if isinstance(e, WeightsError):
-                    raise Reject(400, "bad_weights", str(e)) from None
-                raise
-            relay.accept(spooled, version, pid, shapes)
-        finally:
-            relay.busy = False
-        st.expire_stale()
-        st.log.info("policy version %d published (%d tensors, %.1f MB)", version, len(shapes), size / 1e6)
-        return JSONResponse({"version": version, "tensors": len(shapes)})
-
-    async def weights(request: Request) -> Response:
-        have = int(number_param(request, "have", -1, -1, MAX_VERSION))
-        headers = {"X-Policy-Version": str(relay.version), "X-Publish-Id": relay.publish_id}
-        if relay.path is None or relay.version <= have:
-            return Response(status_code=204, headers=headers)
-        f = relay.open()  # opened now: a publish meanwhile replaces the file, not what this reply sends
-        headers["Content-Length"] = str(os.fstat(f.fileno()).st_size)
-        return StreamingResponse(_file_chunks(f), media_type=OCTET, headers=headers)
-
-    async def weights_version(request: Request) -> Response:
-        return JSONResponse({"version": relay.version, "publish_id": relay.publish_id})
-
-    routes = [
-        Route("/health", guarded(health, auth=False), methods=["GET"]),
-        Route("/stats", guarded(stats), methods=["GET"]),
-        Route("/upload", guarded(upload), methods=["POST"]),
-        Route("/get", guarded(get), methods=["GET", "POST"]),
-        Route("/ack", guarded(ack), methods=["POST"]),
-        Route("/weights", guarded(publish), methods=["POST"]),
-        Route("/weights", guarded(weights), methods=["GET"]),
-        Route("/weights/version", guarded(weights_version), methods=["GET"]),
-    ]
-    if st.teacher is not None:  # nanogrpo serve --teacher: prompts scored as a vLLM server scores them
+    """The server's app: :data:`ROUTES` bound to ``st`` behind :func:`guard`, and ``nanogrpo serve
+    --teacher``'s routes when it has a teacher (prompts scored as a vLLM server scores them)."""
+    guarded = functools.partial(guard, st)
+    routes = [Route(path, guarded(functools.partial(handler, st), auth=handler is not health),
+                    methods=methods) for path, handler, methods in ROUTES]
+    if st.teacher is not None:
         from nanogrpo.serve.teacher import teacher_routes
 
         routes += teacher_routes(st, guarded, read_body)

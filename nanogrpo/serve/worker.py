@@ -104,16 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from nanogrpo.config import config_from
     from nanogrpo.data import PromptSampler, load_rows
+    from nanogrpo.engines.factory import engine_for
+    from nanogrpo.episodes.play import Episodes
     from nanogrpo.models.load import check_model_source, load_policy
     from nanogrpo.rewards import reward_runner
     from nanogrpo.rollout.collect import Collector
-    from nanogrpo.rollout.episodes import Episodes
-    from nanogrpo.rollout.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
     from nanogrpo.serve.auth import load_token
     from nanogrpo.serve.client import ServerClient
     from nanogrpo.serve.weights import WeightLayout
-    from nanogrpo.tools.registry import ToolRunner
+    from nanogrpo.tools.runner import ToolRunner
 
     a = build_parser().parse_args(argv)
     logging.getLogger("nanogrpo").setLevel(logging.INFO)

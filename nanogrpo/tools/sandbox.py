@@ -20,7 +20,7 @@ What is guaranteed (Linux), whatever the code does:
   (a call's process is a copy of the server's memory), so no call can find another call's code,
   sample or output in its frames, its tracebacks, ``gc`` or its raw memory; the built-in
   ``python`` tool receives no sample at all, a custom tool the ``tools.sample_fields`` it
-  declares (:class:`~nanogrpo.tools.registry.ToolRunner`), and the harness's frames hold only
+  declares (:class:`~nanogrpo.tools.runner.ToolRunner`), and the harness's frames hold only
   those, the limits and paths;
 - **a fresh process per call**, forked from the server (never from the trainer), killed
   (SIGKILL) at ``timeout_s`` of wall-clock time; ``RLIMIT_CPU`` stops it after about as much

@@ -87,7 +87,7 @@ def _reward_metric_ops(row: dict[str, Any]) -> dict[str, str]:
 
 
 def _env_metric_ops(row: dict[str, Any]) -> dict[str, str]:
-    """Episodes' ``env/…`` and ``agent/…`` metrics (:func:`nanogrpo.rollout.episodes.env_metrics`): means
+    """Episodes' ``env/…`` and ``agent/…`` metrics (:func:`nanogrpo.episodes.play.env_metrics`): means
     and rates weighted by completions, ``env/time_s`` the slowest rank's, counts (episodes, finish
     reasons, groups dropped, prompts too long, requests) added."""
     ops = {}

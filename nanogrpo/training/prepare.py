@@ -12,10 +12,10 @@ from typing import Any
 
 from nanogrpo.config import Config
 from nanogrpo.data import load_eval_rows, load_rows
+from nanogrpo.episodes.play import Episodes
 from nanogrpo.models.load import check_model_source
 from nanogrpo.rewards import RewardRunner, reward_runner
-from nanogrpo.rollout.episodes import Episodes
-from nanogrpo.tools.registry import ToolRunner
+from nanogrpo.tools.runner import ToolRunner
 from nanogrpo.training.checkpoint import latest_checkpoint
 
 log = logging.getLogger("nanogrpo.train")
@@ -105,11 +105,11 @@ def prepare(cfg: Config, resume_dir: Path | None = None, *, rewards: RewardRunne
 
         check_run_images(cfg, [rows, eval_rows or []], model_path, tools is not None or episodes is not None)
         if cfg.rollout.engine in ("vllm", "vllm_server") and scores:
-            from nanogrpo.rollout.vllm_engine import import_vllm
+            from nanogrpo.engines.vllm_inprocess import import_vllm
 
             import_vllm()  # installed? (a one-line error before any weights are read)
         if cfg.rollout.engine == "vllm_server" and feed is None:
-            from nanogrpo.rollout.vllm_server.contact import preflight
+            from nanogrpo.engines.vllm_server.contact import preflight
 
             preflight(cfg)  # a server answers? (a dead port said before the model loads)
     except Exception:

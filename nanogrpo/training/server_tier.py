@@ -31,8 +31,8 @@ class ServerTier(Part):
     """The run's vLLM servers: its engine's pool and the weight sync from this trainer (every rank)."""
 
     def __init__(self, cfg, engine, backend, dtype: torch.dtype, tokenizer=None, run_dir: Path | None = None):
-        from nanogrpo.rollout.vllm_server import base_source, serves_adapter, state_source
-        from nanogrpo.rollout.vllm_server.sync import WeightSync
+        from nanogrpo.engines.vllm_server import base_source, serves_adapter, state_source
+        from nanogrpo.engines.vllm_server.sync import WeightSync
 
         self.cfg, self.engine, self.backend = cfg, engine, backend
         v = cfg.vllm_server
@@ -45,7 +45,7 @@ class ServerTier(Part):
                                       rank=backend.rank, broadcast=broadcast, parallel=v.parallel_sync)
         self.k = cfg.rollout.max_staleness
         if adapter:  # LoRA: the base once per server, then the adapter alone (vllm_server/adapters.py)
-            from nanogrpo.rollout.vllm_server.adapters import AdapterSync
+            from nanogrpo.engines.vllm_server.adapters import AdapterSync
 
             where = Path(v.adapter_dir) if v.adapter_dir else Path(run_dir or cfg.train.out) / "vllm-adapters"
             self.sync_driver = AdapterSync(self.sync_driver, backend.module, where.resolve(), keep=self.k + 1,
@@ -53,7 +53,7 @@ class ServerTier(Part):
         self.probe_ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"] \
             if tokenizer is not None and cfg.vllm_server.probe else None
         if backend.rank == 0:  # first contact: reachable, serving the trainer's model; then the watch
-            from nanogrpo.rollout.vllm_server.contact import connect
+            from nanogrpo.engines.vllm_server.contact import connect
             from nanogrpo.transfer.worker import model_facts
 
             config = getattr(backend.module, "config", None)
@@ -91,8 +91,8 @@ class ServerTier(Part):
         """Every rank (the forward may be a collective): sample the probe prompt on each serving server
         (T=1, fixed seed: both log-prob modes then report ``log_softmax(logits)``) and return the largest
         difference between its log-probs and this trainer's forward of the same tokens (rank 0's)."""
-        from nanogrpo.rollout.engine import SamplingParams
-        from nanogrpo.rollout.vllm_server.http import ServerDown
+        from nanogrpo.engines.base import SamplingParams
+        from nanogrpo.engines.vllm_server.http import ServerDown
 
         worst = 0.0
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=1234)

@@ -156,7 +156,7 @@ def _engine(prepared: PreparedRun, backend, tok, linears: dict[str, str]):
     """The rollout engine (it serves the held-out evaluation too), built from the (resumed) weights; the
     rows' images checked against it before any step."""
     from nanogrpo.data.images import check_model_takes_images
-    from nanogrpo.rollout.factory import engine_for
+    from nanogrpo.engines.factory import engine_for
     from nanogrpo.rollout.turns import longest_context
 
     cfg = prepared.cfg

@@ -6,6 +6,6 @@
 - :mod:`nanogrpo.transfer.plugin`: the vLLM plugin that registers it in every vLLM process.
 
 ``nccl`` and ``ipc`` are vLLM's own trainer-side engines (``vllm.distributed.weight_transfer``);
-:mod:`nanogrpo.rollout.vllm_server.sync` picks one by ``vllm_server.transfer``. Everything here needs vLLM
+:mod:`nanogrpo.engines.vllm_server.sync` picks one by ``vllm_server.transfer``. Everything here needs vLLM
 (``pip install -e ".[vllm]"``); nothing imports it at package import.
 """

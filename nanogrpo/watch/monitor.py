@@ -9,7 +9,9 @@ When a rule fires (its finding appears where there was none the step before):
   that show it) and a few completions of that step beside the run's first ones, which
   ``nanogrpo report`` draws, and the run's summary line lists;
 - with the rule in ``watch.stop_on``, :attr:`Monitor.stop` is set: the loop saves a checkpoint of the
-  step and ends the run.
+  step and ends the run. A rule may also end the run by its own settings (``episodes_failed`` after
+  ``stop_after`` failed steps in a row): an event of its own at that step, its line in the run's
+  summary.
 
 On resume the monitor reads the run's rows back (``metrics.jsonl``, already cut at the checkpoint)
 without saying anything again, and ``watch.jsonl`` is cut at the checkpoint's step like the other logs.
@@ -100,7 +102,8 @@ class Monitor:
         return cls(cfg.watch, root, weights, resume_step)
 
     def _check(self, row: dict[str, Any]) -> list[Finding]:
-        """Add ``row``; the findings that are new this step (the firing set updated)."""
+        """Add ``row``; the findings that are new this step, or end the run from this step (the firing set
+        updated)."""
         self.history.add(row)
         if row.get("reward_mean") is None:
             return []  # a row with the held-out baseline only (step 0)
@@ -110,7 +113,8 @@ class Monitor:
             if found is None:
                 self.firing.pop(name, None)
                 continue
-            if name not in self.firing:
+            before = self.firing.get(name)
+            if before is None or (found.stop and not before.stop):
                 new.append(found)
             self.firing[name] = found
         return new
@@ -120,9 +124,11 @@ class Monitor:
         rollout table. Returns the ``watch/<rule>`` metrics to add to the row."""
         step = int(row["step"])
         for f in self._check(row):
-            stop = f.rule in self.cfg.stop_on
+            stop = f.rule in self.cfg.stop_on or f.stop
             now = {"step": step, "rows": [_shown(e) for e in examples or []][:EVIDENCE_ROWS]}
             event = {**f.to_dict(), "stop": stop, "examples": {"before": self.before, "now": now}}
+            if f.stop:
+                event["stop_reason"] = f.message
             self.events.append(event)
             if self.root is not None:
                 with open(self.root / WATCH_FILE, "a") as fh:
@@ -130,8 +136,9 @@ class Monitor:
             if stop and self.stop is None:
                 self.stop = f
             if not self.quiet:
-                log.warning("step %d: %s since step %d: %s%s", step, f.rule, f.since, f.message,
-                            " -- stopping the run (watch.stop_on)" if stop else "")
+                why = f" -- stopping the run (watch.{f.rule}.stop_after)" if f.stop else \
+                    " -- stopping the run (watch.stop_on)" if stop else ""
+                log.warning("step %d: %s since step %d: %s%s", step, f.rule, f.since, f.message, why)
         if examples and self.before is None:
             self.before = {"step": step, "rows": [_shown(e) for e in examples][:EVIDENCE_ROWS]}
         if row.get("reward_mean") is None:
@@ -161,17 +168,24 @@ def replay(rows: list[dict[str, Any]], cfg: WatchConfig | None = None,
 
 def stop_now(monitor: Monitor | None, backend, cfg: WatchConfig) -> bool:
     """Whether the run stops after this step (a ``watch.stop_on`` rule fired on rank 0, which alone
-    runs the monitor). With several ranks and ``stop_on`` set, a collective every rank calls."""
+    runs the monitor, or a rule ended it by its own settings). With several ranks and a rule that may
+    stop the run (:meth:`~nanogrpo.config.watch.WatchConfig.may_stop`), a collective every rank calls."""
     stop = monitor is not None and monitor.stop is not None
-    if backend is not None and backend.world_size > 1 and cfg.enabled and cfg.stop_on:
+    if backend is not None and backend.world_size > 1 and cfg.may_stop():
         return bool(backend.all_reduce([float(stop)], ["max"])[0])
     return stop
 
 
 def summary(events: list[dict[str, Any]]) -> str:
-    """``watch: entropy_collapse at step 23 (since 21); stopped the run at step 23`` / ``watch: no alarm``."""
+    """``watch: entropy_collapse at step 23 (since 21); stopped the run at step 23`` / ``watch: no alarm``;
+    a rule that ended the run by its own settings adds its line (``...: all 32 episodes of this step
+    failed ...``)."""
     if not events:
         return "watch: no alarm"
-    parts = [f"{e['rule']} at step {e['step']} (since {e['since']})" for e in events]
+    parts = [f"{e['rule']} at step {e['step']} (since {e['since']})" for e in events
+             if not e.get("stop_reason")]
     stopped = next((e for e in events if e.get("stop")), None)
-    return "watch: " + ", ".join(parts) + (f"; stopped the run at step {stopped['step']}" if stopped else "")
+    if stopped is None:
+        return "watch: " + ", ".join(parts)
+    why = f" ({stopped['rule']}: {stopped['stop_reason']})" if stopped.get("stop_reason") else ""
+    return "watch: " + ", ".join(parts) + f"; stopped the run at step {stopped['step']}{why}"

@@ -20,6 +20,7 @@ from nanogrpo.config.watch import (
     ClipSpikeRule,
     EngineDriftRule,
     EntropyCollapseRule,
+    EpisodesFailedRule,
     KlSpikeRule,
     LengthLimitRule,
     NoSignalRule,
@@ -28,6 +29,7 @@ from nanogrpo.config.watch import (
     SpikeRule,
     TemplateCollapseRule,
 )
+from nanogrpo.watch.episodes import failed_streak
 from nanogrpo.watch.history import History, mean, median, streak_start
 
 
@@ -45,6 +47,8 @@ class Finding:
     """The numbers compared (the record in ``RUN/watch.jsonl``)."""
     thresholds: dict[str, float] = field(default_factory=dict)
     """Lines worth drawing on the plot: metric -> the value the rule compared it with."""
+    stop: bool = False
+    """The rule's own settings end the run here (``watch.episodes_failed.stop_after``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "step": self.step, "since": self.since, "message": self.message,
@@ -298,10 +302,24 @@ def no_signal(h: History, s: NoSignalRule) -> Finding | None:
                    ["groups_kept", "reward_std"], {"accuracy": acc})
 
 
+def episodes_failed(h: History, s: EpisodesFailedRule) -> Finding | None:
+    """Every episode of the latest step failed (or none of its groups could start): nothing from the
+    environment to train on (:func:`nanogrpo.watch.episodes.all_failed` says why). Fires at the first
+    such step; ``stop_after`` of them in a row end the run."""
+    found = failed_streak(h)
+    if found is None:
+        return None
+    line, since, streak = found
+    tail = f" ({streak} step(s) in a row; rule: {s.stop_after} in a row end the run)" if s.stop_after else ""
+    return Finding("episodes_failed", h.last_step, since, line + tail, ["env/failed", "env/episodes"],
+                   {"steps_in_a_row": streak}, stop=0 < s.stop_after <= streak)
+
+
 READS = ("reward_mean", "reward_std", "accuracy", "eval/accuracy", "truncated_frac", "completion_len_mean",
          "distinct_ngrams", "sampled_nll", "entropy", "kl", "clip_frac", "logprob_gap", "logprob_gap_max",
-         "staleness/max", "staleness", "groups_kept")
-"""The metrics the rules read, besides each reward component's ``reward/<name>``."""
+         "staleness/max", "staleness", "groups_kept", "env/episodes", "env/failed", "env/groups_dropped",
+         "env/prompts_too_long")
+"""The metrics the rules read, besides each reward component's ``reward/<name>`` and ``env/finish/<why>``."""
 
 Rule = Callable[[History, Any], "Finding | None"]
 
@@ -309,5 +327,6 @@ RULES: dict[str, Rule] = {
     "reward_hacking": reward_hacking, "one_component": one_component, "length_limit": length_limit,
     "template_collapse": template_collapse, "entropy_collapse": entropy_collapse, "kl_spike": kl_spike,
     "clip_spike": clip_spike, "engine_drift": engine_drift, "no_signal": no_signal,
+    "episodes_failed": episodes_failed,
 }
 """Rule name (``watch.<name>`` holds its settings) -> its function."""

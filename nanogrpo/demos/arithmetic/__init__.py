@@ -2,7 +2,7 @@
 equation and often the wrong number; GRPO with the rule reward lifts held-out accuracy from 7% to
 about 50% on a 2-core CPU in minutes. ``task``: the problems; ``build``: the warm start."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo"
 """``nanogrpo train --config demo`` reads this folder's ``preset.toml``."""

@@ -3,7 +3,7 @@ the model asks; the model must then say the order. Its warm start often ignores 
 default size); GRPO, rewarded for the right order, learns to read it. ``task``: the rows; ``env``: the
 simulated customer; ``build``: the warm start."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo-dialogue"
 """``nanogrpo train --config demo-dialogue`` reads this folder's ``preset.toml``."""

@@ -29,8 +29,8 @@ from nanogrpo.demos.dialogue.env import reply
 from nanogrpo.demos.dialogue.task import make_split
 from nanogrpo.demos.game.build import episode_ids
 from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.episodes.render import ChatRenderer
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.rollout.render import ChatRenderer
 
 SEED = 1357
 CARELESS_RATE = 0.6

@@ -2,7 +2,7 @@
 answer its own ``<think>`` computed (``embedded-distill``, built by :mod:`nanogrpo.demos.distill.build`), with
 the teacher's per-token log-probs as the only signal. Run: ``nanogrpo train --config demo-distill``."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo-distill"
 """``nanogrpo train --config demo-distill`` reads this folder's ``preset.toml``."""

@@ -3,7 +3,7 @@ start often ignores the feedback (it guesses 1, 2, 3, ... whatever it is told); 
 finding the number, learns to use the feedback (a binary search). ``task``: the episodes' rows; ``env``:
 the game; ``build``: the warm start."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo-game"
 """``nanogrpo train --config demo-game`` reads this folder's ``preset.toml``."""

@@ -1,7 +1,7 @@
 """The game demo's warm start: the embedded model's shape, taught to play guess-the-number two ways.
 
 Supervised games (:mod:`nanogrpo.demos.game.task`), each turn rendered exactly as the episode rollout
-renders it (:class:`~nanogrpo.rollout.render.ChatRenderer`: the model's guess and its EOS trained, the
+renders it (:class:`~nanogrpo.episodes.render.ChatRenderer`: the model's guess and its EOS trained, the
 game's answer not)::
 
     user: Tom picks a number, 1-15. Guess it.   assistant: 8   user: lower   assistant: 4   user: higher ...
@@ -29,8 +29,8 @@ from nanogrpo.demos.arithmetic.build import SHAPE
 from nanogrpo.demos.game.env import feedback
 from nanogrpo.demos.game.task import HIGH, LOW, make_split
 from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.episodes.render import ChatRenderer
 from nanogrpo.models.tiny import make_model, make_tokenizer
-from nanogrpo.rollout.render import ChatRenderer
 
 SEED = 2468
 CARELESS_RATE = 0.6

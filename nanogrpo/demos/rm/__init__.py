@@ -3,7 +3,7 @@ as the only reward. ``build``: the reward model (``rm:embedded-rm``), a classifi
 warm start's own completions, labelled by the rule reward. Its task is
 :mod:`nanogrpo.demos.arithmetic.task`."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo-rm"
 """``nanogrpo train --config demo-rm`` reads this folder's ``preset.toml``."""

@@ -2,7 +2,7 @@
 warm start sometimes calls the sandboxed Python tool; GRPO learns to reach for the tool.
 ``task``: the problems; ``build``: the warm start."""
 
-# What this demo provides, read by nanogrpo.registry (registered in pyproject.toml, entry points
+# What this demo provides, read by nanogrpo.entry_points (registered in pyproject.toml, entry points
 # "nanogrpo.demos"): plain constants, nothing runs on import.
 PRESET = "demo-tools"
 """``nanogrpo train --config demo-tools`` reads this folder's ``preset.toml``."""

@@ -183,8 +183,8 @@ class Distill(Terms, Part):
             return {}
         from pathlib import Path
 
+        from nanogrpo.engines.factory import make_engine
         from nanogrpo.evaluation import evaluate_rows, write_results
-        from nanogrpo.rollout.factory import make_engine
 
         new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
         t = self.teacher

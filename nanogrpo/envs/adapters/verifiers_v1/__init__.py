@@ -6,7 +6,7 @@ subprocess, a container, a remote sandbox). It calls the model itself, so to nan
 program (:mod:`nanogrpo.envs.program`) that answers, beside its reward, its **traces**: every token id
 the model read and wrote, which it sampled, and their log-probs. The rollout trains those, after
 checking each sampled span against the endpoint's own record of what it sampled
-(:mod:`nanogrpo.rollout.agents`).
+(:mod:`nanogrpo.episodes.agents`).
 
 - ``verifiers:TASKSET-ID``: an installed environment (``vf.load_environment``); ``env.kwargs`` is its
   config (verifiers' ``[env]`` block: ``taskset`` (its knobs), the agent seats (``agent`` for a plain

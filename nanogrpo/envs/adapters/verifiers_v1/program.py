@@ -5,7 +5,7 @@
   (``vf.TrainClientConfig``) pointed at nanogrpo's endpoint: verifiers renders each prompt to token ids
   with the model's own tokenizer (``renderers``) and calls the token route ``/inference/v1/generate``
   with the endpoint's session key, the trace id in ``X-Session-ID``; the endpoint records every
-  request (:mod:`nanogrpo.rollout.endpoint`).
+  request (:mod:`nanogrpo.episodes.endpoint`).
 - **In process** (``env.server`` empty): ``env.run_episode(task, ctx)`` on the environment runner's
   event loop, inside ``env.serving()`` (the interception server, shared tool servers), which is held
   while any episode of the rollout runs.
@@ -47,6 +47,11 @@ def unbind_renderers_lock() -> None:
     bound = getattr(lock, "_loop", None)
     if isinstance(lock, asyncio.Lock) and bound is not None and bound is not asyncio.get_running_loop():
         rc._max_prompt_len_lock = asyncio.Lock()
+
+
+PER_CORE = 2
+"""Episodes at once per CPU core when each turn starts a harness process here
+(:meth:`V1Program.episodes_at_once`)."""
 
 
 class V1Program:
@@ -106,6 +111,21 @@ class V1Program:
                 if self._users == 0 and self._serving is not None:
                     stack, self._serving = self._serving, None
                     await stack.aclose()
+
+    def episodes_at_once(self) -> int | None:
+        """How many episodes this machine can run at once (:func:`nanogrpo.envs.program.episodes_at_once`):
+        two per CPU core this process may use when a seat's harness is a program started on this machine
+        for each turn (a runtime on this machine, ``subprocess`` or a container, and a harness that is not
+        the in-process ``nanogrpo-chat``): each start is seconds of CPU, and a harness waits on the model
+        between starts (one per core left the cores idle then; docs/figures.md). None (no bound)
+        otherwise, and for an environment server elsewhere (``env.server`` an address)."""
+        if self.server and self.server != "start":
+            return None
+        try:
+            local = source.local_harness_seats(self.spec)
+        except Exception:  # noqa: BLE001 - a config verifiers reads differently: no bound, as without this
+            return None
+        return PER_CORE * source.usable_cpus() if local else None
 
     # ------------------------------------------------------------------ episodes
 

@@ -189,6 +189,31 @@ def pin(raw: dict, max_turns: int, max_tokens: int) -> Any:
                           f"{' '.join(x.strip() for x in first[:3])[:400]})") from None
 
 
+LOCAL_RUNTIMES = ("subprocess", "docker", "podman", "apptainer")
+"""verifiers' runtimes that run a harness's program on this machine (the others: a remote sandbox)."""
+
+
+def local_harness_seats(spec) -> list[str]:
+    """The agent seats of ``spec`` (a raw EnvConfig, or a built Env) whose harness is a program run on
+    this machine (a local runtime, a harness other than the in-process ``nanogrpo-chat``)."""
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    from nanogrpo.envs.adapters.verifiers_v1.harness import HARNESS_ID
+
+    cfg = pin(spec, 0, 0) if isinstance(spec, dict) else spec.config
+    harnesses = cfg.agent_harnesses()
+    return [name for name, seat in agent_config_fields(cfg).items()
+            if getattr(seat.runtime, "type", "") in LOCAL_RUNTIMES
+            and getattr(harnesses.get(name), "id", "") != HARNESS_ID]
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def build(config) -> Any:
     """``vf.load_environment(config)``, failures in one line."""
     v1 = vf()
@@ -199,4 +224,5 @@ def build(config) -> Any:
                           f"{(str(e).splitlines() or [''])[0][:300]})") from None
 
 
-__all__ = ["NANOGRPO_KEYS", "build", "installed", "pin", "plugin_id", "register", "resolve", "spec_of", "vf"]
+__all__ = ["NANOGRPO_KEYS", "build", "installed", "local_harness_seats", "pin", "plugin_id", "register",
+           "resolve", "spec_of", "usable_cpus", "vf"]
