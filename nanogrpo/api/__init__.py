@@ -57,18 +57,20 @@ from nanogrpo.api.inputs import (
 )
 from nanogrpo.api.runs import (
     Run,
+    RunExistsError,
     _checkpoint_path,
     _is_preset,
     _override_list,
     _run_of,
     as_config,
+    claim_run_dir,
     run_config,
 )
 from nanogrpo.config import Config, Overrides
 from nanogrpo.console import screen
 from nanogrpo.errors import ConfigError, DataError
 
-__all__ = ["Config", "Run", "evaluate", "load_checkpoint", "train"]
+__all__ = ["Config", "Run", "RunExistsError", "evaluate", "load_checkpoint", "train"]
 
 log = logging.getLogger("nanogrpo")
 
@@ -79,17 +81,24 @@ log = logging.getLogger("nanogrpo")
 def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, *,
           rewards: Sequence[str | Callable] | str | Callable | None = None, dataset: Any = None,
           eval_dataset: Any = None, tools: str | Mapping[str, Any] | bool | None = None,
-          env: Any = None, resume: str | os.PathLike | None = None, verbose: bool = False) -> Run:
+          env: Any = None, resume: str | os.PathLike | None = None, overwrite: bool = False,
+          verbose: bool = False) -> Run:
     """Run GRPO as ``nanogrpo train`` does; returns the :class:`Run` (its directory, metrics,
     checkpoints). ``config``: a :class:`Config`, a file or preset name, a dict (None: the demo,
     or with ``resume`` the run's own config). ``resume``: a run directory to continue from its last
-    checkpoint (with the same ``rewards`` and ``dataset`` as it started with). See the module
+    checkpoint (with the same ``rewards`` and ``dataset`` as it started with). A new run into a
+    ``train.out`` that already holds a run is refused (:class:`~nanogrpo.api.runs.RunExistsError`,
+    nothing touched) unless ``overwrite``, which removes that run's files first. See the module
     docstring for ``rewards``, ``dataset``, ``eval_dataset``, ``tools`` and ``env``."""
     _not_in_a_spawned_copy("train")
     with screen(verbose):
+        if resume is not None and overwrite:
+            raise ConfigError("resume and overwrite: continue the run or replace it, not both")
         cfg = run_config(resume) if config is None and resume is not None else as_config(config)
         cfg = _env(_tools(cfg, tools), env)
         root = Path(resume or cfg.train.out)
+        if resume is None:
+            claim_run_dir(root, overwrite=overwrite)  # before anything is written there
         data = _data(cfg, dataset, eval_dataset, root)
         if rewards is None and _callables_in(data.cfg):
             raise ConfigError(f"rewards {', '.join(_callables_in(data.cfg))} of this run were Python "
