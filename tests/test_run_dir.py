@@ -1,6 +1,6 @@
 """What a run directory is safe from (issue 50): a second run into it is refused unless asked to continue
 (``--resume``) or to replace it (``--overwrite``), from the command line and from Python alike; Ctrl-C says
-how to continue."""
+how to continue; a single data file gives no "held-out" figures measured on its training rows."""
 
 from __future__ import annotations
 
@@ -161,3 +161,53 @@ def test_ctrl_c_says_how_to_continue_the_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(nanogrpo.api, "train", before_any_checkpoint)
     assert main(["train", "--out", str(tmp_path / "other")]) == 130
     assert capsys.readouterr().err.strip() == "nanogrpo: interrupted"  # nothing to continue
+
+
+# ----------------------------------------------------------------------------- one data file, held out?
+
+
+def test_which_sources_give_the_training_rows_as_held_out_ones(tmp_path):
+    from nanogrpo.config import DataConfig
+    from nanogrpo.data.sources import held_out_file_is_training_file
+
+    f = tmp_path / "my.jsonl"
+    assert held_out_file_is_training_file(DataConfig(source=str(f))) == f
+    assert held_out_file_is_training_file(DataConfig(source=str(f), eval_source=str(f))) == f
+    assert held_out_file_is_training_file(DataConfig(source=str(tmp_path / "my_{split}.jsonl"))) is None
+    assert held_out_file_is_training_file(DataConfig(source=str(f), eval_source=str(tmp_path / "t.jsonl"))) \
+        is None
+    for source in ("gsm8k", "arithmetic", "hf:openai/gsm8k"):
+        assert held_out_file_is_training_file(DataConfig(source=source)) is None
+
+
+def test_one_data_file_gives_no_held_out_figures_from_the_cli_and_python_alike(assets, tmp_path, capsys,
+                                                                               caplog):
+    """The demo's base evaluates every 20 steps and at the end; on one file of the user's, those "held-out"
+    figures would be the training rows': no evaluation, and one line why and how to get one."""
+    out = tmp_path / "cli"
+    assert main(_tiny(assets, out, 1)) == 0
+    said = capsys.readouterr().err
+    assert f"no held-out evaluation: {assets / 'data.jsonl'} is one file" in said
+    assert "data.eval_source=FILE" in said and "{split}" in said
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1] and not any(k.startswith("eval/") for k in rows[0])
+    assert nanogrpo.Run(out).config.eval.every == 0  # and so its resumes
+    cfg = nanogrpo.Config.load("demo", {"train.out": str(tmp_path / "py"), "train.steps": 1,
+                                        "model.path": str(assets / "model"), "rollout.max_new_tokens": 6,
+                                        "rollout.prompts_per_step": 2, "grpo.group_size": 2,
+                                        "data.answer_delimiter": "####", "rewards.workers": 0,
+                                        "model.cpu_linear": "torch", "log.tensorboard": False})
+    with caplog.at_level(logging.INFO, logger="nanogrpo"):
+        run = nanogrpo.train(cfg, dataset=str(assets / "data.jsonl"),
+                             rewards=["tests.reward_fixtures:length"])
+    assert "no held-out evaluation" in caplog.text
+    assert [r["step"] for r in run.metrics] == [1] and run.config.eval.every == 0
+
+
+def test_a_held_out_file_named_on_purpose_is_kept_and_said(assets, tmp_path, capsys):
+    out = tmp_path / "named"
+    from tests.run_fixtures import evaluated_on
+
+    assert main(_tiny(assets, out, 1, "eval.n=2", evaluated_on(assets / "data.jsonl"))) == 0
+    assert "data.eval_source is the training file" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]  # step 0: the baseline

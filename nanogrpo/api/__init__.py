@@ -49,6 +49,7 @@ from nanogrpo.api.inputs import (
     _config_rows,
     _data,
     _env,
+    _held_out_apart,
     _is_rows,
     _not_in_a_spawned_copy,
     _rewards,
@@ -103,7 +104,8 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
         if rewards is None and _callables_in(data.cfg):
             raise ConfigError(f"rewards {', '.join(_callables_in(data.cfg))} of this run were Python "
                               "callables given to nanogrpo.train: give them again (rewards=[...])")
-        cfg, runner = _rewards(data.cfg, rewards, root)
+        # a new run only: a resumed one evaluates as it started (its config says)
+        cfg, runner = _rewards(data.cfg if resume is not None else _held_out_apart(data.cfg), rewards, root)
         try:
             from nanogrpo.models.source import check_model_source
 

@@ -107,6 +107,27 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
     return _Data(cfg.with_overrides(source), given, files)
 
 
+def _held_out_apart(cfg: Config) -> Config:
+    """No "held-out" figures measured on the training rows: a config whose held-out problems would come
+    from its training file (one file, no ``{split}`` in its path, no ``data.eval_source``) evaluates
+    nothing during training, said in one line (as rows given without held-out ones, :func:`_data`); a
+    ``data.eval_source`` that names the training file on purpose is kept, and said."""
+    from nanogrpo.data.sources import held_out_file_is_training_file
+
+    if not cfg.eval.every:
+        return cfg
+    same = held_out_file_is_training_file(cfg.data)
+    if same is None:
+        return cfg
+    if cfg.data.eval_source is not None:
+        log.info("data.eval_source is the training file %s: the held-out figures are on training rows", same)
+        return cfg
+    log.info("no held-out evaluation: %s is one file, whose held-out split would be its training rows "
+             "(eval.every=%d set to 0); for one, set data.eval_source=FILE, or a data path with {split} "
+             "(e.g. my_{split}.jsonl)", same, cfg.eval.every)
+    return cfg.with_overrides({"eval.every": 0})
+
+
 def _config_rows(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
     """``given`` with the config's own rows loaded where the caller gave none (before torch loads)."""
     from nanogrpo.data import load_eval_rows, load_rows
