@@ -1,6 +1,7 @@
 """What a run directory is safe from (issue 50): a second run into it is refused unless asked to continue
 (``--resume``) or to replace it (``--overwrite``), from the command line and from Python alike; Ctrl-C says
-how to continue; a single data file gives no "held-out" figures measured on its training rows."""
+how to continue; a single data file gives no "held-out" figures measured on its training rows; a run on a
+busy CPU says that torch's threads will fight for it."""
 
 from __future__ import annotations
 
@@ -211,3 +212,47 @@ def test_a_held_out_file_named_on_purpose_is_kept_and_said(assets, tmp_path, cap
     assert main(_tiny(assets, out, 1, "eval.n=2", evaluated_on(assets / "data.jsonl"))) == 0
     assert "data.eval_source is the training file" in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]  # step 0: the baseline
+
+
+# ----------------------------------------------------------------------------- a shared CPU
+
+
+def test_oversubscription_is_threads_beside_the_busy_processes_past_the_cores():
+    from nanogrpo.console import oversubscribed, shared_cpu_line
+
+    assert not oversubscribed(threads=2, load=0.1, cores=2)  # a quiet machine
+    assert oversubscribed(threads=2, load=1.0, cores=2)  # one other busy process: a thread waits
+    assert oversubscribed(threads=2, load=4.6, cores=2)  # issue 50: 4.2x the CPU for the same work
+    assert not oversubscribed(threads=1, load=6.0, cores=2)  # one thread waits for nothing
+    assert not oversubscribed(threads=8, load=3.0, cores=16)
+    line = shared_cpu_line(threads=2, load=4.6, cores=2)
+    assert "load 4.6 on 2 cores" in line and "OMP_NUM_THREADS=1" in line and "\n" not in line
+    assert shared_cpu_line(threads=1, load=4.6, cores=2) is None
+
+
+def test_a_run_on_a_busy_cpu_says_so_at_start(tmp_path, monkeypatch, caplog):
+    import os
+
+    import torch
+
+    import nanogrpo.training.trainer as trainer
+
+    class Started(Exception):
+        pass
+
+    def prepare(*a, **kw):  # the line comes before the run is prepared: stop there
+        raise Started
+
+    monkeypatch.setattr(trainer, "prepare", prepare)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.6, 4.0, 3.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = nanogrpo.Config.load("demo", {"train.out": str(tmp_path / "busy"), "model.device": "cpu"})
+    with caplog.at_level(logging.INFO, logger="nanogrpo"), pytest.raises(Started):
+        nanogrpo.train(cfg)
+    assert "this CPU is busy (load 4.6 on 2 cores) and torch runs 2 threads" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    with caplog.at_level(logging.INFO, logger="nanogrpo"), pytest.raises(Started):
+        nanogrpo.train(cfg)
+    assert "this CPU is busy" not in caplog.text

@@ -111,6 +111,7 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
 
             model_path = check_model_source(cfg.model)  # a missing model or network: said before torch loads
             given = _config_rows(cfg, data.given)  # a dataset's mistakes too
+            _say_if_the_cpu_is_shared(cfg)
             from nanogrpo.training.trainer import prepare
             from nanogrpo.training.trainer import train as run_training
 
@@ -124,6 +125,22 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
             data.write()
         return Run(run_training(prepared), tuple(rewards) if _is_rows(rewards) else
                    (rewards,) if rewards is not None else ())
+
+
+def _say_if_the_cpu_is_shared(cfg: Config) -> None:
+    """One line, at the start of a run on the CPU, when torch's threads would fight other busy processes for
+    the cores (:func:`nanogrpo.console.shared_cpu_line`); rank 0's, under a launcher."""
+    if os.environ.get("RANK", "0") != "0" or cfg.model.device.startswith("cuda"):
+        return
+    import torch
+
+    if cfg.model.device == "auto" and torch.cuda.is_available():
+        return
+    from nanogrpo.console import shared_cpu_line
+
+    line = shared_cpu_line()
+    if line:
+        log.info(line)
 
 
 def evaluate(model: str | os.PathLike | Run, *,
