@@ -192,8 +192,10 @@ def evaluate(model: str | os.PathLike | Run, *,
             marks = _callables_in(cfg)
             kept = [(f, w) for f, w in zip(cfg.rewards.functions, cfg.rewards.resolved_weights())
                     if f not in marks] or [("correctness", 1.0)]
-            log.info("rewards %s of the run were Python callables: reward_mean is over %s (pass "
-                     "rewards=[...] for them all)", ", ".join(marks), ", ".join(f for f, _ in kept))
+            log.info("reward_mean here is over %s only: the run's other rewards (%s) were Python "
+                     "functions given to nanogrpo.train, which its directory cannot hold; to score with them "
+                     "too, give them again (rewards=[...] in Python; on the command line, rewards.functions "
+                     "naming them as 'file.py:function')", " and ".join(f for f, _ in kept), ", ".join(marks))
             cfg = cfg.with_overrides({"rewards.functions": [f for f, _ in kept],
                                       "rewards.weights": [w for _, w in kept]})
         cfg, runner = _rewards(cfg, rewards)
