@@ -79,7 +79,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")
     p.add_argument("--out", type=Path,
                    help="also write the summary JSON here, and per-sample JSONL (question, completions, "
-                        "rewards, extracted answers) beside it as OUT.samples.jsonl")
+                        "rewards, extracted answers) beside it, its suffix replaced: --out ev/s.json writes "
+                        "ev/s.samples.jsonl")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     _verbose_flag(p)
 
