@@ -98,6 +98,19 @@ def test_readme_answers_a_newcomers_four_questions():
         assert f"]({page}" in text, page
 
 
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_cpu_only_torch_command_is_a_real_one_and_the_same_everywhere():
+    """The quickstart had `--index-url <PyTorch CPU index>`, a placeholder (issue 50): the README and the
+    quickstart give the command itself, the same one, and no page keeps a placeholder index."""
+    for page in ("README.md", "docs/quickstart.md"):
+        assert CPU_TORCH in (ROOT / page).read_text(), page
+    placeholders = [str(d.relative_to(ROOT)) for d in documents()
+                    if re.search(r"index-url\s+<", d.read_text())]
+    assert not placeholders, placeholders
+
+
 @pytest.mark.parametrize("doc_block", ALL, ids=[b.where for _, b in ALL])
 def test_every_block_runs_here_or_says_why_not(doc_block):
     _, b = doc_block
