@@ -105,12 +105,15 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
             raise ConfigError(f"rewards {', '.join(_callables_in(data.cfg))} of this run were Python "
                               "callables given to nanogrpo.train: give them again (rewards=[...])")
         # a new run only: a resumed one evaluates as it started (its config says)
-        cfg, runner = _rewards(data.cfg if resume is not None else _held_out_apart(data.cfg), rewards, root)
+        cfg, held_out = (data.cfg, None) if resume is not None else _held_out_apart(data.cfg)
+        cfg, runner = _rewards(cfg, rewards, root)
         try:
             from nanogrpo.models.source import check_model_source
 
             model_path = check_model_source(cfg.model)  # a missing model or network: said before torch loads
             given = _config_rows(cfg, data.given)  # a dataset's mistakes too
+            if held_out:
+                log.info(held_out)
             _say_if_the_cpu_is_shared(cfg)
             from nanogrpo.training.trainer import prepare
             from nanogrpo.training.trainer import train as run_training
