@@ -152,6 +152,6 @@ def shared_cpu_line(threads: int | None = None, load: float | None = None,
     if not oversubscribed(threads, load, cores):
         return None
     return (f"this CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads per "
-            "operation, which wait on each other when other processes hold the cores: the run may take "
-            "several times the CPU it needs; start it with OMP_NUM_THREADS=1 (in Python: "
+            "operation, which wait on each other when other processes hold the cores: the run may take twice "
+            "the CPU it needs or more; start it with OMP_NUM_THREADS=1 (in Python: "
             "torch.set_num_threads(1))")
