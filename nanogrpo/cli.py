@@ -47,6 +47,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, help="random seed (train.seed)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run that the run directory already holds (its files removed first); "
+                        "without it, a new run into a directory that holds one is refused, nothing touched")
     p.add_argument("--server", help="consume rollout batches from a nanogrpo server at this URL")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. grpo.beta=0.04 train.lr=1e-6")
     _verbose_flag(p)
@@ -76,7 +79,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("--k", type=int, help="samples per problem (default: eval.k; 1 = greedy)")
     p.add_argument("--out", type=Path,
                    help="also write the summary JSON here, and per-sample JSONL (question, completions, "
-                        "rewards, extracted answers) beside it as OUT.samples.jsonl")
+                        "rewards, extracted answers) beside it, its suffix replaced: --out ev/s.json writes "
+                        "ev/s.samples.jsonl")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     _verbose_flag(p)
 
@@ -93,19 +97,28 @@ def _flag_overrides(a: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from nanogrpo.api import run_config, train
+    from nanogrpo.api import RunExistsError, claim_run_dir, run_config, train
     from nanogrpo.config import config_from
 
+    if a.resume is not None and a.overwrite:
+        raise ConfigError("--resume and --overwrite: continue the run or replace it, not both")
     overrides = _flag_overrides(a) + list(a.overrides)
     # a config mistake is reported before torch is imported
     cfg = run_config(a.resume, overrides) if a.resume is not None else config_from(a.config, overrides)
-    if a.server:
-        from nanogrpo.serve.feed import train_from_server
+    root = Path(a.resume or cfg.train.out)
+    try:
+        if a.server:
+            from nanogrpo.serve.feed import train_from_server
 
-        train_from_server(cfg, a.server, resume_dir=a.resume)
-        root = a.resume or cfg.train.out
-    else:
-        root = train(cfg, resume=a.resume).root
+            if a.resume is None:
+                claim_run_dir(cfg.train.out, overwrite=a.overwrite)
+            train_from_server(cfg, a.server, resume_dir=a.resume)
+        else:
+            root = train(cfg, resume=a.resume, overwrite=a.overwrite).root
+    except RunExistsError as e:
+        raise e.for_cli() from None
+    except KeyboardInterrupt:
+        raise Interrupted(_resume_hint(root, a.server)) from None
     if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
         print(f"run directory: {root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -115,6 +128,30 @@ def cmd_train(a: argparse.Namespace) -> int:
 
         leave_launched_rank(0)
     return 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: ``hint`` says how to continue it (empty when there is nothing to continue)."""
+
+    def __init__(self, hint: str = ""):
+        super().__init__(hint)
+        self.hint = hint
+
+
+def _resume_hint(root: Path, server: str | None) -> str:
+    """``continue it from step_N: nanogrpo train --resume ROOT``, when ``root`` holds a complete checkpoint
+    and this process speaks for the run (rank 0); else ``""``."""
+    if os.environ.get("RANK", "0") != "0" or not (root / "checkpoints").is_dir():
+        return ""
+    from nanogrpo.api import Run
+
+    ckpt = Run(root).checkpoint
+    if ckpt is None:
+        return ""
+    import shlex
+
+    more = f" --server {shlex.quote(server)}" if server else ""
+    return f"continue it from {ckpt.name}: nanogrpo train --resume {shlex.quote(str(root))}{more}"
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -177,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except NanoGRPOError as e:
         print(f"nanogrpo: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("nanogrpo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        hint = e.hint if isinstance(e, Interrupted) else ""
+        print("nanogrpo: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
 
 

@@ -10,6 +10,9 @@
   huggingface_hub's downloads, datasets') are off, and huggingface_hub's retry warnings too;
   ``verbose`` leaves them all as the libraries have them.
 
+:func:`shared_cpu_line` is the line a run on the CPU starts with when torch's threads would fight other
+busy processes for the cores (``OMP_NUM_THREADS=1`` the remedy).
+
 Everything is put back on exit, so calling :func:`nanogrpo.train` changes nothing in the
 caller's process for good. Where the caller set up logging (a handler on the root or the
 ``nanogrpo`` logger) nanogrpo's lines go to the caller's handlers, at INFO, and no handler is
@@ -24,7 +27,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-__all__ = ["LineHandler", "screen"]
+__all__ = ["LineHandler", "screen", "shared_cpu_line"]
 
 _PLAIN = logging.Formatter("%(message)s")
 _MARKED = logging.Formatter("%(levelname)s %(name)s: %(message)s")
@@ -120,3 +123,35 @@ def screen(verbose: bool = False, *, own: bool = False) -> Iterator[None]:
     finally:
         for step in reversed(undo):
             step()
+
+
+def oversubscribed(threads: int, load: float, cores: int) -> bool:
+    """Whether ``threads`` torch threads, started beside ``load`` busy processes (the 1-minute load
+    average, taken as the run starts: the others'), want more cores than there are. Each operation's
+    threads wait for the slowest of them at its end; one that shares its core with another process makes
+    the others spin there, so the same work costs several times the CPU (4.2x measured on a 2-core CPU at
+    load 4-6, issue 50). One thread has nothing to wait for."""
+    return threads > 1 and threads + round(load) > cores
+
+
+def shared_cpu_line(threads: int | None = None, load: float | None = None,
+                    cores: int | None = None) -> str | None:
+    """The line to print when :func:`oversubscribed` (None when not): this process's torch threads, the
+    machine's load and cores read when not given."""
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # no load average on this platform
+            return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not oversubscribed(threads, load, cores):
+        return None
+    return (f"this CPU is busy (load {load:.1f} on {cores} cores) and torch runs {threads} threads per "
+            "operation, which wait on each other when other processes hold the cores: the run may take twice "
+            "the CPU it needs or more; start it with OMP_NUM_THREADS=1 (in Python: "
+            "torch.set_num_threads(1))")

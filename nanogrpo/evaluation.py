@@ -307,7 +307,8 @@ def _evaluate_episodes(engine, tokenizer, rows: list[dict], cfg: Config, rewards
 
 
 def write_results(summary: dict[str, Any], records: list[dict[str, Any]], out: Path) -> None:
-    """``out`` gets the summary JSON; ``out`` with suffix ``.samples.jsonl`` one record per problem."""
+    """``out`` gets the summary JSON; ``out`` with its suffix replaced by ``.samples.jsonl`` (``ev/s.json``:
+    ``ev/s.samples.jsonl``) one record per problem."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     with open(out.with_suffix(".samples.jsonl"), "w") as f:

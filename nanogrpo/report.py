@@ -13,7 +13,9 @@ one run, ``./report`` for several):
   span 0 to 1, every other quantity's axis reaches 0;
 - ``overview.png``: all eight in one figure;
 - ``report.md``: a table per run (steps, reward and accuracy at start and end, best held-out
-  accuracy, KL, length, step time, throughput) with the plots linked;
+  accuracy, KL, length, step time, throughput) with the plots linked; start and end are the first and the
+  last logged step, as the run's end line has them, or, for runs of 20 steps and more, means over the
+  first and last tenth of the steps (10 at most, :func:`ends_window`);
 - ``samples.html``: the rollout tables the runs logged (``samples.jsonl``, ``log.samples_every``): prompts
   and completions, each beside its prompt's images for vision-language runs (a text run's table has no
   image column), with each reward component and its advantage;
@@ -21,7 +23,9 @@ one run, ``./report`` for several):
   ``report.md`` and one ``watch_<run>_<rule>_<step>.png`` per alarm (its series with the moment marked,
   and completions of that step beside the run's first).
 
-matplotlib is needed (``pip install 'nanogrpo[report]'``); it runs headless (Agg backend).
+The plots need matplotlib (``pip install matplotlib``, or the ``report`` extra), headless (Agg backend);
+without it the report is ``report.md`` (its table, the watch section's alarms) and ``samples.html``, and
+one line says how to get the plots.
 """
 
 from __future__ import annotations
@@ -150,15 +154,28 @@ def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
     return drew
 
 
+HEADROOM = 0.8
+"""The highest point of a curve on an axis that is not a share's sits at most this far up the plot: the band
+above it is the legend's (a flat completion length at its cap sat on the top edge, under the legend)."""
+
+
 def _honest_y(ax, share: bool) -> None:
-    """No zoom onto noise: a share's axis spans [0, 1] (a little margin), any other reaches 0."""
+    """No zoom onto noise: a share's axis spans [0, 1] (a little margin), any other reaches 0 and leaves
+    the legend a band above the curves (:data:`HEADROOM`)."""
     lo, hi = ax.get_ylim()
     if share:
         ax.set_ylim(min(lo, -0.02), max(hi, 1.02))
-    elif lo > 0:
-        ax.set_ylim(0, hi)
+        return
+    tops = [max(ys) for line in ax.get_lines()
+            if len(ys := [y for y in line.get_ydata() if math.isfinite(y)])]
+    top = max(tops, default=hi)
+    if lo > 0:
+        lo = 0
+    if top > 0:
+        hi = max(hi, top / HEADROOM)
     elif hi < 0:
-        ax.set_ylim(lo, 0)
+        hi = 0
+    ax.set_ylim(lo, hi)
 
 
 def run_colors(plt, n: int) -> list:
@@ -166,14 +183,25 @@ def run_colors(plt, n: int) -> list:
     return [plt.get_cmap("tab20")((2 * i) % 20 + (i // 10) % 2) for i in range(n)]
 
 
-def plot(runs: list[RunData], out: Path) -> list[Path]:
+NO_PLOTS = "no plots: matplotlib is not installed (pip install matplotlib, then nanogrpo report again)"
+
+
+def pyplot():
+    """matplotlib's pyplot on the headless Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("nanogrpo report needs matplotlib: pip install 'nanogrpo[report]'") from None
+        return None
+    return plt
+
+
+def plot(runs: list[RunData], out: Path) -> list[Path]:
+    plt = pyplot()
+    if plt is None:
+        raise ConfigError(f"nanogrpo report: {NO_PLOTS}")
     out.mkdir(parents=True, exist_ok=True)
     colors = run_colors(plt, len(runs))
     files = []
@@ -207,14 +235,28 @@ def _f(v: float, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "–"
 
 
+def ends_window(steps: int) -> int:
+    """How many logged steps the start and end figures of a run of ``steps`` steps are means over: a tenth of
+    them, 10 at most, 1 (the first and the last step, as the run's end line shows them) below 20. The two
+    windows never overlap, so a run that changed never reads as flat."""
+    return max(1, min(10, steps // 10))
+
+
+def _ends_sentence(windows: list[int]) -> str:
+    if all(w == 1 for w in windows):
+        return "Start → end: the first and the last logged step (as the run's end line on the terminal)."
+    return ("Start → end: means over the first and the last tenth of each run's logged steps (at most 10; "
+            "a run under 20 steps: its first and last step, as on the terminal).")
+
+
 def summary_markdown(runs: list[RunData], images: list[Path]) -> str:
-    lines = ["# nanogrpo report", "",
-             "Start/end values are means over the first/last 10 logged steps.", "",
+    windows = [ends_window(len(r.series("reward_mean")[0]) or len(r.rows)) for r in runs]
+    lines = ["# nanogrpo report", "", _ends_sentence(windows), "",
              "| run | steps | reward start → end | train acc start → end | held-out acc (best @ step) | "
              "format end | KL end | length end | step time (median s) | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        first, last = slice(0, 10), slice(-10, None)
+    for r, w in zip(runs, windows):
+        first, last = slice(0, w), slice(-w, None)
         ex, ey = r.series("eval/accuracy")
         if ey:
             i = max(range(len(ey)), key=lambda j: ey[j])
@@ -233,7 +275,24 @@ def summary_markdown(runs: list[RunData], images: list[Path]) -> str:
     lines += ["", "Runs: " + ", ".join(f"`{r.label}` = {r.path}" for r in runs), ""]
     for img in images:
         lines += [f"![{img.stem}]({img.name})", ""]
+    if not images:
+        lines += [f"*{NO_PLOTS[0].upper()}{NO_PLOTS[1:]}.*", ""]
     return "\n".join(lines)
+
+
+def watch_lines(runs: list[RunData]) -> list[str]:
+    """The watch section without its figures (no matplotlib): each watched run's alarms, in words."""
+    from nanogrpo.watch.monitor import WATCH_FILE, read_events, summary
+
+    lines: list[str] = []
+    for r in runs:
+        if (r.path / WATCH_FILE).is_file():
+            events = read_events(r.path)
+            lines += [f"### {r.label}", "", summary(events), ""]
+            lines += [f"- **{e['rule']}** at step {e['step']} (since step {e['since']}): {e['message']}."
+                      + (" The run stopped here (`watch.stop_on`)." if e.get("stop") else "") for e in events]
+    return ["## Watch", "", "What the run monitor flagged (`[watch]`, docs/guides/watching-a-run.md).", "",
+            *lines] if lines else []
 
 
 def samples_html(runs: list[RunData], out: Path) -> Path | None:
@@ -292,16 +351,21 @@ def main(argv: list[str] | None = None) -> int:
     runs = [load_run(p) for p in a.runs]
     _labels(runs)
     out = a.out or (a.runs[0] / "report" if len(a.runs) == 1 else Path("report"))
-    images = plot(runs, out)
+    plt = pyplot()
+    if plt is not None:
+        images = plot(runs, out)
+        from nanogrpo.watch.figures import watch_section
+
+        watch, figures = watch_section([(r.label, r.path, r.rows) for r in runs], out, plt)
+    else:
+        images, watch, figures = [], watch_lines(runs), []
+        out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
-    import matplotlib.pyplot as plt  # plot() has set it up (Agg)
-
-    from nanogrpo.watch.figures import watch_section
-
-    watch, figures = watch_section([(r.label, r.path, r.rows) for r in runs], out, plt)
     md.write_text(summary_markdown(runs, images) + ("\n" + "\n".join(watch) if watch else ""))
     images += figures
     page = samples_html(runs, out)
     shown = f"; sample completions: {page}" if page else ""
     print(f"report: {md} and {len(images)} plots in {out}{shown}")
+    if plt is None:
+        print(f"report: {NO_PLOTS}")
     return 0

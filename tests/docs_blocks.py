@@ -275,7 +275,7 @@ def _with(a: list[str], flags: list[str], overrides: list[str]) -> list[str]:
     head, rest, docs_flags, docs_overrides, i = a[:2], a[2:], [], [], 0
     while i < len(rest):
         tok = rest[i]
-        boolean = tok in ("-v", "--verbose", "--access-log")
+        boolean = tok in ("-v", "--verbose", "--access-log", "--overwrite")
         takes_value = tok.startswith("-") and not boolean and i + 1 < len(rest)
         if takes_value:
             if tok not in named:

@@ -22,6 +22,13 @@ def write_tiny_run_assets(d: Path, rows: int = 12, seed: int = 3) -> Path:
     return d
 
 
+def evaluated_on(data: Path) -> str:
+    """The override by which a run on one data file evaluates on that same file: on its own, a single file
+    gives no held-out rows and the run evaluates nothing (the rows would be its training rows); these tests
+    exercise the evaluation path, not what it measures."""
+    return f"data.eval_source={json.dumps(str(data))}"
+
+
 def comparable_metrics(run: Path, drop_eval: bool = False) -> list[dict]:
     """A run's metrics without timings (and, with ``drop_eval``, without ``eval/`` keys: a run cut
     short also evaluates at its own last step)."""

@@ -157,7 +157,9 @@ def test_the_public_api_as_a_notebook_uses_it(tmp_path, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="nanogrpo"):
         again = nanogrpo.evaluate(str(out), dataset=ROWS[:6])  # from its directory: names only
     assert again["accuracy"] == summary["accuracy"]
-    assert "rewards <lambda>, <knows_the_answer>, <guarded> of the run were Python callables" in caplog.text
+    assert ("reward_mean here is over correctness only: the run's other rewards (<lambda>, "
+            "<knows_the_answer>, <guarded>) were Python functions given to nanogrpo.train, which its "
+            "directory cannot hold; to score with them too, give them again (rewards=[...]") in caplog.text
 
     model, tok = nanogrpo.load_checkpoint(run)
     import torch

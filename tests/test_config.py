@@ -89,3 +89,31 @@ def test_bad_files(tmp_path):
         load_config(ext)
     for msg in (str(e) for e in []):
         assert "\n" not in msg
+
+
+@pytest.mark.parametrize("value,want", [
+    ("{retry=true}", {"retry": True}),  # TOML's inline table, the config files' own language
+    ("{retry = true, max_turns = 4, name = 'x'}", {"retry": True, "max_turns": 4, "name": "x"}),
+    ('{"retry": true, "max_turns": 4}', {"retry": True, "max_turns": 4}),  # JSON
+    ("{retry: true, max_turns: 4}", {"retry": True, "max_turns": 4}),  # YAML's flow mapping
+    ("{tools = [{name = 'a'}, {name = 'b'}]}", {"tools": [{"name": "a"}, {"name": "b"}]}),
+])
+def test_override_tables_read_as_toml_json_or_yaml(value, want):
+    """``env.kwargs={retry=true}`` was the key ``"retry=true"`` with no value (issue 50), handed to the
+    environment library as garbage."""
+    assert load_config(overrides=[f"env.kwargs={value}"]).env.kwargs == want
+
+
+def test_override_values_of_toml_read_as_toml_does():
+    c = load_config(overrides=["rewards.functions=['correctness', \"format\"]", "rewards.weights=[1, 2]",
+                               "data.shuffle=false", "data.system_prompt='you are terse'"])
+    assert c.rewards.functions == ["correctness", "format"] and c.rewards.weights == [1.0, 2.0]
+    assert c.data.shuffle is False and c.data.system_prompt == "you are terse"
+
+
+def test_an_override_neither_toml_nor_json_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["env.kwargs={retry: true, max_turns=4}"])
+    said = str(e.value)
+    assert "\n" not in said and "'env.kwargs={retry: true, max_turns=4}'" in said
+    assert "neither JSON/YAML nor TOML" in said and "{key = value, ...}" in said

@@ -12,6 +12,7 @@ from nanogrpo.cli import main
 from nanogrpo.config import SEED_SYSTEM_PROMPT, load_config, preset_path
 from nanogrpo.models.tiny import make_model, make_tokenizer
 from nanogrpo.training.metrics import read_metrics
+from tests.run_fixtures import evaluated_on
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.glob("*.toml"))
@@ -97,7 +98,7 @@ def test_gsm8k_config_trains_end_to_end(path, tiny_gsm8k, tmp_path):
     rc = main(["train", "--config", str(path), "--model", str(tiny_gsm8k / "model"),
                "--data", str(tiny_gsm8k / "gsm8k.jsonl"), "--out", str(out), "--steps", "2",
                "rollout.max_new_tokens=8", "rollout.prompts_per_step=2", "data.max_prompt_tokens=2000",
-               "eval.every=2", "eval.n=3", "rewards.workers=0"])
+               "eval.every=2", "eval.n=3", "rewards.workers=0", evaluated_on(tiny_gsm8k / "gsm8k.jsonl")])
     assert rc == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the held-out baseline

@@ -236,6 +236,8 @@ def test_micro_batches_keep_groups_together_when_their_prompt_is_worth_sharing()
 
 
 def _train_cmd(backend: str, assets: Path, out: Path, steps: int, resume: bool = False) -> list[str]:
+    from tests.run_fixtures import evaluated_on
+
     if backend == "deepspeed":
         ds = str(Path(sys.executable).parent / "deepspeed")
         ds = ds if Path(ds).is_file() else shutil.which("deepspeed")
@@ -251,7 +253,7 @@ def _train_cmd(backend: str, assets: Path, out: Path, steps: int, resume: bool =
                      "grpo.group_size=4", "rewards.workers=0", "train.lr=1e-2", "train.save_every=2",
                      "rewards.functions=['tests.reward_fixtures:length']", f"train.backend={backend}",
                      "train.zero_stage=2", f"train.optimizer_offload={backend == 'deepspeed'}",
-                     "log.tensorboard=false",
+                     "log.tensorboard=false", evaluated_on(assets / "data.jsonl"),
                      # pinned: each fresh process times oneDNN against torch (model.cpu_linear=auto), and two
                      # runs compared exactly must not decide differently (CI saw one pick each)
                      "model.cpu_linear=torch"]
@@ -292,7 +294,7 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path, algo
     """``nanogrpo train`` under torchrun: one metrics file written by rank 0, figures over both ranks
     (with batch-level advantages and the entropy quantile, the ranks meet in those collectives too)."""
     from nanogrpo.training.metrics import read_metrics
-    from tests.run_fixtures import write_tiny_run_assets
+    from tests.run_fixtures import evaluated_on, write_tiny_run_assets
 
     write_tiny_run_assets(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -301,7 +303,7 @@ def test_two_rank_training_run_logs_once_with_whole_batch_metrics(tmp_path, algo
            "data.answer_delimiter=####", "data.system_prompt=''", "rollout.max_new_tokens=8",
            "rollout.prompts_per_step=2", "grpo.group_size=4", "rewards.workers=0",
            "rewards.functions=['tests.reward_fixtures:length']", "train.backend=ddp", "eval.every=3",
-           "eval.n=2", *algo]
+           "eval.n=2", evaluated_on(tmp_path / "data.jsonl"), *algo]
     out = _run(cmd, LAUNCH_TIMEOUT, env=_env(), cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stdout[-6000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")

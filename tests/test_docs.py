@@ -98,6 +98,28 @@ def test_readme_answers_a_newcomers_four_questions():
         assert f"]({page}" in text, page
 
 
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_cpu_only_torch_command_is_a_real_one_and_the_same_everywhere():
+    """The quickstart had `--index-url <PyTorch CPU index>`, a placeholder (issue 50): the README and the
+    quickstart give the command itself, the same one, and no page keeps a placeholder index."""
+    for page in ("README.md", "docs/quickstart.md"):
+        assert CPU_TORCH in (ROOT / page).read_text(), page
+    placeholders = [str(d.relative_to(ROOT)) for d in documents()
+                    if re.search(r"index-url\s+<", d.read_text())]
+    assert not placeholders, placeholders
+
+
+def test_the_first_run_s_time_comes_with_the_shared_cpu_remedy():
+    """Issue 50: 160 s on a quiet 2-core CPU, 4.2x the CPU under load; the newcomer reads the remedy where
+    the README and the quickstart say how long the demo takes."""
+    for page in ("README.md", "docs/quickstart.md"):
+        text = (ROOT / page).read_text()
+        assert "2026-12-05" in text and "OMP_NUM_THREADS=1 nanogrpo train" in text, page
+        assert "98 s" not in text and "2–4 minutes" not in text, page
+
+
 @pytest.mark.parametrize("doc_block", ALL, ids=[b.where for _, b in ALL])
 def test_every_block_runs_here_or_says_why_not(doc_block):
     _, b = doc_block

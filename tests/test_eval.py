@@ -120,6 +120,23 @@ def test_cli_eval_sampled_writes_summary_and_samples(tiny, tmp_path, capsys):
     assert all(len(r["completions"]) == len(r["rewards"]) == len(r["extracted"]) == 3 for r in recs)
 
 
+def test_the_help_names_the_samples_file_eval_writes(tiny, tmp_path, capsys, monkeypatch):
+    """The help (and the docs) said OUT.samples.jsonl; `--out ev/s.json` writes ev/s.samples.jsonl
+    (issue 50)."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    said = re.search(r"--out (\S+) writes (\S+)", capsys.readouterr().out)
+    assert said, "the help shows what --out writes"
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model", str(tiny / "model"), "--data", str(tiny / "test.jsonl"), "--n", "2",
+                 "--out", said[1], "data.answer_delimiter=####", "rollout.max_new_tokens=4",
+                 "rewards.workers=0"]) == 0
+    assert (tmp_path / said[1]).is_file() and (tmp_path / said[2]).is_file()
+
+
 def test_cli_eval_greedy_is_deterministic(tiny, tmp_path, capsys):
     a, _ = _eval(tiny, tmp_path, capsys)
     b, _ = _eval(tiny, tmp_path, capsys)

@@ -60,12 +60,14 @@ def test_lora_step_reference_and_checkpoint(tmp_path):
 
 
 def _lora_run_args(assets: Path, out: Path, steps: int) -> list[str]:
+    from tests.run_fixtures import evaluated_on
+
     return ["train", "--model", str(assets / "model"), "--data", str(assets / "data.jsonl"),
             "--out", str(out), "--steps", str(steps), "--seed", "5", "model.lora_r=4",
             "data.answer_delimiter=####", "data.system_prompt=''", "rollout.max_new_tokens=8",
             "rollout.prompts_per_step=2", "grpo.group_size=4", "rewards.workers=0",
             "rewards.functions=['tests.reward_fixtures:length']", "train.lr=1e-2", "train.save_every=2",
-            "grpo.beta=0.04", "log.tensorboard=false"]
+            "grpo.beta=0.04", "log.tensorboard=false", evaluated_on(assets / "data.jsonl")]
 
 
 @pytest.mark.slow

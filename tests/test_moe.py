@@ -236,7 +236,7 @@ def test_gradient_checkpointing_replays_in_the_recompute():
     for ckpt in (False, True):
         model.zero_grad()
         if ckpt:
-            model.gradient_checkpointing_enable()                           # as training/trainer.py does
+            model.gradient_checkpointing_enable()                           # as training/setup.py does
         model.train()
         with replay_routes(model, routes, ids, am):                         # open through the backward
             token_logprobs(model, ids, am, p, cm).sum().backward()

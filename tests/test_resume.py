@@ -19,7 +19,7 @@ from nanogrpo.cli import main
 from nanogrpo.models import cpu_linear
 from nanogrpo.models.cpu_linear import onednn_available
 from nanogrpo.training.checkpoint import latest_checkpoint
-from tests.run_fixtures import comparable_metrics, this_process_threads, write_tiny_run_assets
+from tests.run_fixtures import comparable_metrics, evaluated_on, this_process_threads, write_tiny_run_assets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def _args(assets: Path, out: Path, steps: int) -> list[str]:
             "rollout.max_new_tokens=10", "rollout.prompts_per_step=2", "grpo.group_size=4",
             "rewards.functions=['tests.reward_fixtures:length','format']", "rewards.workers=0",
             "train.lr=1e-3", "train.save_every=2", "grpo.beta=0.04", "log.samples_every=1",
-            "eval.every=3", "eval.n=2"]
+            "eval.every=3", "eval.n=2", evaluated_on(assets / "data.jsonl")]
 
 
 def _resume_args(out: Path, steps: int) -> list[str]:

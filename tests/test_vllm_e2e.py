@@ -12,7 +12,7 @@ import pytest
 
 from nanogrpo.cli import main
 from nanogrpo.training.metrics import read_metrics
-from tests.run_fixtures import comparable_metrics
+from tests.run_fixtures import comparable_metrics, evaluated_on
 
 if os.environ.get("NANOGRPO_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
@@ -42,7 +42,8 @@ def _small(d: Path, out: Path, steps: int) -> list[str]:
     return ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--out", str(out),
             "--steps", str(steps), "rollout.engine=vllm", "rollout.prompts_per_step=2", "grpo.group_size=4",
             "rollout.max_new_tokens=12", 'rewards.functions=["tests.reward_fixtures:length"]',
-            "rewards.workers=0", "train.lr=1e-3", "train.save_every=1", "eval.every=2", "eval.n=4"]
+            "rewards.workers=0", "train.lr=1e-3", "train.save_every=1", "eval.every=2", "eval.n=4",
+            evaluated_on(d / "data.jsonl")]
 
 
 def test_demo_learns_with_vllm(tmp_path):

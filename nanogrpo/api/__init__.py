@@ -49,6 +49,7 @@ from nanogrpo.api.inputs import (
     _config_rows,
     _data,
     _env,
+    _held_out_apart,
     _is_rows,
     _not_in_a_spawned_copy,
     _rewards,
@@ -57,18 +58,20 @@ from nanogrpo.api.inputs import (
 )
 from nanogrpo.api.runs import (
     Run,
+    RunExistsError,
     _checkpoint_path,
     _is_preset,
     _override_list,
     _run_of,
     as_config,
+    claim_run_dir,
     run_config,
 )
 from nanogrpo.config import Config, Overrides
 from nanogrpo.console import screen
 from nanogrpo.errors import ConfigError, DataError
 
-__all__ = ["Config", "Run", "evaluate", "load_checkpoint", "train"]
+__all__ = ["Config", "Run", "RunExistsError", "evaluate", "load_checkpoint", "train"]
 
 log = logging.getLogger("nanogrpo")
 
@@ -79,27 +82,39 @@ log = logging.getLogger("nanogrpo")
 def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, *,
           rewards: Sequence[str | Callable] | str | Callable | None = None, dataset: Any = None,
           eval_dataset: Any = None, tools: str | Mapping[str, Any] | bool | None = None,
-          env: Any = None, resume: str | os.PathLike | None = None, verbose: bool = False) -> Run:
+          env: Any = None, resume: str | os.PathLike | None = None, overwrite: bool = False,
+          verbose: bool = False) -> Run:
     """Run GRPO as ``nanogrpo train`` does; returns the :class:`Run` (its directory, metrics,
     checkpoints). ``config``: a :class:`Config`, a file or preset name, a dict (None: the demo,
     or with ``resume`` the run's own config). ``resume``: a run directory to continue from its last
-    checkpoint (with the same ``rewards`` and ``dataset`` as it started with). See the module
+    checkpoint (with the same ``rewards`` and ``dataset`` as it started with). A new run into a
+    ``train.out`` that already holds a run is refused (:class:`~nanogrpo.api.runs.RunExistsError`,
+    nothing touched) unless ``overwrite``, which removes that run's files first. See the module
     docstring for ``rewards``, ``dataset``, ``eval_dataset``, ``tools`` and ``env``."""
     _not_in_a_spawned_copy("train")
     with screen(verbose):
+        if resume is not None and overwrite:
+            raise ConfigError("resume and overwrite: continue the run or replace it, not both")
         cfg = run_config(resume) if config is None and resume is not None else as_config(config)
         cfg = _env(_tools(cfg, tools), env)
         root = Path(resume or cfg.train.out)
+        if resume is None:
+            claim_run_dir(root, overwrite=overwrite)  # before anything is written there
         data = _data(cfg, dataset, eval_dataset, root)
         if rewards is None and _callables_in(data.cfg):
             raise ConfigError(f"rewards {', '.join(_callables_in(data.cfg))} of this run were Python "
                               "callables given to nanogrpo.train: give them again (rewards=[...])")
-        cfg, runner = _rewards(data.cfg, rewards, root)
+        # a new run only: a resumed one evaluates as it started (its config says)
+        cfg, held_out = (data.cfg, None) if resume is not None else _held_out_apart(data.cfg)
+        cfg, runner = _rewards(cfg, rewards, root)
         try:
             from nanogrpo.models.source import check_model_source
 
             model_path = check_model_source(cfg.model)  # a missing model or network: said before torch loads
             given = _config_rows(cfg, data.given)  # a dataset's mistakes too
+            if held_out:
+                log.info(held_out)
+            _say_if_the_cpu_is_shared(cfg)
             from nanogrpo.training.loop import train as run_training
             from nanogrpo.training.prepare import prepare
 
@@ -113,6 +128,22 @@ def train(config: Config | str | os.PathLike | Mapping[str, Any] | None = None, 
             data.write()
         return Run(run_training(prepared), tuple(rewards) if _is_rows(rewards) else
                    (rewards,) if rewards is not None else ())
+
+
+def _say_if_the_cpu_is_shared(cfg: Config) -> None:
+    """One line, at the start of a run on the CPU, when torch's threads would fight other busy processes for
+    the cores (:func:`nanogrpo.console.shared_cpu_line`); rank 0's, under a launcher."""
+    if os.environ.get("RANK", "0") != "0" or cfg.model.device.startswith("cuda"):
+        return
+    import torch
+
+    if cfg.model.device == "auto" and torch.cuda.is_available():
+        return
+    from nanogrpo.console import shared_cpu_line
+
+    line = shared_cpu_line()
+    if line:
+        log.info(line)
 
 
 def evaluate(model: str | os.PathLike | Run, *,
@@ -164,8 +195,10 @@ def evaluate(model: str | os.PathLike | Run, *,
             marks = _callables_in(cfg)
             kept = [(f, w) for f, w in zip(cfg.rewards.functions, cfg.rewards.resolved_weights())
                     if f not in marks] or [("correctness", 1.0)]
-            log.info("rewards %s of the run were Python callables: reward_mean is over %s (pass "
-                     "rewards=[...] for them all)", ", ".join(marks), ", ".join(f for f, _ in kept))
+            log.info("reward_mean here is over %s only: the run's other rewards (%s) were Python "
+                     "functions given to nanogrpo.train, which its directory cannot hold; to score with them "
+                     "too, give them again (rewards=[...] in Python; on the command line, rewards.functions "
+                     "naming them as 'file.py:function')", " and ".join(f for f, _ in kept), ", ".join(marks))
             cfg = cfg.with_overrides({"rewards.functions": [f for f, _ in kept],
                                       "rewards.weights": [w for _, w in kept]})
         cfg, runner = _rewards(cfg, rewards)

@@ -107,6 +107,27 @@ def _data(cfg: Config, dataset: Any, eval_dataset: Any, root: Path) -> _Data:
     return _Data(cfg.with_overrides(source), given, files)
 
 
+def _held_out_apart(cfg: Config) -> tuple[Config, str | None]:
+    """No "held-out" figures measured on the training rows: a config whose held-out problems would come
+    from its training file (one file, no ``{split}`` in its path, no ``data.eval_source``) evaluates
+    nothing during training (as rows given without held-out ones, :func:`_data`); a ``data.eval_source``
+    that names the training file on purpose is kept. Returns the config and the line that says so, for
+    the caller to print once the rows have loaded (a file that is not there is said alone)."""
+    from nanogrpo.data.sources import held_out_file_is_training_file
+
+    if not cfg.eval.every:
+        return cfg, None
+    same = held_out_file_is_training_file(cfg.data)
+    if same is None:
+        return cfg, None
+    if cfg.data.eval_source is not None:
+        return cfg, f"data.eval_source is the training file {same}: the held-out figures are on training rows"
+    return cfg.with_overrides({"eval.every": 0}), (
+        f"no held-out evaluation: {same} is one file, whose held-out split would be its training rows "
+        f"(eval.every={cfg.eval.every} set to 0); for one, set data.eval_source=FILE, or a data path with "
+        "{split} (e.g. my_{split}.jsonl)")
+
+
 def _config_rows(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
     """``given`` with the config's own rows loaded where the caller gave none (before torch loads)."""
     from nanogrpo.data import load_eval_rows, load_rows

@@ -4,7 +4,9 @@ accept, the checkpoint a run or path means."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,8 @@ from typing import Any
 from nanogrpo.config import RUN_CONFIG_FILE as CONFIG_FILE
 from nanogrpo.config import Config, Overrides, config_from
 from nanogrpo.errors import ConfigError
+
+log = logging.getLogger("nanogrpo")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,63 @@ class Run:
 
     def __fspath__(self) -> str:
         return str(self.root)
+
+
+RUN_MARKS = (CONFIG_FILE, "metrics.jsonl", "checkpoints")
+"""What makes a directory a run's: any of these in it (the trainer writes the config first)."""
+
+RUN_ENTRIES = (*RUN_MARKS, "samples.jsonl", "watch.jsonl", "eval", "tb", "wandb", "wandb_id", "data", "inbox",
+               "vllm-adapters", "report")
+"""Everything a run (and ``nanogrpo report``) writes into its directory; with ``judge_cache.sqlite*``
+and half-written ``.NAME.PID.tmp`` files, what an overwrite removes. Anything else there is left."""
+
+
+class RunExistsError(ConfigError):
+    """A new run was started into a directory that already holds one, without asking to continue it
+    (``--resume``) or to replace it (``--overwrite``): nothing in it was touched."""
+
+    def __init__(self, root: Path, held: list[str], cli: bool = False):
+        self.root, self.held = Path(root), held
+        found = ", ".join(held)
+        if cli:
+            ways = (f"continue it with `nanogrpo train --resume {root}`, train into a new directory with "
+                    f"--out DIR, or replace it with --overwrite")
+        else:
+            ways = (f"continue it with nanogrpo.train(resume={str(root)!r}), give a new train.out, or "
+                    "replace it with nanogrpo.train(..., overwrite=True)")
+        super().__init__(f"{root} already holds a run ({found}): {ways}")
+
+    def for_cli(self) -> RunExistsError:
+        """The same refusal, in the command line's words."""
+        return RunExistsError(self.root, self.held, cli=True)
+
+
+def claim_run_dir(root: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Make ``root`` ready for a new run, before anything is written: a directory that holds no run
+    (:data:`RUN_MARKS`) is used as it is; one that holds a run is refused (:class:`RunExistsError`, every
+    file left as it was) unless ``overwrite``, which removes the old run's files first (:data:`RUN_ENTRIES`:
+    no stale ``step_N``, ``latest`` or metrics line survives) and leaves anything else. Under a launcher
+    only rank 0 decides (the others start while rank 0 writes the new run's first files)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    root = Path(root)
+    held = [name + ("/" if (root / name).is_dir() else "") for name in RUN_MARKS if (root / name).exists()]
+    if not held:
+        return
+    if not overwrite:
+        raise RunExistsError(root, held)
+    removed, kept = [], []
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if (name in RUN_ENTRIES or name.startswith("judge_cache.sqlite")
+                or (name.startswith(".") and name.endswith(".tmp"))):
+            tree = entry.is_dir() and not entry.is_symlink()
+            shutil.rmtree(entry) if tree else entry.unlink()
+            removed.append(name + ("/" if tree else ""))
+        else:
+            kept.append(name)
+    log.info("overwrite: removed the run that was in %s (%s)%s", root, ", ".join(removed),
+             f"; left as they were: {', '.join(kept)}" if kept else "")
 
 
 def as_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,

@@ -208,13 +208,41 @@ def preset_path(name: str) -> Path:
     return found
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, item: str = "") -> Any:
+    """An override's value: YAML (which reads JSON: ``[1, 2]``, ``"s"``, ``{"a": 1}``, and TOML's scalars and
+    arrays alike: ``true``, ``'s'``, ``1e-6``), or TOML where only TOML reads it: an inline table
+    ``{retry = true}``, which YAML takes for a key ``"retry = true"`` without a value; text that is
+    neither (``{a: 1, b=2}``) is refused in one line. Text that neither parses stays text."""
     if raw.lstrip().startswith("#"):  # YAML would read it as a comment (None): e.g. answer_delimiter=####
         return raw
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
-        return raw
+        return _toml_value(raw, raw)
+    if not _has_toml_keys(value):
+        return value
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(f"override {item or raw!r}: {raw.strip()!r} is neither JSON/YAML nor TOML; write a "
+                          "table as {key = value, ...} (TOML) or {\"key\": value, ...} (JSON)") from None
+
+
+def _toml_value(raw: str, otherwise: Any) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return otherwise
+
+
+def _has_toml_keys(value: Any) -> bool:
+    """YAML's reading of TOML's ``key = value``: a mapping key holding ``=``, with no value."""
+    if isinstance(value, dict):
+        return any((isinstance(k, str) and "=" in k and v is None) or _has_toml_keys(v)
+                   for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_toml_keys(v) for v in value)
+    return False
 
 
 def _known_keys(model: type[BaseModel]) -> list[str]:
@@ -226,7 +254,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
-    set_key(data, key, _parse_value(raw), item)
+    set_key(data, key, _parse_value(raw, item), item)
 
 
 def set_key(data: dict[str, Any], key: str, value: Any, item: str | None = None) -> None:

@@ -276,6 +276,22 @@ def load_eval_rows(cfg: DataConfig, split: str | None = None) -> list[dict[str, 
     return load_rows(cfg, split or cfg.eval_split, cfg.eval_source)
 
 
+def held_out_file_is_training_file(cfg: DataConfig) -> Path | None:
+    """The file that ``load_rows`` would read for both the training split (``cfg.split`` of ``cfg.source``)
+    and the held-out one (``cfg.eval_split`` of ``cfg.eval_source``, else ``cfg.source``): a single file
+    (no ``{split}`` in its path) gives the same rows to both. None when they differ or are not files."""
+    def path(source: str | None, split: str) -> Path | None:
+        if source is None or source in PRESETS or source.startswith(("hf:", "verifiers:")):
+            return None
+        p = Path(source.replace("{split}", split))
+        return p if p.suffix.lower() in READERS else None
+
+    train, held = path(cfg.source, cfg.split), path(cfg.eval_source or cfg.source, cfg.eval_split)
+    if train is None or held is None:
+        return None
+    return train if train.resolve() == held.resolve() else None
+
+
 def samples_from(rows: list[dict[str, Any]], cfg: DataConfig, origin: str) -> list[dict[str, Any]]:
     """Samples from rows already in memory (the public API's ``dataset``), checked as a file's are."""
     return with_images(normalize_rows(rows, origin=origin, question_field=cfg.question_field,
