@@ -203,7 +203,7 @@ def start(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir: Path = 
     weight sync of the demo model to two CPU servers taking 1.53 s instead of 0.11 s (median of 12, A B A
     B; docs/figures.md has the configurations measured; the kernel's cause not pinned down). A process
     group is all :func:`end` needs, and keeps the terminal's Ctrl-C (sent to the foreground group) from
-    reaching the servers directly, as before."""
+    reaching the servers directly."""
     cmd, extra = serve_command(cfg, port, host=host, state_dir=state_dir)
     env = {**os.environ, **extra}
     if devices is not None:
