@@ -22,7 +22,7 @@ from nanogrpo.engines.vllm_inprocess.options import (
     head_dim,
     kv_bytes_per_token,
 )
-from nanogrpo.engines.vllm_inprocess.process import NOISE, guard_process_state, import_vllm
+from nanogrpo.engines.vllm_inprocess.process import NOISE, build_cause, guard_process_state, import_vllm
 from nanogrpo.engines.vllm_inprocess.sampling_rules import check_convention, request_seeds, sample_on
 from nanogrpo.errors import ConfigError, ModelError
 
@@ -54,6 +54,18 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[key] = value + deltas[key].to(value.dtype) if key in deltas else value
     return out
 
+
+
+def write_config(cfg, architecture: str, path: Path) -> None:
+    """The model's config as vLLM reads it, naming its class where the config does not (a model built in
+    code has no ``architectures``; vLLM then guesses from the model type, and took a Qwen3-MoE for a pooling
+    model: "Tokenizer not available when `skip_tokenizer_init=True`")."""
+    import json
+
+    d = json.loads(cfg.to_json_string())
+    if not d.get("architectures"):
+        d["architectures"] = [architecture]
+    path.write_text(json.dumps(d, indent=2, sort_keys=True))
 
 
 class VLLMEngine:
@@ -176,14 +188,14 @@ class VLLMEngine:
             logging.getLogger(name).addFilter(NOISE)  # (adding the same filter twice keeps one)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, guard_process_state():
-            cfg.to_json_file(str(Path(d) / "config.json"))  # the config only: weights come from memory
+            write_config(cfg, type(base).__name__, Path(d) / "config.json")  # weights come from memory
             if stop_strings:
                 tokenizer.save_pretrained(d)
             try:
                 self.llm = vllm.LLM(model=d, **kw)
             except Exception as e:
                 raise ModelError(f"vLLM could not build an engine for this {type(base).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                                 f"{build_cause(e)}") from e
         self._asleep = False
         self.load_from(model)
         log.info("vLLM engine ready in %.1f s (max_model_len %d, %s log-probs)", time.perf_counter() - t0,
