@@ -122,7 +122,7 @@ class VLLMEngine:
                  sleep_mode: bool = False, seed: int = 0, stop_strings: bool = False,
                  lora_sync: str = "adapter", return_routes: bool = False,
                  llm_kwargs: dict[str, Any] | None = None):
-        from nanogrpo.models.lora import check_adapter_servable, is_peft, vllm_max_lora_rank
+        from nanogrpo.models.lora import is_peft
 
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -186,14 +186,34 @@ class VLLMEngine:
         self._base_loaded = False
         self.last_sync_bytes = 0
         if self.adapter:
-            check_adapter_servable(model)
-            kw.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
-                      max_lora_rank=vllm_max_lora_rank(model.peft_config[model.active_adapter].r))
-            self._adapter_root = Path(tempfile.mkdtemp(prefix="nanogrpo-vllm-lora-"))
-            import shutil
-            import weakref
+            kw.update(self._serve_adapter(model))
+        asked = self._ask_routes(base, kw, return_routes, llm_kwargs)
+        self._keys = set(policy_state_dict(model))
+        t0 = time.perf_counter()
+        self.llm = self._build(vllm, base, kw, tokenizer if stop_strings else None, asked)
+        self._asleep = False
+        self.load_from(model)
+        log.info("vLLM engine ready in %.1f s (max_model_len %d, %s log-probs)", time.perf_counter() - t0,
+                 self.max_model_len, "tempered" if tempered_logprobs else "untempered")
 
-            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)  # the adapters' files
+    def _serve_adapter(self, model) -> dict[str, Any]:
+        """vLLM's LoRA settings for serving ``model``'s adapter; a folder for its versions, removed with
+        the engine."""
+        import shutil
+        import weakref
+
+        from nanogrpo.models.lora import check_adapter_servable, vllm_max_lora_rank
+
+        check_adapter_servable(model)
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="nanogrpo-vllm-lora-"))
+        weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)  # the adapters' files
+        return dict(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                    max_lora_rank=vllm_max_lora_rank(model.peft_config[model.active_adapter].r))
+
+    def _ask_routes(self, base, kw: dict[str, Any], return_routes: bool, llm_kwargs: dict | None) -> bool:
+        """vLLM's flag for MoE routes in ``kw`` when asked (``return_routes``, a MoE model nanogrpo records)
+        or passed by hand (``llm_kwargs``); whether it was asked. An engine that returns them has
+        ``record_routes``."""
         spec = route_spec(base)  # None: dense, or a mixture of experts nanogrpo does not record
         asked = return_routes and spec is not None
         if asked:
@@ -206,18 +226,22 @@ class VLLMEngine:
         if self._route_spec is not None:
             self.record_routes = False
             """Fill ``Generation.routes`` (set by the run's routing replay)."""
-        self._keys = set(policy_state_dict(model))
+        return asked
+
+    @staticmethod
+    def _build(vllm, base, kw: dict[str, Any], tokenizer, asked: bool):
+        """vLLM's ``LLM`` in this process over ``base``'s config (the weights come from memory after); its
+        refusals in one line."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
                      "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils"):
             logging.getLogger(name).addFilter(NOISE)  # (adding the same filter twice keeps one)
-        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, guard_process_state():
-            write_config(cfg, type(base).__name__, Path(d) / "config.json")  # weights come from memory
-            if stop_strings:
+            write_config(base.config, type(base).__name__, Path(d) / "config.json")
+            if tokenizer is not None:  # stop strings: vLLM decodes to find them
                 tokenizer.save_pretrained(d)
             try:
-                self.llm = vllm.LLM(model=d, **kw)
+                return vllm.LLM(model=d, **kw)
             except Exception as e:
                 refused = route_refusal(e) if kw.get(LLM_FLAG) else None
                 if refused:
@@ -227,10 +251,6 @@ class VLLMEngine:
                                       f"({refused}): {out}") from e
                 raise ModelError(f"vLLM could not build an engine for this {type(base).__name__}: "
                                  f"{build_cause(e)}") from e
-        self._asleep = False
-        self.load_from(model)
-        log.info("vLLM engine ready in %.1f s (max_model_len %d, %s log-probs)", time.perf_counter() - t0,
-                 self.max_model_len, "tempered" if tempered_logprobs else "untempered")
 
     # ------------------------------------------------------------ weights
 
