@@ -454,26 +454,52 @@ def test_the_cpu_build_refuses_to_return_moe_routes_in_one_line(monkeypatch):
     assert "(Value error, Model Runner V2 requires Triton.)" in str(err.value) and "\n" not in str(err.value)
 
 
+MOE_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from nanogrpo.config import Config
+from nanogrpo.errors import ConfigError
+from nanogrpo.training.routing import RoutingReplay
+from tests.test_vllm import GREEDY, PROMPTS, TOK, VLLMEngine, qwen3_moe, trainer_logprobs
+model = qwen3_moe()
+engine = VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=4)
+got = engine.generate(PROMPTS, GREEDY)
+ours, theirs, cm = trainer_logprobs(model, PROMPTS, got, 1)
+try:
+    cfg = Config.load(None, ["rollout.engine=vllm", "moe.routing_replay=rollout"])
+    RoutingReplay.for_run(cfg, model, engine)
+    refused = None
+except ConfigError as e:
+    refused = str(e)
+print(json.dumps({"routes": got.routes, "lengths": [len(c) for c in got.completion_ids],
+                  "record_routes": hasattr(engine, "record_routes"), "refused": refused,
+                  "worst": (ours - theirs)[cm].abs().max().item()}))
+"""
+
+
 @pytest.fixture(scope="module")
 def moe_engine():
-    """The tiny Qwen3-MoE and its engine, built without routes."""
-    model = qwen3_moe()
-    return model, VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=4)
+    """The tiny Qwen3-MoE, its engine built without routes, what it gave: in a process of its own (vLLM
+    sets its model-parallel groups once per process, for the first model it builds: a MoE model's expert
+    group then missing, or a dense model's pipeline group after a MoE one's engine ends)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", MOE_CHILD, root], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_moe_model_runs_without_routes_and_replaying_them_is_refused_at_setup(moe_engine):
     """Without the flag the tiny Qwen3-MoE builds and generates; the engine, having no ``record_routes``,
     makes a run that replays the engine's routes stop at setup (not at its first batch)."""
-    from nanogrpo.config import Config
-    from nanogrpo.training.routing import RoutingReplay
-
-    model, engine = moe_engine
-    got = engine.generate(PROMPTS, GREEDY)
-    assert got.routes is None and [len(c) for c in got.completion_ids] == [GREEDY.max_new_tokens] * 4
-    assert not hasattr(engine, "record_routes")
-    cfg = Config.load(None, ["rollout.engine=vllm", "moe.routing_replay=rollout"])
-    with pytest.raises(ConfigError, match="the vllm engine records no routes"):
-        RoutingReplay.for_run(cfg, model, engine)
+    got = moe_engine
+    assert got["routes"] is None and got["lengths"] == [GREEDY.max_new_tokens] * 4
+    assert not got["record_routes"]
+    assert "the vllm engine records no routes" in got["refused"]
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -483,10 +509,7 @@ def test_a_moe_model_runs_without_routes_and_replaying_them_is_refused_at_setup(
     "of tensor a (64) must match the size of tensor b (32)'), with HF or checkpoint names alike; vLLM "
     "loading a checkpoint of the same weights is exact (1.7e-6)"))
 def test_moe_log_probs_are_the_trainer_s(moe_engine):
-    model, engine = moe_engine
-    got = engine.generate(PROMPTS, GREEDY)
-    ours, theirs, cm = trainer_logprobs(model, PROMPTS, got, 1)
-    worst = (ours - theirs)[cm].abs().max().item()
+    worst = moe_engine["worst"]
     print(f"MoE: vLLM vs trainer log-probs, float32: max abs diff {worst:.2e}")
     assert worst < 1e-4
 
