@@ -276,6 +276,7 @@ def test_openenv_observations_are_bounded_by_what_the_rollout_can_show(openenv_s
         runner.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_an_openenv_server_at_capacity_drops_and_counts_and_says_so_once(policy, tmp_path, caplog):
     """The server `openenv init` scaffolds (max_concurrent_envs=1; its app served by uvicorn, as its README
     says) against 8 episodes at once: 7 sessions are refused, each group with a refused episode is dropped

@@ -76,6 +76,7 @@ def test_the_guide_examples_run():
     assert env.step("3").done
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 @pytest.mark.parametrize("demo", ["game", "dialogue"])
 def test_eval_plays_held_out_episodes(demo, tmp_path, capsys):
     out = tmp_path / "eval.json"

@@ -190,6 +190,7 @@ def test_the_committed_config_reference_is_the_code_s(reference):
     assert "### `grpo.group_size` {#grpo.group_size}" in text
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_the_config_reference_lists_every_key_with_its_meaning(reference):
     from nanogrpo.config import Config
 

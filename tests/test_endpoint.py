@@ -82,6 +82,7 @@ def teacher_forced(model, prompt, completion):
     return [float(lp[len(prompt) + t - 1, x]) for t, x in enumerate(completion)]
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_recorded_ids_are_what_the_engine_sampled_and_history_is_one_sequence(tiny):
     model, tok = tiny
     ep, spy = start(tiny)
@@ -188,6 +189,7 @@ def test_completions_token_prompts_streaming_and_stop(tiny):
     assert strip_stop("abc</code>def", ("</code>",)) == "abc"
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_concurrent_episodes_are_batched_and_kept_apart(tiny):
     ep, spy = start(tiny, budget=16)
     # "together": the four clients are built first (building one takes tens of ms of CPU, under one GIL)
@@ -222,6 +224,7 @@ def test_concurrent_episodes_are_batched_and_kept_apart(tiny):
         assert texts[i] == tok.decode(rec.completion_ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_keys_are_required_and_die_with_their_episode(tiny):
     ep, _ = start(tiny)
     try:
@@ -280,6 +283,7 @@ def test_bound_to_loopback_only(tiny):
         ep.stop()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_bodies_are_capped_while_they_arrive(tiny):
     ep, _ = start(tiny, body=4096)
     try:
@@ -307,6 +311,7 @@ def test_bodies_are_capped_while_they_arrive(tiny):
         ep.stop()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_turn_token_and_context_limits_refuse_with_a_reason(tiny):
     ep, _ = start(tiny, budget=10, max_turns=2, max_len=64)
     try:

@@ -145,6 +145,7 @@ def test_runner_calls_sync_and_async_environments_concurrently():
         run.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_runner_catches_raising_and_hanging_calls_and_goes_on():
     run = _runner(timeout_s=0.3)
     release = threading.Event()

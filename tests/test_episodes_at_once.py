@@ -75,6 +75,7 @@ def play(policy, source=None, env=None, n=2, **env_keys):
         agents.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_episodes_run_at_most_env_max_concurrent_at_once_each_under_its_own_deadline(policy):
     """Four episodes of 0.4 s, one at a time: 1.6 s in all, past the 1 s deadline, yet every one ends
     well: each one's deadline runs from its own start."""
@@ -87,6 +88,7 @@ def test_episodes_run_at_most_env_max_concurrent_at_once_each_under_its_own_dead
     assert gen.finish_reasons == ["done"] * 4 and RUNNING["most"] == 4  # no bound said: all at once
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_left_at_0_the_bound_is_what_the_program_says_this_machine_runs(policy):
     gen, _ = play(policy, env=PairAgent(), timeout_s=5.0)
     assert gen.finish_reasons == ["done"] * 4 and RUNNING["most"] == 2
@@ -115,6 +117,7 @@ def test_the_runner_starts_the_waiting_calls_as_earlier_ones_end():
         run.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_step_whose_every_episode_timed_out_says_so_in_one_line(policy, caplog):
     with caplog.at_level(logging.WARNING, logger="nanogrpo.envs"):
         gen, wall = play(policy, "agent:tests.test_episodes_at_once:late_agent", timeout_s=0.3)

@@ -114,11 +114,13 @@ def _assert_offline_line(out: subprocess.CompletedProcess, elapsed: float, tmp_p
     assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_no_dns_is_said_in_seconds(tmp_path):
     out, elapsed = _train_offline(tmp_path, "http://hub.nanogrpo-test.invalid")
     _assert_offline_line(out, elapsed, tmp_path)
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_refused_connection_is_said_in_seconds(tmp_path):
     out, elapsed = _train_offline(tmp_path, f"http://127.0.0.1:{_closed_port()}")
     _assert_offline_line(out, elapsed, tmp_path)
@@ -270,6 +272,7 @@ def test_a_cached_config_without_weights_is_not_a_copy(cache, tmp_path):
         hub_source("org/tiny", endpoint=f"http://127.0.0.1:{_closed_port()}")
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_hf_hub_offline_reads_the_cache_and_never_the_hub(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # were the hub asked, each call would wait its whole deadline (TIMEOUT_S) on the black hole; not

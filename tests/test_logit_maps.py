@@ -75,7 +75,8 @@ def test_every_family_of_the_table_is_tested():
     assert set(LOGIT_MAPS) - set(FAMILIES) <= {"granite_swa", "granitemoe_swa", "cohere2_moe"}
 
 
-@pytest.mark.parametrize("kind", list(FAMILIES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "falcon_h1" else k
+                                  for k in FAMILIES])  # falcon_h1: 3 s to build, the full suite runs it
 def test_the_map_of_each_family_gives_its_forward_logits(kind):
     """map(head(last hidden state)) is the family's ``forward().logits`` (exactly: the same operations)."""
     model = build(kind)

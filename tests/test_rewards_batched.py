@@ -126,6 +126,7 @@ def test_callables_of_every_kind_run_in_the_workers(caplog) -> None:
     assert "by value" in notices[2]
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_callable_that_cannot_be_pickled_runs_here_with_the_same_rules(caplog) -> None:
     lock, release = threading.Lock(), threading.Event()
 

@@ -122,6 +122,7 @@ def test_project_rules_grade_the_set_better_than_the_seeds() -> None:
     assert table["format"] > table["seed_format"]
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_correctness_is_fast_on_the_set() -> None:
     correctness("<answer>1</answer>", {"answer": "1"})
     times = timed_calls(ROWS, 3)[1]  # CPU time: on a shared machine the wall clock counts others' work too

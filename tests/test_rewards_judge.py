@@ -92,6 +92,7 @@ def test_a_reply_past_the_batch_deadline_is_a_timeout_and_the_batch_ends_on_time
         judge.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_request_past_its_timeout_is_retried(template) -> None:
     with FaultServer() as srv:
         judge = _judge(srv, template, timeout_s=0.2, retries=1, deadline_s=5.0)

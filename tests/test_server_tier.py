@@ -133,6 +133,7 @@ def test_requests_spread_over_servers_by_load(two):
     assert a.hits + b.hits == 32 and b.hits > a.hits > 0
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_server_that_stops_answering_is_taken_out_and_its_requests_retried(two):
     a, b = two
     eng = engine_over(a, b)
@@ -164,6 +165,7 @@ def test_a_server_back_waits_for_weights_before_serving(two):
         stop(a2)
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_sample_outside_the_version_window_takes_its_server_out(two):
     a, b = two
     a.version = "default"  # a restarted server, with its launch weights
@@ -194,6 +196,7 @@ def test_answers_are_read_with_a_cap(two):
         ServerClient(url(a)).generate({"token_ids": [1], "sampling_params": {"max_tokens": 2}}, 2)
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_no_server_at_all_is_one_line():
     srv = serve()
     eng = engine_over(srv, wait_s=0.3)
@@ -364,6 +367,7 @@ def test_two_ranks_producers_reduce_beside_the_trainers_collectives():
 # ---------------------------------------------------------------------- faults seen in seconds
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_stalled_server_is_taken_out_by_the_watch_and_its_requests_go_elsewhere(two):
     a, b = two
     eng = engine_over(a, b, wait_s=10.0)
@@ -377,6 +381,7 @@ def test_a_stalled_server_is_taken_out_by_the_watch_and_its_requests_go_elsewher
     eng.pool.close()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_closing_the_pool_ends_waiting_and_in_flight_requests_at_once(two):
     a, b = two
     eng = engine_over(a, b, wait_s=60.0)
@@ -624,6 +629,7 @@ class SentEngine:
         pass
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_the_adapter_syncs_metrics_count_every_byte_sent_on_a_rejoin(tmp_path, monkeypatch):
     """``sync/mb`` is every byte sent: the adapter to each server, and the base weights sent whole to a
     server that rejoins (``sync/base_servers``, ``sync/base_mb``); ``sync/mb_per_s`` is logged as on the

@@ -118,6 +118,7 @@ def test_token_route_is_what_verifiers_and_the_server_tier_read(tiny):  # noqa: 
         ep.stop()
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_harness_run_as_a_process_per_turn_bounds_the_episodes_to_the_cpu_cores():
     """verifiers' ``null`` harness in the ``subprocess`` runtime (what nanogrpo pins by default) starts a
     Python process per turn, seconds of CPU each: two episodes per usable core at once (issue 50, item 12);

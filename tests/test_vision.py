@@ -212,6 +212,7 @@ def test_fast_and_vllm_engines_refuse_a_vision_model_in_one_line():
     assert make_engine("auto", model, tok).name == "hf"
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_from_an_image_dataset_with_zero_first_step_kl(family, tmp_path):
     """``nanogrpo train`` on a checkpoint directory and a .jsonl of image paths: 2 steps, the reference
