@@ -5,8 +5,10 @@ replaying cost.
 The shipped warm start (``embedded-moe``) samples the demo's first batch (32 training prompts x 8,
 temperature 1, 56 new tokens, seed 0) on the hf engine with its routes recorded; the trainer's lean
 log-prob path (``token_logprobs``, prompts shared) then scores it three ways: routing itself and
-recording its own top-k (the router disagreement), replaying the engine's routes, and routing itself
-with no hook at all (the timing baseline). Printed: the mismatch metrics (``nanogrpo.moe.metrics``) of
+recording its own top-k (the router disagreement), and replaying the engine's routes, each with the
+prompt of a group run once (prefix sharing, the loop's default) and without (what the loop runs under R3
+when a group's rows were routed differently in their prompt); a forward with no hook at all is the
+timing baseline. Printed: the mismatch metrics (``nanogrpo.moe.metrics``) of
 each, the flipped (token, layer) pairs, the route bytes of the batch, and median wall times (of
 ``--repeat`` runs, one thread) of generate with and without recording and of a forward + backward with
 and without replay (after one call to warm up).
@@ -40,6 +42,7 @@ from nanogrpo.moe import (
     replay_routes,
     router_disagreement,
 )
+from nanogrpo.moe.routes import prompts_share_routes
 from nanogrpo.rollout.collect import pad_batch
 
 
@@ -73,15 +76,18 @@ def one_dtype(dtype: str, repeat: int) -> None:
     routes = batch_routes(gen.routes, am, p, spec)
     model.train()  # the trainer's mode (no dropout in these models)
 
-    def lp(ctx):
+    def lp(ctx, share: bool = True):
         with ctx:
-            out = token_logprobs(model, ids, am, p, cm)
+            out = token_logprobs(model, ids, am, p, cm, share_prefix=share)
         return out
 
     with torch.no_grad():
         with record_routes(model, ids, am, compare=routes) as own:
             plain = token_logprobs(model, ids, am, p, cm)
-        replayed = lp(replay_routes(model, routes, ids, am))
+        rows = {"own routes (off), prompts shared": plain,
+                "own routes (off), no prefix sharing": lp(nullcontext(), False),
+                "engine's routes (R3), prompts shared": lp(replay_routes(model, routes, ids, am)),
+                "engine's routes (R3), no prefix sharing": lp(replay_routes(model, routes, ids, am), False)}
 
     def step(ctx_fn):
         model.zero_grad(set_to_none=True)
@@ -93,10 +99,12 @@ def one_dtype(dtype: str, repeat: int) -> None:
     tokens, size = int(cm.sum()), routes.numel() * routes.element_size()
     print(f"\n## {dtype}: {spec.describe()}; batch {tuple(ids.shape)}, {tokens} completion tokens, routes "
           f"{size} bytes in the batch ({tuple(routes.shape)} {routes.dtype})")
-    print(f"flipped (token, layer) pairs without replay: {flipped} / {compared} ({flipped / compared:.3%})")
+    print(f"flipped (token, layer) pairs without replay: {flipped} / {compared} ({flipped / compared:.3%}); "
+          f"a group's rows share their prompt's routes: {prompts_share_routes(routes, ids, p)} (False: the "
+          "loop runs R3 without prefix sharing)")
     print("| trainer forward | mismatch_abs | mismatch_abs_max | mismatch_kl | mismatch_ratio_out |")
     print("|---|---|---|---|---|")
-    for name, t in (("own routes (off)", plain), ("engine's routes replayed (R3)", replayed)):
+    for name, t in rows.items():
         m = mismatch_metrics({k: float(v) for k, v in mismatch_sums(t, beh, cm).items()})
         print(f"| {name} | {m['mismatch_abs']:.3g} | {m['mismatch_abs_max']:.3g} | {m['mismatch_kl']:.3g} | "
               f"{m['mismatch_ratio_out']:.3g} |")

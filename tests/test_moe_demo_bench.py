@@ -31,7 +31,7 @@ def _run(d, evals: dict[int, float], steps: int = 4, flips: float = 0.01):
             row = {"step": s}
             if s:
                 row.update(loss=0.1, step_time_s=float(s), mismatch_abs=1e-3 * s, mismatch_abs_max=0.1 * s,
-                           mismatch_kl=1e-5, mismatch_ratio_out=0.0, router_disagreement=flips)
+                           mismatch_kl=1e-5, mismatch_ratio_out=0.0, router_disagreement=flips, clip_frac=0.0)
             if s in evals:
                 row["eval/accuracy"] = evals[s]
             f.write(json.dumps(row) + "\n")
@@ -63,4 +63,4 @@ def test_table_and_skipping_finished_runs(tmp_path, monkeypatch):
     assert grpo["heldout_curve"] == [[0, 0.185], [4, 0.5]] and grpo["cpu_s"] == 300.0
     md = (tmp_path / "moe.md").read_text()
     assert ("| grpo | `moe.routing_replay=\"off\" grpo.loss=grpo` | 2.50e-03 | 0.400 | 1.00e-05 | 0.00e+00 | "
-            "1.00e-02 | 0.185 → 0.500 | 2.5 s | 10.0 / 5.0 min |") in md
+            "1.00e-02 | 0.00e+00 | 0.185 → 0.500 | 2.5 s | 10.0 / 5.0 min |") in md

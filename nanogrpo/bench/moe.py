@@ -8,9 +8,10 @@ routers pick another expert, as on a GPU. Each setting (:data:`SETTINGS`) is the
 ``model.dtype=bfloat16`` and its keys, run as its own ``nanogrpo train`` process (``--threads`` torch
 threads) into ``OUT/<setting>``; a finished run is not run again (an interrupted one is resumed). At the
 end it writes ``OUT/moe.md`` and ``OUT/moe.json``: per setting the mean over the steps of
-``mismatch_abs``, ``mismatch_kl``, ``mismatch_ratio_out`` and ``router_disagreement``, the largest
-``mismatch_abs_max``, held-out accuracy at step 0 and at the end, the median step time, and the run's wall
-and CPU time (user + system of its process).
+``mismatch_abs``, ``mismatch_kl``, ``mismatch_ratio_out``, ``router_disagreement`` and ``clip_frac``, the
+largest ``mismatch_abs_max``, held-out accuracy at step 0 and at the end, the median step time, and the
+run's wall and CPU time (user + system of its process); and, with matplotlib, ``OUT/moe.png``: those per
+step, one line per setting (``nanogrpo report``'s panels).
 
     nanogrpo bench moe --out runs/moe-bf16 --threads 1
     nanogrpo bench moe --out runs/moe-bf16 --only grpo,r3 --steps 20
@@ -47,7 +48,7 @@ batch, whose ratio is exactly 1 (the hf engine counts as exact: nanogrpo.trainin
 mismatch is measured but enters no loss; with four (``+mb4``) the later ones are anchored on the engine's
 log-probs, where a flipped route moves the ratio."""
 DEFAULT = ("grpo", "r3", "gspo")
-MEANS = ("mismatch_abs", "mismatch_kl", "mismatch_ratio_out", "router_disagreement")
+MEANS = ("mismatch_abs", "mismatch_kl", "mismatch_ratio_out", "router_disagreement", "clip_frac")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,16 +106,43 @@ def table(lines: list[dict]) -> str:
         return "–" if v is None else format(v, spec)
 
     out = ["| setting | keys | mismatch_abs | mismatch_abs_max | mismatch_kl | mismatch_ratio_out | "
-           "router_disagreement | held-out acc step 0 → end | step time (median) | wall / CPU |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "router_disagreement | clip_frac | held-out acc step 0 → end | step time (median) | wall / CPU |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in lines:
         wall = "–" if x["wall_s"] is None else f"{x['wall_s'] / 60:.1f} / {x['cpu_s'] / 60:.1f} min"
         out.append(f"| {x['setting']} | `{' '.join(x['keys'])}` | {f(x['mismatch_abs'], '.2e')} | "
                    f"{f(x['mismatch_abs_max'], '.3f')} | {f(x['mismatch_kl'], '.2e')} | "
                    f"{f(x['mismatch_ratio_out'], '.2e')} | {f(x['router_disagreement'], '.2e')} | "
+                   f"{f(x['clip_frac'], '.2e')} | "
                    f"{f(x['heldout_acc_start'], '.3f')} → {f(x['heldout_acc_end'], '.3f')} | "
                    f"{f(x['step_time_median_s'], '.1f')} s | {wall} |")
     return "\n".join(out)
+
+
+def plot(runs: list[Path], out: Path) -> Path | None:
+    """The runs' per-step mismatch, router disagreement, clip fraction, held-out accuracy and step time in
+    one figure (``nanogrpo report``'s drawing), or None without matplotlib."""
+    from nanogrpo.report import Panel, _draw, _labels, load_run, pyplot, run_colors
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    data = [load_run(r) for r in runs]
+    _labels(data)
+    panels = [Panel("", "mean |Δ log p|, trainer vs engine", "nats per token", "mismatch_abs"),
+              Panel("", "largest |Δ log p| of the step", "nats", "mismatch_abs_max"),
+              Panel("", "k3 KL(engine ‖ trainer)", "per token", "mismatch_kl"),
+              Panel("", "router disagreement", "share of (token, layer)", "router_disagreement"),
+              Panel("", "held-out accuracy", "accuracy", None, "eval/accuracy", share=True),
+              Panel("", "step time", "seconds per step", "step_time_s")]
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8), dpi=80)
+    colors = run_colors(plt, len(data))
+    for ax, panel in zip(axes.flat, panels):
+        _draw(ax, data, panel, colors)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
 
 
 def _children_cpu() -> float:
@@ -161,4 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     md = table(lines)
     (a.out / "moe.md").write_text(md + "\n")
     print(md)
+    if lines and (png := plot([a.out / x["setting"] for x in lines], a.out / "moe.png")) is not None:
+        print(f"figure: {png}")
     return 0
