@@ -18,6 +18,10 @@ what the trainer needs from it:
   at the rank vLLM needs for the adapter, ``--max-loras`` / ``--max-cpu-loras`` ``max_staleness + 2``, and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (each update's adapter is loaded by name);
 - ``--enable-scale-out`` (the token-in-token-out route ``/inference/v1/generate``);
+- a mixture-of-experts model under ``moe.routing_replay=rollout`` (R3, the trainer replays the servers'
+  routes): ``--enable-return-routed-experts``, so that each answer carries the experts every MoE layer chose
+  for every token (:mod:`nanogrpo.engines.vllm_inprocess.routes` says why only then; vLLM's CPU build refuses
+  the flag at startup);
 - ``--logprobs-mode`` ``raw_logprobs`` (untempered: the seed's convention) or ``processed_logprobs``
   (``rollout.tempered_logprobs``), so the behaviour log-probs are in the run's convention;
 - the run's dtype and ``--max-model-len`` (prompt + completion, tools' outputs included), the
@@ -70,6 +74,7 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     from transformers import AutoConfig
 
     from nanogrpo.engines.vllm_inprocess import kv_bytes_per_token
+    from nanogrpo.engines.vllm_inprocess.routes import SERVE_FLAG
     from nanogrpo.models.load import load_tokenizer
     from nanogrpo.rollout.turns import longest_context
 
@@ -92,13 +97,15 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
            "--seed", str(cfg.train.seed)]
     if cfg.model.trust_remote_code:
         cmd.append("--trust-remote-code")
+    hf = AutoConfig.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
+    if returns_routes(cfg, hf):
+        cmd.append(SERVE_FLAG)
     if cuda:
         cmd += ["--tensor-parallel-size", str(v.tensor_parallel_size),
                 "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
         if v.kv_cache_gib:
             cmd += ["--kv-cache-memory-bytes", str(int(v.kv_cache_gib * 2**30))]
     else:
-        hf = AutoConfig.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
         seqs = max(cfg.rollout.prompts_per_step * cfg.grpo.group_size, cfg.eval.batch_size * cfg.eval.k)
         kv = int(v.kv_cache_gib * 2**30) or max(64 << 20, kv_bytes_per_token(hf, getattr(torch, dtype))
                                                   * max_len * seqs)
@@ -116,6 +123,35 @@ def serve_command(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir:
     if v.transfer == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return cmd, env
+
+
+def returns_routes(cfg: Config, hf_config=None) -> bool:
+    """The servers are started to return MoE routes: the run replays them (``moe.routing_replay=rollout``)
+    and the model is a mixture of experts (``hf_config``: its config, read from the model's folder when
+    not given)."""
+    from nanogrpo.engines.vllm_inprocess.routes import asks_for_routes, config_is_moe
+
+    if not asks_for_routes(cfg):
+        return False
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(_model_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
+    return config_is_moe(hf_config)
+
+
+def check_routes_supported(cfg: Config) -> None:
+    """Before any server starts: servers that must return routes, on a vLLM that cannot (its CPU build),
+    are one line here instead of each exiting at startup (and being restarted) with vLLM's error."""
+    if not returns_routes(cfg):
+        return
+    from nanogrpo.engines.vllm_inprocess.routes import SERVE_FLAG, routes_unsupported
+
+    why = routes_unsupported()
+    if why:
+        raise ConfigError(f"nanogrpo vllm-serve: this vLLM cannot return MoE routes ({SERVE_FLAG}, which "
+                          f"moe.routing_replay=rollout needs): {why}; train with rollout.engine=hf, or "
+                          "moe.routing_replay=policy")
 
 
 TOKENIZER_PROBE = "<think>12 + 3 = 15</think>\n<answer>15</answer> Hello, World! x^2 - 3y = 7; ünï 数学 🙂"
@@ -203,7 +239,7 @@ def start(cfg: Config, port: int, *, host: str = "127.0.0.1", state_dir: Path = 
     weight sync of the demo model to two CPU servers taking 1.53 s instead of 0.11 s (median of 12, A B A
     B; docs/figures.md has the configurations measured; the kernel's cause not pinned down). A process
     group is all :func:`end` needs, and keeps the terminal's Ctrl-C (sent to the foreground group) from
-    reaching the servers directly, as before."""
+    reaching the servers directly."""
     cmd, extra = serve_command(cfg, port, host=host, state_dir=state_dir)
     env = {**os.environ, **extra}
     if devices is not None:
@@ -289,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     port = a.port or cfg.vllm_server.port
     if cfg.vllm_server.transfer == "gloo":
         check_plugin()
+    if not a.print:
+        check_routes_supported(cfg)
     a.state_dir.mkdir(parents=True, exist_ok=True)
     if a.print:
         print(f"# the tokenizer the servers read is written to {(a.state_dir / 'tokenizer').resolve()}")

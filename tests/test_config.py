@@ -104,6 +104,17 @@ def test_override_tables_read_as_toml_json_or_yaml(value, want):
     assert load_config(overrides=[f"env.kwargs={value}"]).env.kwargs == want
 
 
+def test_a_word_yaml_1_1_took_for_a_boolean_stays_a_word(tmp_path):
+    """``moe.routing_replay=off`` read as False (YAML 1.1 booleans: on, off, yes, no) was refused as a bad
+    value; overrides and YAML config files read YAML 1.2's booleans, true and false."""
+    assert load_config(overrides=["moe.routing_replay=off"]).moe.routing_replay == "off"
+    assert load_config(overrides=["data.shuffle=false"]).data.shuffle is False
+    f = tmp_path / "c.yaml"
+    f.write_text("moe:\n  routing_replay: off\ndata:\n  shuffle: true\n")
+    c = load_config(f)
+    assert c.moe.routing_replay == "off" and c.data.shuffle is True
+
+
 def test_override_values_of_toml_read_as_toml_does():
     c = load_config(overrides=["rewards.functions=['correctness', \"format\"]", "rewards.weights=[1, 2]",
                                "data.shuffle=false", "data.system_prompt='you are terse'"])

@@ -183,12 +183,21 @@ def test_the_moe_config_section_is_strict_and_checked_across_sections():
     assert on.moe.routing_replay == "rollout"
     r2 = Config.from_dict({}, {"moe.routing_replay": "policy", "rollout.engine": "vllm"})
     assert r2.moe.routing_replay == "policy"
+    # vLLM returns routes (enable_return_routed_experts): R3 is taken on both vLLM engines
+    r3 = Config.from_dict({}, {"moe.routing_replay": "rollout", "rollout.engine": "vllm"})
+    assert (r3.moe.routing_replay, r3.rollout.engine) == ("rollout", "vllm")
+    tier = Config.from_dict({}, {"moe.routing_replay": "rollout", "rollout.engine": "vllm_server",
+                                 "rollout.servers": ["http://127.0.0.1:8100"]})
+    assert tier.moe.routing_replay == "rollout"
     bad = [
         ({"moe.routing_replay": "r3"}, "Input should be 'off', 'rollout' or 'policy'"),
         ({"moe.replay": "rollout"}, "unknown config key 'moe.replay'"),
         ({"moe.ratio_band": 1.0}, "moe.ratio_band"),
         ({"moe.routing_replay": "rollout", "rollout.engine": "fast"}, "the fast engine does not run mixture"),
-        ({"moe.routing_replay": "rollout", "rollout.engine": "vllm"}, "rollout.engine=vllm does not return"),
+        ({"moe.routing_replay": "rollout", "rollout.engine": "vllm", "vllm.enable_prefix_caching": False},
+         "only with its prefix cache on; set vllm.enable_prefix_caching=true"),
+        ({"moe.routing_replay": "rollout", "rollout.engine": "vllm", "tools.enabled": True},
+         "multi-turn rollouts"),
         ({"moe.routing_replay": "rollout", "tools.enabled": True}, "multi-turn rollouts"),
     ]
     for over, msg in bad:

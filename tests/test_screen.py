@@ -93,11 +93,11 @@ def test_a_callers_own_logging_is_left_to_them(caplog):
     assert "checkpoint runs/x/checkpoints/step_2" in caplog.text
 
 
-def _train(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def _train(tmp_path: Path, *flags: str, config: str = "demo") -> subprocess.CompletedProcess:
     """The demo (embedded model, arithmetic), cut to one small step (a checkpoint before it and after)."""
-    cmd = [sys.executable, "-m", "nanogrpo.cli", *flags, "train", "--out", str(tmp_path / "run"),
-           "--steps", "1", "rollout.prompts_per_step=4", "grpo.group_size=4", "rollout.max_new_tokens=32",
-           "eval.every=1", "eval.n=4"]
+    cmd = [sys.executable, "-m", "nanogrpo.cli", *flags, "train", "--config", config,
+           "--out", str(tmp_path / "run"), "--steps", "1", "rollout.prompts_per_step=4", "grpo.group_size=4",
+           "rollout.max_new_tokens=32", "eval.every=1", "eval.n=4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -123,6 +123,15 @@ def test_the_demo_screen_is_quiet_and_v_brings_the_bars_back(tmp_path):
 
     loud = _lines((lambda o: o.stdout + o.stderr)(_train(tmp_path / "loud", "-v")))
     assert any("Loading weights" in ln for ln in loud) and any("Writing model shards" in ln for ln in loud)
+
+
+@pytest.mark.slow
+def test_the_distillation_demo_says_each_start_line_once(tmp_path):
+    """Its teacher computed as the trainer does and was evaluated by an engine picked quietly: the
+    ``model.cpu_linear`` and ``rollout engine`` lines were printed twice (issue 50, item 8)."""
+    said = _lines((lambda o: o.stdout + o.stderr)(_train(tmp_path, config="demo-distill")))
+    for start in ("model.cpu_linear=auto: ", "rollout engine: "):
+        assert sum(ln.startswith(start) for ln in said) == 1, [ln for ln in said if ln.startswith(start)]
 
 
 def test_v_before_or_after_the_subcommand():

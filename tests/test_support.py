@@ -177,16 +177,17 @@ def test_policy_update_trains_over_the_support_and_the_first_ratio_is_one(tmp_pa
     seen = []
     real = schedule.policy_update
 
-    def spy(model, optimizer, batch, grpo, train, **kw):
+    def spy(be, batch, cfg, **kw):
         if batch is not None and not seen:
+            support = cfg.rollout.logprob_support()
             with torch.no_grad():
-                logp, _ = token_stats(model, batch.input_ids, batch.attention_mask.long(), batch.prompt_len,
-                                      batch.completion_mask, temperature=kw["logprob_temperature"],
-                                      support=kw["logprob_support"])
+                logp, _ = token_stats(be.model, batch.input_ids, batch.attention_mask.long(),
+                                      batch.prompt_len, batch.completion_mask,
+                                      temperature=cfg.rollout.logprob_temperature(), support=support)
             cm = batch.completion_mask
-            seen.append((kw["logprob_support"], (logp - batch.old_logprobs)[cm].abs().max().item(),
+            seen.append((support, (logp - batch.old_logprobs)[cm].abs().max().item(),
                          (logp - batch.ref_logprobs)[cm].abs().max().item()))
-        return real(model, optimizer, batch, grpo, train, **kw)
+        return real(be, batch, cfg, **kw)
 
     monkeypatch.setattr(schedule, "policy_update", spy)
     for engine in ("fast", "hf"):

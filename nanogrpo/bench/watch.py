@@ -37,15 +37,15 @@ DEMOS = ["demo", "demo-tools", "demo-game", "demo-dialogue", "demo-vision", "dem
 @contextlib.contextmanager
 def perturbed_engine(**kw):
     """Inside: every run this process trains gets its engine wrapped in :class:`PerturbedLogprobs`
-    (the fault injection: the trainer's engine factory swapped, and put back on exit)."""
-    from nanogrpo.training import trainer
+    (the fault injection: the engine factory the run's setup calls swapped, and put back on exit)."""
+    from nanogrpo.engines import factory
 
-    real = trainer.engine_for
-    trainer.engine_for = lambda *a, **k: PerturbedLogprobs(real(*a, **k), **kw)
+    real = factory.engine_for
+    factory.engine_for = lambda *a, **k: PerturbedLogprobs(real(*a, **k), **kw)
     try:
         yield
     finally:
-        trainer.engine_for = real
+        factory.engine_for = real
 
 
 def fault_config(name: str, out: Path, steps: int | None = None, overrides: list[str] = ()):

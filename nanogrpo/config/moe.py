@@ -26,7 +26,10 @@ class MoeConfig(_Strict):
     records its own routes at the weights that sampled the batch (a forward over the batch before its
     first optimizer step) and replays them in its updates (mini-batches, several epochs), whatever the
     engine. Needs a mixture-of-experts model
-    (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, gpt-oss); rollout needs an engine that records routes."""
+    (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, gpt-oss); rollout needs an engine that records routes: hf, vllm
+    (built with ``enable_return_routed_experts``) or vllm_server (servers started with
+    ``--enable-return-routed-experts``, as ``nanogrpo vllm-serve`` starts them for this mode); vLLM needs its
+    Model Runner V2 for that, which its CPU build (no Triton) lacks."""
     ratio_band: float = Field(2.0, gt=1.0)
     """τ of ``mismatch_ratio_out``: the share of trained tokens whose trainer/engine probability ratio leaves
     [1/τ, τ]."""
@@ -45,6 +48,6 @@ def check_moe(cfg) -> None:
     if engine == "fast":
         raise ValueError("moe.routing_replay=rollout: the fast engine does not run mixture-of-experts "
                          "models; set rollout.engine=hf (or auto, which picks hf for them)")
-    if engine in ("vllm", "vllm_server"):
-        raise ValueError(f"moe.routing_replay=rollout: rollout.engine={engine} does not return routes to the "
-                         "trainer yet; set rollout.engine=hf, or moe.routing_replay=policy")
+    if engine == "vllm" and not cfg.vllm.enable_prefix_caching:
+        raise ValueError("moe.routing_replay=rollout: vLLM returns MoE routes only with its prefix cache on; "
+                         "set vllm.enable_prefix_caching=true")

@@ -115,7 +115,7 @@ class VllmConfig(_Strict):
     lora_sync: Literal["adapter", "merged"] = "adapter"
     """A LoRA run (``model.lora_r > 0``): ``adapter`` keeps the frozen base weights in vLLM and loads only
     the adapter after each update (megabytes, vLLM's LoRA kernels apply it); ``merged`` sends every weight
-    with the adapter merged in (``W + scale * B @ A``), as before."""
+    with the adapter merged in (``W + scale * B @ A``)."""
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, passed as given (e.g. ``{quantization = "fp8"}``)."""
 

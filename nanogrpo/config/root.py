@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -183,7 +184,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml_load(text) or {}
         elif path.suffix == ".json":
             data = json.loads(text)
         else:
@@ -208,6 +209,24 @@ def preset_path(name: str) -> Path:
     return found
 
 
+class _Yaml12(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: ``true`` / ``false`` only. YAML 1.1 also reads
+    ``off``, ``on``, ``yes``, ``no`` as booleans, which would turn ``moe.routing_replay=off`` (a word
+    the key takes) into ``False``."""
+
+
+_Yaml12.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def yaml_load(text: str) -> Any:
+    """YAML as a config reads it: :class:`_Yaml12` (``off`` is a word, ``true`` a boolean)."""
+    return yaml.load(text, Loader=_Yaml12)  # noqa: S506 (a SafeLoader)
+
+
 def _parse_value(raw: str, item: str = "") -> Any:
     """An override's value: YAML (which reads JSON: ``[1, 2]``, ``"s"``, ``{"a": 1}``, and TOML's scalars and
     arrays alike: ``true``, ``'s'``, ``1e-6``), or TOML where only TOML reads it: an inline table
@@ -216,7 +235,7 @@ def _parse_value(raw: str, item: str = "") -> Any:
     if raw.lstrip().startswith("#"):  # YAML would read it as a comment (None): e.g. answer_delimiter=####
         return raw
     try:
-        value = yaml.safe_load(raw)
+        value = yaml_load(raw)
     except yaml.YAMLError:
         return _toml_value(raw, raw)
     if not _has_toml_keys(value):

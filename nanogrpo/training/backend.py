@@ -183,5 +183,3 @@ class Backend:
         self.load_optimizer_state(Path(ckpt))
         return restore(Path(ckpt), None)
 
-
-SingleBackend = Backend

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from nanogrpo.algo.logprobs import lean_head
 from nanogrpo.config import Config
-from nanogrpo.training.backend import Backend, SingleBackend
+from nanogrpo.training.backend import Backend
 
 log = logging.getLogger("nanogrpo.train")
 
@@ -205,5 +205,5 @@ def make_backend(cfg: Config, model: torch.nn.Module, rollout_copy: bool = True)
     raise ValueError(f"unknown train.backend {t.backend!r}")
 
 
-__all__ = ["Backend", "SingleBackend", "DDPBackend", "FSDP2Backend", "dist_env", "init_distributed",
+__all__ = ["Backend", "DDPBackend", "FSDP2Backend", "dist_env", "init_distributed",
            "leave_launched_rank", "make_backend"]

@@ -186,7 +186,7 @@ def _time_part(rows: list[dict[str, Any]], clock: dict[str, float] | None, start
         return f"{last} steps: {steps:.1f} min in steps{plus} (loading and checkpoints not counted)"
     what = f"steps {start_step + 1}-{last} (resumed)" if start_step else f"{last} steps"
     short = clock["total"] < 600  # seconds under ten minutes, else minutes
-    f = (lambda v: f"{v:.0f}") if short else (lambda v: f"{v / 60:.1f}")
+    f = (lambda v: f"{v:.1f}") if short else (lambda v: f"{v / 60:.1f}")
     unit = "s" if short else "min"
     held = f", {f(clock['eval'])} in held-out evaluation" if clock.get("eval") else ""
     return (f"{what} in {f(clock['total'])} {unit} ({f(clock['steps'])} in steps{held}, "

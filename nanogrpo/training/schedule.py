@@ -26,7 +26,7 @@ Old log-probs (what the PPO ratio of a mini-batch is anchored on):
 - a correction, or a batch that is off-policy from the start (vLLM's kernels, a stale split-mode
   batch): the trainer's own log-probs of the generating policy, ``proximal``, anchor the ratio (with a
   correction) and are what the behaviour log-probs are weighed and measured against. With one
-  mini-batch they come from the first update's own forward, as before; with M > 1 the mini-batches
+  mini-batch they come from the first update's own forward; with M > 1 the mini-batches
   after the first are trained after the weights moved, so one forward without gradients over the
   whole batch runs before the first optimizer step (:func:`proximal_logprobs`) -- what TRL
   (``old_per_token_logps`` when ``steps_per_generation > 1``) and verl (``compute_log_prob`` before

@@ -63,9 +63,9 @@ class ServerTier(Part):
 
     def start(self, run) -> dict[str, Any]:
         """The servers get the run's (resumed) weights before any rollout."""
-        took = self.sync(run.version)["sync/time_s"]
+        figures = self.sync(run.version)  # (rank 0's: the others' hold no sync/time_s)
         if run.is_main:
-            log.info("vLLM servers synced to version %d in %.2f s", run.version, took)
+            log.info("vLLM servers synced to version %d in %.2f s", run.version, figures["sync/time_s"])
         return {}
 
     def after_step(self, run, step: int, item, row: dict[str, Any]) -> None:

@@ -57,7 +57,8 @@ def setup(prepared: PreparedRun, clock: Clock) -> Run | None:
     model, tok, device, linears, ref = _policy_and_reference(prepared, not split or bool(cfg.eval.every))
     from nanogrpo.training.distill import Distill
 
-    distill = Distill.from_config(cfg, model, tok, device)  # [distill]: its teacher, loaded or reached
+    # [distill]: its teacher, loaded (computing as the trainer does) or reached
+    distill = Distill.from_config(cfg, model, tok, device, cpu_linear=linears.get("trainer"))
     servers = cfg.rollout.engine == "vllm_server" and not split
     weights_dtype = next(model.parameters()).dtype  # what the servers hold (FSDP2 trains float32 masters)
     # the server tier generates on the servers and split mode not at all: sharded backends then keep no

@@ -60,6 +60,12 @@ class LocalRollout(Part):
         return StepBatch(None if batch is None else batch.to(run.device), stats.metrics(), stats.examples,
                          exact=exact, versions=list(versions))
 
+    def after_step(self, run, step: int, item, row: dict) -> None:
+        """An engine with its own copy of the weights (in-process vLLM) gets the step's at once, where the
+        backend holds them whole; a sharded one's are gathered before the next rollout or evaluation."""
+        if run.backend.rollout_model() is run.backend.module:
+            run.sync_engine()
+
     def state(self, run) -> dict:
         return {"sampler": self.sampler.state_dict()}
 

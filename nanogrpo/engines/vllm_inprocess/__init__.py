@@ -55,7 +55,9 @@ whose prefill was split into chunks).
 The package: :mod:`.engine` (:class:`VLLMEngine`, the policy's weights as vLLM takes them),
 :mod:`.options` (its arguments from the config, the KV cache's size), :mod:`.process` (importing vLLM,
 what building it does to the process undone, its expected messages dropped), :mod:`.sampling_rules`
-(the log-prob convention, seeds and the stop-string rule that the server tier's engine shares).
+(the log-prob convention, seeds and the stop-string rule that the server tier's engine shares),
+:mod:`.routes` (mixture-of-experts routes: when vLLM is asked for them, its refusal in one line; the server
+tier's too).
 """
 
 from nanogrpo.engines.vllm_inprocess.engine import VLLMEngine, policy_state_dict

@@ -22,9 +22,11 @@ from nanogrpo.engines.vllm_inprocess.options import (
     head_dim,
     kv_bytes_per_token,
 )
-from nanogrpo.engines.vllm_inprocess.process import NOISE, guard_process_state, import_vllm
+from nanogrpo.engines.vllm_inprocess.process import NOISE, build_cause, guard_process_state, import_vllm
+from nanogrpo.engines.vllm_inprocess.routes import LLM_FLAG, route_refusal, route_spec
 from nanogrpo.engines.vllm_inprocess.sampling_rules import check_convention, request_seeds, sample_on
 from nanogrpo.errors import ConfigError, ModelError
+from nanogrpo.moe.routes import from_completion_output
 
 log = logging.getLogger("nanogrpo.engines.vllm_inprocess")
 
@@ -56,6 +58,18 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 
+def write_config(cfg, architecture: str, path: Path) -> None:
+    """The model's config as vLLM reads it, naming its class where the config does not (a model built in
+    code has no ``architectures``; vLLM then guesses from the model type, and took a Qwen3-MoE for a pooling
+    model: "Tokenizer not available when `skip_tokenizer_init=True`")."""
+    import json
+
+    d = json.loads(cfg.to_json_string())
+    if not d.get("architectures"):
+        d["architectures"] = [architecture]
+    path.write_text(json.dumps(d, indent=2, sort_keys=True))
+
+
 class VLLMEngine:
     """Generation with ``vllm.LLM`` over a copy of ``model``'s weights (see the module docstring).
 
@@ -80,7 +94,18 @@ class VLLMEngine:
             once, and serves the adapter through its LoRA kernels: each :meth:`load_from` writes the
             adapter, megabytes, and the next rollouts name it) or ``merged`` (every weight, the adapter
             merged in). Ignored for a plain model.
+        return_routes: a mixture-of-experts ``model``: build vLLM to return the experts each MoE layer chose
+            for each token (``enable_return_routed_experts``; :func:`vllm_options` sets it under
+            ``moe.routing_replay=rollout``). Ignored for a dense model. A vLLM build that cannot return them
+            (the CPU build: no Triton for its Model Runner V2) is a ConfigError here, in one line.
         llm_kwargs: further ``vllm.LLM`` arguments, passed as given.
+
+    An engine whose vLLM returns routes (built with ``return_routes``, or ``enable_return_routed_experts``
+    in ``llm_kwargs``) has a ``record_routes`` attribute, False until the run's routing replay sets it
+    (:class:`~nanogrpo.training.routing.RoutingReplay`); then each ``generate`` fills ``Generation.routes``
+    (:func:`~nanogrpo.moe.routes.from_completion_output`; a call with stop strings records none: its rows
+    may be sampled on). One that does not has no such attribute, so a run that replays the engine's routes
+    is refused at setup instead of at its first batch.
     """
 
     name = "vllm"
@@ -95,8 +120,9 @@ class VLLMEngine:
                  kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                  enforce_eager: bool | None = None, max_num_seqs: int = 0, enable_prefix_caching: bool = True,
                  sleep_mode: bool = False, seed: int = 0, stop_strings: bool = False,
-                 lora_sync: str = "adapter", llm_kwargs: dict[str, Any] | None = None):
-        from nanogrpo.models.lora import check_adapter_servable, is_peft, vllm_max_lora_rank
+                 lora_sync: str = "adapter", return_routes: bool = False,
+                 llm_kwargs: dict[str, Any] | None = None):
+        from nanogrpo.models.lora import is_peft
 
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -160,34 +186,71 @@ class VLLMEngine:
         self._base_loaded = False
         self.last_sync_bytes = 0
         if self.adapter:
-            check_adapter_servable(model)
-            kw.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
-                      max_lora_rank=vllm_max_lora_rank(model.peft_config[model.active_adapter].r))
-            self._adapter_root = Path(tempfile.mkdtemp(prefix="nanogrpo-vllm-lora-"))
-            import shutil
-            import weakref
-
-            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)  # the adapters' files
-        kw.update(llm_kwargs or {})
+            kw.update(self._serve_adapter(model))
+        asked = self._ask_routes(base, kw, return_routes, llm_kwargs)
         self._keys = set(policy_state_dict(model))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-        for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
-                     "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils"):
-            logging.getLogger(name).addFilter(NOISE)  # (adding the same filter twice keeps one)
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, guard_process_state():
-            cfg.to_json_file(str(Path(d) / "config.json"))  # the config only: weights come from memory
-            if stop_strings:
-                tokenizer.save_pretrained(d)
-            try:
-                self.llm = vllm.LLM(model=d, **kw)
-            except Exception as e:
-                raise ModelError(f"vLLM could not build an engine for this {type(base).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        self.llm = self._build(vllm, base, kw, tokenizer if stop_strings else None, asked)
         self._asleep = False
         self.load_from(model)
         log.info("vLLM engine ready in %.1f s (max_model_len %d, %s log-probs)", time.perf_counter() - t0,
                  self.max_model_len, "tempered" if tempered_logprobs else "untempered")
+
+    def _serve_adapter(self, model) -> dict[str, Any]:
+        """vLLM's LoRA settings for serving ``model``'s adapter; a folder for its versions, removed with
+        the engine."""
+        import shutil
+        import weakref
+
+        from nanogrpo.models.lora import check_adapter_servable, vllm_max_lora_rank
+
+        check_adapter_servable(model)
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="nanogrpo-vllm-lora-"))
+        weakref.finalize(self, shutil.rmtree, str(self._adapter_root), True)  # the adapters' files
+        return dict(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                    max_lora_rank=vllm_max_lora_rank(model.peft_config[model.active_adapter].r))
+
+    def _ask_routes(self, base, kw: dict[str, Any], return_routes: bool, llm_kwargs: dict | None) -> bool:
+        """vLLM's flag for MoE routes in ``kw`` when asked (``return_routes``, a MoE model nanogrpo records)
+        or passed by hand (``llm_kwargs``); whether it was asked. An engine that returns them has
+        ``record_routes``."""
+        spec = route_spec(base)  # None: dense, or a mixture of experts nanogrpo does not record
+        asked = return_routes and spec is not None
+        if asked:
+            kw[LLM_FLAG] = True
+        kw.update(llm_kwargs or {})
+        self._route_spec = spec if kw.get(LLM_FLAG) else None
+        if kw.get(LLM_FLAG) and not kw.get("enable_prefix_caching", True):
+            raise ConfigError("vLLM returns MoE routes only with its prefix cache on (the routes of cached "
+                              "prompt tokens come from it): set vllm.enable_prefix_caching=true")
+        if self._route_spec is not None:
+            self.record_routes = False
+            """Fill ``Generation.routes`` (set by the run's routing replay)."""
+        return asked
+
+    @staticmethod
+    def _build(vllm, base, kw: dict[str, Any], tokenizer, asked: bool):
+        """vLLM's ``LLM`` in this process over ``base``'s config (the weights come from memory after); its
+        refusals in one line."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise",
+                     "vllm.v1.worker.cpu_worker", "vllm.engine.arg_utils"):
+            logging.getLogger(name).addFilter(NOISE)  # (adding the same filter twice keeps one)
+        with tempfile.TemporaryDirectory(prefix="nanogrpo-vllm-") as d, guard_process_state():
+            write_config(base.config, type(base).__name__, Path(d) / "config.json")
+            if tokenizer is not None:  # stop strings: vLLM decodes to find them
+                tokenizer.save_pretrained(d)
+            try:
+                return vllm.LLM(model=d, **kw)
+            except Exception as e:
+                refused = route_refusal(e) if kw.get(LLM_FLAG) else None
+                if refused:
+                    out = ("use rollout.engine=hf, or moe.routing_replay=policy" if asked else
+                           f"remove {LLM_FLAG} from vllm.llm_kwargs")
+                    raise ConfigError(f"rollout.engine=vllm cannot return MoE routes on this vLLM build "
+                                      f"({refused}): {out}") from e
+                raise ModelError(f"vLLM could not build an engine for this {type(base).__name__}: "
+                                 f"{build_cause(e)}") from e
 
     # ------------------------------------------------------------ weights
 
@@ -277,9 +340,13 @@ class VLLMEngine:
         comp: list[list[int]] = []
         lps: list[list[float]] = []
         reasons: list[str] = []
-        for out in outs:
+        spec = self._route_spec if getattr(self, "record_routes", False) and not stops else None
+        routes: list[torch.Tensor | None] | None = None if spec is None else []
+        for prompt, out in zip(prompts, outs, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
+                if routes is not None:  # (prompt + completion tokens, moe_layers, top_k)
+                    routes.append(from_completion_output(c, len(prompt), spec))
                 comp.append(ids)
                 lps.append([step[t].logprob for t, step in zip(ids, c.logprobs, strict=True)])
                 reasons.append("stop_string" if isinstance(c.stop_reason, str)
@@ -288,7 +355,7 @@ class VLLMEngine:
             self._sample_on(prompts, params, stops, comp, lps, reasons)
         n_tok = sum(len(c) for c in comp)
         return Generation(comp, lps, reasons, stats={"generate_s": gen_s, "new_tokens": float(n_tok),
-                                                     "tok_per_s": n_tok / max(gen_s, 1e-9)})
+                                                     "tok_per_s": n_tok / max(gen_s, 1e-9)}, routes=routes)
 
     def _sample_on(self, prompts: list[list[int]], params: SamplingParams, stops: StopStrings,
                    comp: list[list[int]], lps: list[list[float]], reasons: list[str]) -> None:

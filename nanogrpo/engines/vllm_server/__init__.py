@@ -5,7 +5,8 @@
 - :mod:`~nanogrpo.engines.vllm_server.engine`: the :class:`~nanogrpo.engines.base.Engine` over the pool;
 - :mod:`~nanogrpo.engines.vllm_server.sync`: the weight sync through vLLM's weight-transfer protocol;
 - :mod:`~nanogrpo.engines.vllm_server.adapters`: LoRA runs, the adapter alone after each update;
-- :mod:`~nanogrpo.engines.vllm_server.contact`: first contact (reachable, the trainer's model).
+- :mod:`~nanogrpo.engines.vllm_server.contact`: first contact (reachable, the trainer's model, routes
+  returned where the run replays them).
 
 docs/guides/scaling-out.md is the manual.
 """
@@ -19,8 +20,9 @@ from nanogrpo.engines.hf import resolve_special_ids
 
 def server_engine(cfg, model, tokenizer):
     """The run's :class:`~nanogrpo.engines.vllm_server.engine.ServerEngine` over ``cfg.rollout.servers``
-    (``model``: the policy, for its EOS ids)."""
+    (``model``: the policy, for its EOS ids and, a mixture of experts, the layout of its routes)."""
     from nanogrpo.engines.vllm_inprocess import import_vllm
+    from nanogrpo.engines.vllm_inprocess.routes import route_spec
     from nanogrpo.engines.vllm_server.engine import ServerEngine
     from nanogrpo.engines.vllm_server.http import ServerClient
     from nanogrpo.engines.vllm_server.pool import ServerPool
@@ -33,7 +35,7 @@ def server_engine(cfg, model, tokenizer):
     eos, _ = resolve_special_ids(model, tokenizer)
     return ServerEngine(pool, eos, tokenizer=tokenizer, tempered_logprobs=cfg.rollout.tempered_logprobs,
                         stop_strings=cfg.tools.enabled, concurrency=v.concurrency,
-                        adapters=serves_adapter(cfg))
+                        adapters=serves_adapter(cfg), route_spec=route_spec(model))
 
 
 def serves_adapter(cfg) -> bool:

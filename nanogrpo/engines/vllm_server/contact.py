@@ -10,6 +10,11 @@
   (:mod:`nanogrpo.transfer.worker`, which ``nanogrpo vllm-serve`` loads); a server with another model
   (vocabulary, depth or widths differ) stops the run with one line before any weights move. A server
   started without the extension cannot say: a warning says the check was skipped.
+- **Routes**, where the run replays the engine's (``moe.routing_replay=rollout``): each server answering at
+  the start samples one token, and one that sends no ``routed_experts`` with it (started without
+  ``--enable-return-routed-experts``, which ``nanogrpo vllm-serve`` adds for a MoE model under that mode)
+  stops the run with one line before the model loads (:func:`preflight`). A server that joins later
+  unchecked and sends none costs the groups it sampled (dropped and counted, ``routes_groups_dropped``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ class ServerUnreachable(NanoGRPOError):
 
 class ServerModelMismatch(NanoGRPOError):
     """A server serves another model than the trainer's."""
+
+
+class ServerWithoutRoutes(NanoGRPOError):
+    """A server returns no mixture-of-experts routes to a run that replays them."""
 
 
 def connect(pool: ServerPool, wait_s: float, facts: dict[str, Any] | None = None,
@@ -69,12 +78,17 @@ def preflight(cfg) -> None:
     """Before any model is loaded: at least one server of ``cfg.rollout.servers`` answers within
     ``vllm_server.connect_wait_s`` (else :class:`ServerUnreachable`, one line naming each URL and why), so
     that a dead port is said in seconds, not after the model has loaded. The model check comes later,
-    with the trainer's model (:func:`connect`)."""
+    with the trainer's model (:func:`connect`). Under ``moe.routing_replay=rollout`` each answering server
+    must return routes (:func:`check_routes`)."""
     from nanogrpo.engines.vllm_server.http import ServerClient
 
     pool = ServerPool([ServerClient(u) for u in cfg.rollout.servers])
     try:
-        connect(pool, cfg.vllm_server.connect_wait_s)
+        missing = connect(pool, cfg.vllm_server.connect_wait_s)
+        if cfg.moe.routing_replay == "rollout":
+            for slot in pool.slots:
+                if slot.url not in missing:
+                    check_routes(slot)
     finally:
         for s in pool.slots:
             s.client.close()
@@ -128,3 +142,21 @@ def check_lora(url: str, got: dict[str, Any] | None, rank: int, held: int) -> No
     if why:
         raise ServerModelMismatch(f"the vLLM server at {url} cannot serve this run's adapter: "
                                   f"{'; '.join(why)}: {fix}")
+
+
+def check_routes(slot) -> None:
+    """Raise :class:`ServerWithoutRoutes` when the server sends no ``routed_experts`` with a sample (one
+    greedy token after a one-token prompt); a server that cannot be asked is left to the first batch."""
+    body = {"token_ids": [0], "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0}}
+    try:
+        out = slot.client.generate(body, 1)
+    except ServerFault as e:
+        log.warning("could not ask %s for a sample (%s); whether it returns MoE routes is not checked before "
+                    "the first batch", slot.url, e)
+        return
+    choices = out["choices"]
+    if not choices or not isinstance(choices[0], dict) or choices[0].get("routed_experts") is None:
+        raise ServerWithoutRoutes(
+            f"moe.routing_replay=rollout: the vLLM server at {slot.url} returns no MoE routes (started "
+            "without --enable-return-routed-experts, or its model is dense): start it with nanogrpo "
+            "vllm-serve --config <the run's config>, or set moe.routing_replay=policy")

@@ -22,6 +22,14 @@ Versions: the engine accepts a sample only if every span's version is an integer
 bound); a sample from outside (a restarted server with its launch weights says ``"default"``) takes
 its server out of the pool and is sampled again elsewhere. :meth:`ServerEngine.recording` collects
 each sample's (first, last) version for the batch being built in this thread.
+
+Routes (mixture-of-experts models, ``moe.routing_replay``): an engine over a model nanogrpo records routes
+of has a ``record_routes`` attribute, set by the run's routing replay; each choice's ``routed_experts``
+(base64 ``.npy``, sent by a server started with ``--enable-return-routed-experts``: ``nanogrpo vllm-serve``
+adds it under ``moe.routing_replay=rollout``) is then that sample's record
+(:func:`~nanogrpo.moe.routes.from_server_choice`), and a sample from a server that sends none has None:
+replay drops its group and counts it (``routes_groups_dropped``). Routes that do not fit the model (another
+model on that server) stop the run in one line (:class:`~nanogrpo.moe.RouteError`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from nanogrpo.engines.stops import StopStrings
 from nanogrpo.engines.vllm_inprocess import check_convention, request_seeds, sample_on
 from nanogrpo.engines.vllm_server.http import ServerDown, ServerFault, ServerMissing
 from nanogrpo.engines.vllm_server.pool import ServerPool
+from nanogrpo.moe.families import MoeSpec
+from nanogrpo.moe.routes import from_server_choice
 
 log = logging.getLogger("nanogrpo.engines.vllm_server")
 
@@ -60,7 +70,7 @@ class ServerEngine:
 
     def __init__(self, pool: ServerPool, eos_ids: list[int], *, tokenizer=None,
                  tempered_logprobs: bool = False, stop_strings: bool = False, concurrency: int = 64,
-                 ignore_eos: bool = False, adapters: bool = False):
+                 ignore_eos: bool = False, adapters: bool = False, route_spec: MoeSpec | None = None):
         self.pool = pool
         self.adapters = adapters
         """LoRA served as an adapter (:mod:`~nanogrpo.engines.vllm_server.adapters`): each request names the
@@ -72,6 +82,12 @@ class ServerEngine:
         self.min_version = 0
         self.max_version = 0
         self._local = threading.local()
+        self._route_spec = route_spec
+        """The model's routing (a mixture of experts nanogrpo records): what the servers' routes are read
+        against."""
+        if route_spec is not None:
+            self.record_routes = False
+            """Fill ``Generation.routes`` from the choices (set by the run's routing replay)."""
 
     # ------------------------------------------------------------------ versions
 
@@ -122,8 +138,17 @@ class ServerEngine:
                       spaces_between_special_tokens=False)
         return {"token_ids": list(prompt), "sampling_params": sp}
 
-    def _one(self, body: dict, max_tokens: int) -> tuple[list[int], list[float], str, tuple[int, int]]:
-        return self.pool.call(lambda client: self._parse(client, self._ask(client, body, max_tokens)))
+    def _one(self, body: dict, max_tokens: int, routes: bool = False) -> tuple:
+        """One sample: token ids, log-probs, finish reason, (first, last) version, and its routes (None
+        unless ``routes``, or none came)."""
+        def ask(client):
+            out = self._ask(client, body, max_tokens)
+            parsed = self._parse(client, out)
+            spec = self._route_spec if routes else None
+            return (*parsed, None if spec is None else
+                    from_server_choice(out["choices"][0], len(body["token_ids"]), spec))
+
+        return self.pool.call(ask)
 
     def _ask(self, client, body: dict, max_tokens: int) -> dict:
         if not self.adapters:
@@ -160,8 +185,9 @@ class ServerEngine:
             [None] * (len(prompts) * params.n)
         bodies = [self._body(prompts[i // params.n], params, seeds[i], stops)
                   for i in range(len(prompts) * params.n)]
+        routes = bool(getattr(self, "record_routes", False) and not stops)  # (rows sampled on: no fit)
         t0 = time.perf_counter()
-        results = list(self._exe.map(lambda b: self._one(b, params.max_new_tokens), bodies))
+        results = list(self._exe.map(lambda b: self._one(b, params.max_new_tokens, routes), bodies))
         gen_s = time.perf_counter() - t0
         comp = [r[0] for r in results]
         lps = [r[1] for r in results]
@@ -173,7 +199,8 @@ class ServerEngine:
             sample_on(self.generate, prompts, params, stops, comp, lps, reasons)
         n_tok = sum(len(c) for c in comp)
         return Generation(comp, lps, reasons, stats={"generate_s": gen_s, "new_tokens": float(n_tok),
-                                                     "tok_per_s": n_tok / max(gen_s, 1e-9)})
+                                                     "tok_per_s": n_tok / max(gen_s, 1e-9)},
+                          routes=[r[4] for r in results] if routes else None)
 
     # ------------------------------------------------------------------ weights
 

@@ -74,9 +74,13 @@ class Distill(Terms, Part):
     """The per-chunk divergence (:func:`nanogrpo.algo.distill.divergence_fn`), None for ``sampled``."""
 
     @classmethod
-    def from_config(cls, cfg, student: torch.nn.Module, tokenizer, device: torch.device) -> Distill | None:
+    def from_config(cls, cfg, student: torch.nn.Module, tokenizer, device: torch.device,
+                    cpu_linear: str | None = None) -> Distill | None:
         """The teacher of ``cfg.distill`` loaded (beside ``student``, same dtype and device) or reached (a
-        server: its tokenizer checked); None when ``distill.teacher`` is empty. One-line errors."""
+        server: its tokenizer checked); None when ``distill.teacher`` is empty. One-line errors.
+        ``cpu_linear``: the run's settled ``model.cpu_linear`` for the trainer
+        (:func:`~nanogrpo.models.cpu_linear.settle`): a teacher in the process computes as the student
+        does, decided once."""
         d = cfg.distill
         if not d.teacher:
             return None
@@ -89,7 +93,7 @@ class Distill(Terms, Part):
         else:
             dtype = next(student.parameters()).dtype
             teacher = LocalTeacher.load(d.teacher, tokenizer, dtype, device, cfg.model.attn_implementation,
-                                        cfg.model.trust_remote_code, cfg.model.cpu_linear)
+                                        cfg.model.trust_remote_code, cpu_linear or cfg.model.cpu_linear)
             teacher.rows = student.get_output_embeddings().weight.shape[0]  # its top-k: ids the student has
         return cls.with_teacher(cfg, teacher, student)
 
@@ -158,7 +162,8 @@ class Distill(Terms, Part):
         """A fresh run that evaluates: the teacher's held-out figures, once (``distill.eval_teacher``)."""
         if run.resumed or run.held_out is None or not run.cfg.distill.eval_teacher:
             return {}
-        return self.evaluate(run.cfg, run.held_out.rows, run.held_out.rewards, run.root)
+        return self.evaluate(run.cfg, run.held_out.rows, run.held_out.rewards, run.root,
+                             cpu_linear=run.linears.get("engine"))
 
     def after_rollout(self, run, item) -> None:
         if item.batch is not None:
@@ -175,20 +180,25 @@ class Distill(Terms, Part):
     def metrics(self, tot: dict[str, float]) -> dict[str, float]:
         return distill_metrics(tot, self.spec)
 
-    def evaluate(self, cfg, rows: list[dict], rewards, root) -> dict[str, float]:
+    def evaluate(self, cfg, rows: list[dict], rewards, root,
+                 cpu_linear: str | None = None) -> dict[str, float]:
         """The teacher's held-out figures (``eval/teacher/*``: greedy accuracy, format rate, ...) on the rows
         the student is evaluated on, written to ``root/eval/teacher.json``; a server teacher: none (it is
-        asked for scores, not completions)."""
+        asked for scores, not completions). Its engine is the one ``auto`` picks, with the run's settled
+        ``cpu_linear`` for the fast engine's linears (said once, for the run's own engine)."""
         if self.teacher.remote or not rows:
             return {}
         from pathlib import Path
 
-        from nanogrpo.engines.factory import make_engine
+        from nanogrpo.engines.factory import choose_engine, make_engine
         from nanogrpo.evaluation import evaluate_rows, write_results
 
         new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
         t = self.teacher
-        engine = make_engine("auto", t.model, t.tokenizer, max_len=cfg.data.max_prompt_tokens + new)
+        max_len = cfg.data.max_prompt_tokens + new
+        name, _ = choose_engine(t.model, max_len)
+        engine = make_engine(name, t.model, t.tokenizer, max_len=max_len,
+                             **({"cpu_linear": cpu_linear} if cpu_linear else {}))
         with torch.no_grad():
             summary, records = evaluate_rows(engine, t.tokenizer, rows, cfg, rewards, new,
                                              cfg.eval.batch_size, k=1, seed=cfg.eval.seed)
