@@ -16,7 +16,7 @@ routing replay nothing to do). The saved config turns it off again: nanogrpo tra
 
 Shipped in ``nanogrpo/demos/moe/weights/`` (model path ``embedded-moe``); rebuild with
 ``python -m nanogrpo.demos.moe.build --out DIR`` (2026-12-05: 9.6 minutes of wall, 465 s of CPU on one
-thread of the shared 2-core Xeon, load 1-3). One thread and
+thread of the shared 2-core Xeon, load 1-3; a second build wrote the same bytes). One thread and
 fixed seeds: the same weights on every machine of the same torch build.
 """
 
