@@ -45,7 +45,7 @@ def test_step_bench_prints_one_json_line(capsys, tmp_path):
 def test_bench_dispatch(capsys):
     assert bench.main(["nope"]) == 2
     assert bench.main([]) == 2
-    assert set(bench.SUBCOMMANDS) == {"rollout", "step", "rewards", "turns", "variants", "watch"}
+    assert set(bench.SUBCOMMANDS) == {"rollout", "step", "rewards", "turns", "variants", "watch", "moe"}
     with pytest.raises(SystemExit):
         bench.main(["step", "--gens", "1"])
 

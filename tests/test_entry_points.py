@@ -70,11 +70,12 @@ def test_every_demo_folder_is_registered_and_provides_what_it_declares():
         assert d.model is not None and (d.weights / "config.json").is_file(), name
         for source in d.sources:
             assert entry_points.task_module(source).__name__ == f"nanogrpo.demos.{name}.task"
-    assert entry_points.preset_names() == ["demo", "demo-dialogue", "demo-distill", "demo-game", "demo-rm",
-                                       "demo-tools", "demo-vision"]
+    assert entry_points.preset_names() == ["demo", "demo-dialogue", "demo-distill", "demo-game", "demo-moe",
+                                       "demo-rm", "demo-tools", "demo-vision"]
     assert entry_points.source_names() == ["arithmetic", "dialogue", "game", "multidigit", "vision"]
     assert entry_points.model_demo("embedded").name == "arithmetic"
     assert entry_points.model_demo("embedded-rm").name == "rm"
+    assert entry_points.model_demo("embedded-moe").name == "moe"
     assert entry_points.model_demo("nothere") is None and entry_points.preset_file("nothere") is None
     assert entry_points.task_module("nothere") is None
 

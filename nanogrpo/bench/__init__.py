@@ -6,7 +6,8 @@
 their speed), ``nanogrpo bench turns ...`` (multi-turn tool rollouts of the engines),
 ``nanogrpo bench variants ...`` (the demo under each policy-optimisation setting: does it learn),
 ``nanogrpo bench watch ...`` (runs that go wrong on purpose, and the demos: does the run monitor catch
-the first and stay quiet on the second).
+the first and stay quiet on the second), ``nanogrpo bench moe ...`` (the MoE demo in bfloat16 with and
+without routing replay: the train-inference mismatch).
 
 These are what any install runs on its own machine, tested with the package. The repository's
 ``bench/`` folder is the other kind: one-shot scripts, not shipped, run from a checkout (GPU checks,
@@ -20,7 +21,8 @@ import sys
 
 SUBCOMMANDS = {"rollout": "nanogrpo.bench.rollout", "step": "nanogrpo.bench.step",
                "rewards": "nanogrpo.bench.rewards", "turns": "nanogrpo.bench.turns",
-               "variants": "nanogrpo.bench.variants", "watch": "nanogrpo.bench.watch"}
+               "variants": "nanogrpo.bench.variants", "watch": "nanogrpo.bench.watch",
+               "moe": "nanogrpo.bench.moe"}
 
 
 def main(argv: list[str] | None = None) -> int:

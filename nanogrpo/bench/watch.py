@@ -29,7 +29,8 @@ from pathlib import Path
 
 from nanogrpo.bench.watch_faults import FAULTS, SMALL, Fault, PerturbedLogprobs
 
-DEMOS = ["demo", "demo-tools", "demo-game", "demo-dialogue", "demo-vision", "demo-rm", "demo-distill"]
+DEMOS = ["demo", "demo-tools", "demo-game", "demo-dialogue", "demo-vision", "demo-rm", "demo-distill",
+         "demo-moe"]
 """The shipped demos (their presets), run whole: no rule may fire."""
 
 
