@@ -94,7 +94,7 @@ def load_run(path: Path) -> RunData:
     return RunData(path.name, path, rows)
 
 
-def _labels(runs: list[RunData]) -> None:
+def label_runs(runs: list[RunData]) -> None:
     """Distinct legend labels: the directory name, with its parent when two runs share a name."""
     names = [r.path.resolve().name for r in runs]
     for r in runs:
@@ -117,7 +117,7 @@ def moving_average(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def _draw(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
+def draw_panel(ax, runs: list[RunData], panel: Panel, colors: list) -> bool:
     drew = False
     both = bool(panel.train_key and panel.eval_key)
     compact = both and len(runs) > 4  # one legend entry per run (the title says solid / dashed)
@@ -207,7 +207,7 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
     files = []
     for panel in PANELS:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-        _draw(ax, runs, panel, colors)
+        draw_panel(ax, runs, panel, colors)
         fig.tight_layout()
         path = out / f"{panel.file}.png"
         fig.savefig(path)
@@ -215,7 +215,7 @@ def plot(runs: list[RunData], out: Path) -> list[Path]:
         files.append(path)
     fig, axes = plt.subplots(2, 4, figsize=(24, 9), dpi=90)
     for ax, panel in zip(axes.flat, PANELS):
-        _draw(ax, runs, panel, colors)
+        draw_panel(ax, runs, panel, colors)
     fig.suptitle("nanogrpo: " + ", ".join(r.label for r in runs))
     fig.tight_layout()
     path = out / "overview.png"
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     runs = [load_run(p) for p in a.runs]
-    _labels(runs)
+    label_runs(runs)
     out = a.out or (a.runs[0] / "report" if len(a.runs) == 1 else Path("report"))
     plt = pyplot()
     if plt is not None:

@@ -122,13 +122,13 @@ def table(lines: list[dict]) -> str:
 def plot(runs: list[Path], out: Path) -> Path | None:
     """The runs' per-step mismatch, router disagreement, clip fraction, held-out accuracy and step time in
     one figure (``nanogrpo report``'s drawing), or None without matplotlib."""
-    from nanogrpo.report import Panel, _draw, _labels, load_run, pyplot, run_colors
+    from nanogrpo.report import Panel, draw_panel, label_runs, load_run, pyplot, run_colors
 
     plt = pyplot()
     if plt is None:
         return None
     data = [load_run(r) for r in runs]
-    _labels(data)
+    label_runs(data)
     panels = [Panel("", "mean |Δ log p|, trainer vs engine", "nats per token", "mismatch_abs"),
               Panel("", "largest |Δ log p| of the step", "nats", "mismatch_abs_max"),
               Panel("", "k3 KL(engine ‖ trainer)", "per token", "mismatch_kl"),
@@ -138,7 +138,7 @@ def plot(runs: list[Path], out: Path) -> Path | None:
     fig, axes = plt.subplots(2, 3, figsize=(18, 8), dpi=80)
     colors = run_colors(plt, len(data))
     for ax, panel in zip(axes.flat, panels):
-        _draw(ax, data, panel, colors)
+        draw_panel(ax, data, panel, colors)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
