@@ -67,10 +67,10 @@ def test_report_single_run_defaults_beside_it(tmp_path):
 
 
 def test_report_distinguishes_runs_with_the_same_name(tmp_path):
-    from nanogrpo.report import _labels, load_run
+    from nanogrpo.report import label_runs, load_run
 
     runs = [load_run(_run(tmp_path / "x" / "run", 0.1)), load_run(_run(tmp_path / "y" / "run", 0.1))]
-    _labels(runs)
+    label_runs(runs)
     assert [r.label for r in runs] == ["x/run", "y/run"]
 
 
@@ -90,7 +90,7 @@ def test_many_runs_get_distinct_colours_and_one_legend_entry_each(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from nanogrpo.report import _draw, load_run, run_colors
+    from nanogrpo.report import draw_panel, load_run, run_colors
 
     runs = []
     for i in range(12):
@@ -102,7 +102,7 @@ def test_many_runs_get_distinct_colours_and_one_legend_entry_each(tmp_path):
     assert len(set(colors)) == 12 and colors[:10] == [plt.get_cmap("tab10")(i) for i in range(10)]
     entropy = next(p for p in PANELS if p.file == "entropy")
     fig, ax = plt.subplots()
-    assert _draw(ax, runs, entropy, colors)
+    assert draw_panel(ax, runs, entropy, colors)
     assert ax.get_legend_handles_labels()[1] == [f"r{i}" for i in range(12)]
     plt.close(fig)
 
@@ -116,7 +116,7 @@ def test_plots_do_not_zoom_onto_noise(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from nanogrpo.report import _draw, load_run, run_colors
+    from nanogrpo.report import draw_panel, load_run, run_colors
 
     d = tmp_path / "flat"
     d.mkdir()
@@ -128,7 +128,7 @@ def test_plots_do_not_zoom_onto_noise(tmp_path):
     limits = {}
     for panel in PANELS:
         fig, ax = plt.subplots()
-        if _draw(ax, [run], panel, run_colors(plt, 1)):
+        if draw_panel(ax, [run], panel, run_colors(plt, 1)):
             limits[panel.file] = ax.get_ylim()
         plt.close(fig)
     lo, hi = limits["format_rate"]
@@ -217,14 +217,14 @@ def test_a_flat_curve_at_its_cap_leaves_the_legend_a_band_above_it(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from nanogrpo.report import HEADROOM, _draw, load_run, run_colors
+    from nanogrpo.report import HEADROOM, draw_panel, load_run, run_colors
 
     d = _rising(tmp_path / "capped", [0.5] * 80)  # every completion at the 40-token cap
     panel = next(p for p in PANELS if p.file == "completion_length")
     for shape in ((1, 1, (7, 4.2)), (2, 4, (24, 9))):  # the panel alone, and in the overview
         fig, axes = plt.subplots(shape[0], shape[1], figsize=shape[2])
         ax = axes if shape == (1, 1, (7, 4.2)) else axes.flat[6]
-        assert _draw(ax, [load_run(d)], panel, run_colors(plt, 1))
+        assert draw_panel(ax, [load_run(d)], panel, run_colors(plt, 1))
         fig.tight_layout()
         fig.canvas.draw()
         lo, hi = ax.get_ylim()
