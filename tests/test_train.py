@@ -94,8 +94,8 @@ def test_nonfinite_loss_skips_the_update_and_keeps_weights():
     (['rewards.functions=["no_such_module:fn"]'], "no_such_module"),
     (["--config", "/nonexistent.toml"], "config file not found"),
     # a preset name misspelt: the shipped presets listed, the closest named (issue 44)
-    (["--config", "demo-fast"], "shipped presets: demo, demo-dialogue, demo-distill, demo-game, demo-rm, "
-                                "demo-tools, demo-vision (did you mean 'demo-game'?)"),
+    (["--config", "demo-fast"], "shipped presets: demo, demo-dialogue, demo-distill, demo-game, demo-moe, "
+                                "demo-rm, demo-tools, demo-vision (did you mean 'demo-game'?)"),
 ])
 def test_bad_input_fails_at_start_with_one_line(extra, match, tmp_path, capsys):
     out = tmp_path / "never"
@@ -107,7 +107,7 @@ def test_bad_input_fails_at_start_with_one_line(extra, match, tmp_path, capsys):
 
 
 def test_train_help_lists_every_shipped_preset(capsys, monkeypatch):
-    """`nanogrpo train --help` names the seven shipped presets (issue 44: it named `demo` only)."""
+    """`nanogrpo train --help` names the eight shipped presets (issue 44: it named `demo` only)."""
     from nanogrpo import entry_points
 
     monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width (and inside names)
@@ -115,7 +115,7 @@ def test_train_help_lists_every_shipped_preset(capsys, monkeypatch):
         main(["train", "--help"])
     text = capsys.readouterr().out
     names = entry_points.preset_names()
-    assert len(names) == 7 and f"shipped preset: {', '.join(names)}" in text, text
+    assert len(names) == 8 and f"shipped preset: {', '.join(names)}" in text, text
 
 
 def test_dataset_without_named_fields(tmp_path, capsys):
