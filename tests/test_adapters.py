@@ -324,6 +324,7 @@ def test_an_openenv_server_at_capacity_drops_and_counts_and_says_so_once(policy,
     assert "max_concurrent_envs" in said[0] and "at least 8" in said[0]
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_openenv_messages_are_capped(openenv_server):
     from nanogrpo.envs.runner import EnvRunner
 

@@ -151,6 +151,7 @@ def test_eval_source_reads_held_out_problems_elsewhere(hub) -> None:
     assert load_eval_rows(DataConfig(source="math"))[0]["answer"] == "\\frac{1}{12}"  # None: source
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_preset_references_grade_real_answers(hub) -> None:
     rows = load_rows(DataConfig(source="math500"), "test")
     assert correctness("</think>\n\n$\\boxed{(3, \\frac{\\pi}{2})}$", rows[0]) == 1.0

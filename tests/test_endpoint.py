@@ -128,6 +128,7 @@ def test_recorded_ids_are_what_the_engine_sampled_and_history_is_one_sequence(ti
     assert seq.logprobs == a.logprobs + [0.0] * fed + b.logprobs
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_rewritten_history_is_a_separate_sequence(tiny):
     ep, _ = start(tiny)
     try:

@@ -239,6 +239,7 @@ def test_settings_come_from_the_config():
     assert generate_episodes  # the function the Episodes object calls
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_nanogrpo_train_takes_an_environment_object(tmp_path):
     import nanogrpo
 

@@ -96,6 +96,7 @@ def test_left_at_0_the_bound_is_what_the_program_says_this_machine_runs(policy):
     assert gen.finish_reasons == ["done"] * 4 and RUNNING["most"] == 3
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_the_runner_starts_the_waiting_calls_as_earlier_ones_end():
     """One at a time: the second call hangs, and its deadline (0.5 s) runs from its own start, not the
     batch's; the third starts when that deadline frees the place."""

@@ -36,6 +36,7 @@ def test_the_preset_is_the_default_demo_on_a_mixture_of_experts_with_r3():
     assert (cfg.train.lr, cfg.train.micro_batch_size) == (dense.train.lr, dense.train.micro_batch_size)
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_the_shipped_weights_are_the_builder_s_model():
     path = resolve_model_path("embedded-moe")
     model = load_model(path, torch.float32, torch.device("cpu"), cpu_linear="torch")
@@ -70,6 +71,7 @@ def test_the_shipped_weights_are_the_builder_s_model():
     assert bool((share > 0.02).all()), share
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_the_builder_gives_the_same_weights_every_time(tmp_path):
     a = moe_build.build(tmp_path / "a", steps=2, batch_size=4, log_every=0)
     b = moe_build.build(tmp_path / "b", steps=2, batch_size=4, log_every=0)
@@ -78,6 +80,7 @@ def test_the_builder_gives_the_same_weights_every_time(tmp_path):
     assert torch.get_num_threads() >= 1  # one_thread() gave the caller's threads back
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_one_step_of_the_demo_replays_the_engine_s_routes(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--config", "demo-moe", "--out", str(out), *SHORT]) == 0

@@ -37,6 +37,7 @@ def _run(d, evals: dict[int, float], steps: int = 4, flips: float = 0.01):
             f.write(json.dumps(row) + "\n")
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_table_and_skipping_finished_runs(tmp_path, monkeypatch):
     _run(tmp_path / "grpo", {0: 0.185, 4: 0.5})
     _run(tmp_path / "r3", {0: 0.185, 2: 0.3}, steps=2)                  # cut short: not finished

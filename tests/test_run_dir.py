@@ -122,6 +122,7 @@ def _tiny(assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
             "model.cpu_linear=torch", "log.tensorboard=false", *extra]
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_overwrite_replaces_a_real_run_whole(assets, tmp_path, capsys):
     """No stale ``step_N`` or ``latest`` of the old run survives beside the new one (issue 50: ``latest``
     reset to step_0 while step_20..step_80 stayed, and a resume said "already finished")."""
@@ -230,6 +231,7 @@ def test_oversubscription_is_threads_beside_the_busy_processes_past_the_cores():
     assert shared_cpu_line(threads=1, load=4.6, cores=2) is None
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_run_on_a_busy_cpu_says_so_at_start(tmp_path, monkeypatch, caplog):
     import os
 

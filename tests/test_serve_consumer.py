@@ -94,6 +94,7 @@ def test_split_trainer_trains_each_batch_once_acks_it_and_drops_what_it_cannot_u
     assert not list((out / "inbox" / "rank0").iterdir())                   # the last checkpoint covers all
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_split_trainer_refuses_a_batch_at_another_logprob_temperature_and_leaves_it_queued(
         tmp_path, tiny_model, monkeypatch):
     """Workers and trainer must take log-probs alike (``rollout.tempered_logprobs``): a batch whose

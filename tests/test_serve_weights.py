@@ -300,6 +300,7 @@ def test_a_retried_publish_whose_first_attempt_landed_is_a_success(first_attempt
         assert calls == [200] and c.weights_version() == 3
 
 
+@pytest.mark.slow  # over 0.4 s on the 2-core machine: the full suite runs it
 def test_a_worker_keeps_its_weights_when_it_cannot_load_a_publish_and_retries_with_backoff():
     from nanogrpo.engines.hf import HFEngine
     from nanogrpo.models.tiny import make_tokenizer
