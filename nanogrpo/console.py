@@ -130,8 +130,10 @@ def oversubscribed(threads: int, load: float, cores: int) -> bool:
     average, taken as the run starts: the others'), want more cores than there are. Each operation's
     threads wait for the slowest of them at its end; one that shares its core with another process makes
     the others spin there, so the same work costs several times the CPU (4.2x measured on a 2-core CPU at
-    load 4-6, issue 50). One thread has nothing to wait for."""
-    return threads > 1 and threads + round(load) > cores
+    load 4-6, issue 50). One thread has nothing to wait for. Only whole busy cores count: the load a
+    finished job leaves behind (0.7 a minute after ``pip install``) decays, and warning on it would cry
+    wolf at every newcomer's first run."""
+    return threads > 1 and threads + int(load) > cores
 
 
 def shared_cpu_line(threads: int | None = None, load: float | None = None,

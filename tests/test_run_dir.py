@@ -222,6 +222,7 @@ def test_oversubscription_is_threads_beside_the_busy_processes_past_the_cores():
     from nanogrpo.console import oversubscribed, shared_cpu_line
 
     assert not oversubscribed(threads=2, load=0.1, cores=2)  # a quiet machine
+    assert not oversubscribed(threads=2, load=0.7, cores=2)  # the wake of `pip install`, a minute on
     assert oversubscribed(threads=2, load=1.0, cores=2)  # one other busy process: a thread waits
     assert oversubscribed(threads=2, load=4.6, cores=2)  # issue 50: 4.2x the CPU for the same work
     assert not oversubscribed(threads=1, load=6.0, cores=2)  # one thread waits for nothing
