@@ -119,15 +119,38 @@ def cmd_train(a: argparse.Namespace) -> int:
         raise e.for_cli() from None
     except KeyboardInterrupt:
         raise Interrupted(_resume_hint(root, a.server)) from None
+    rc = 0
     if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
+        rc = _stopped_status(root)
         print(f"run directory: {root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched rank whose run is done (files written and closed): leave without interpreter
         # teardown, which aborted or deadlocked in gloo's process group now and then.
         from nanogrpo.training.distributed import leave_launched_rank
 
-        leave_launched_rank(0)
-    return 0
+        leave_launched_rank(rc)
+    return rc
+
+
+STOPPED_BY_MONITOR = 3
+"""The exit status of ``nanogrpo train`` when the run monitor ended the run before ``train.steps``: a
+script or scheduler that chains commands on success learns the run did not run its steps."""
+
+
+def _stopped_status(root: Path) -> int:
+    """:data:`STOPPED_BY_MONITOR`, with one line saying why and how to go on, when the run monitor ended
+    the run at ``root`` early; else 0."""
+    from nanogrpo.api import Run
+
+    stopped = Run(root).stopped
+    if stopped is None:
+        return 0
+    import shlex
+
+    print(f"nanogrpo: the run monitor stopped the run at step {stopped['step']} ({stopped['rule']}; "
+          f"exit status {STOPPED_BY_MONITOR}): see {root / 'watch.jsonl'}; to go on regardless: "
+          f"nanogrpo train --resume {shlex.quote(str(root))}", file=sys.stderr)
+    return STOPPED_BY_MONITOR
 
 
 class Interrupted(KeyboardInterrupt):

@@ -142,6 +142,7 @@ def test_steps_whose_every_episode_failed_are_flagged_and_three_in_a_row_end_the
         run = nanogrpo.train(cfg, dataset=ROWS * 4)
     steps = [r for r in run.metrics if r.get("reward_mean") is not None]
     assert [r["step"] for r in steps] == [1, 2, 3]  # ended at the third such step, not the sixth
+    assert run.stopped["rule"] == "episodes_failed"  # what makes `nanogrpo train` exit 3
     assert [r["watch/episodes_failed"] for r in steps] == [1.0, 1.0, 1.0]
     assert all(r["env/failed"] == r["env/episodes"] == 4 for r in steps)
     said = [r.getMessage() for r in caplog.records]

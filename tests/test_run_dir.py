@@ -259,3 +259,39 @@ def test_a_run_on_a_busy_cpu_says_so_at_start(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="nanogrpo"), pytest.raises(Started):
         nanogrpo.train(cfg)
     assert "this CPU is busy" not in caplog.text
+
+
+def _stopped_run(root, steps: int, ckpt: int, stop: bool):
+    """A run directory as the trainer leaves it: its config, ``checkpoints/step_<ckpt>`` complete, and a
+    monitor event at that step (one that stopped the run, or only flagged it)."""
+    import json
+
+    from nanogrpo.config import RUN_CONFIG_FILE, Config, save_config
+    from nanogrpo.training.checkpoint import STATE_FILE
+
+    root.mkdir(parents=True)
+    save_config(Config.load("demo", {"train.steps": steps, "train.out": str(root)}), root / RUN_CONFIG_FILE)
+    (root / "checkpoints" / f"step_{ckpt}").mkdir(parents=True)
+    (root / "checkpoints" / f"step_{ckpt}" / STATE_FILE).write_text("{}")
+    event = {"rule": "episodes_failed", "step": ckpt, "since": 1, "message": "all 4 episodes failed",
+             "stop": stop}
+    (root / "watch.jsonl").write_text(json.dumps(event) + "\n")
+
+
+def test_a_run_the_monitor_ended_early_exits_3_naming_the_rule_and_the_way_on(tmp_path, capsys):
+    from nanogrpo.api import Run
+    from nanogrpo.cli import STOPPED_BY_MONITOR, _stopped_status
+
+    _stopped_run(tmp_path / "stopped", steps=6, ckpt=3, stop=True)
+    assert Run(tmp_path / "stopped").stopped["rule"] == "episodes_failed"
+    assert _stopped_status(tmp_path / "stopped") == STOPPED_BY_MONITOR == 3
+    err = capsys.readouterr().err
+    assert "stopped the run at step 3 (episodes_failed" in err
+    assert f"nanogrpo train --resume {tmp_path / 'stopped'}" in err
+    # flagged only, or continued to its last step after the stop: it ran its steps, exit 0
+    _stopped_run(tmp_path / "flagged", steps=6, ckpt=3, stop=False)
+    _stopped_run(tmp_path / "finished", steps=3, ckpt=3, stop=True)
+    for name in ("flagged", "finished"):
+        assert Run(tmp_path / name).stopped is None
+        assert _stopped_status(tmp_path / name) == 0
+    assert _stopped_status(tmp_path / "no-run-here") == 0

@@ -69,6 +69,19 @@ class Run:
 
         return latest_checkpoint(self.root / "checkpoints")
 
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """The run monitor's event that ended the run before ``train.steps`` (a rule in ``watch.stop_on``,
+        or one that ends a run by its own settings: ``episodes_failed``), while the run's newest checkpoint
+        is that step's; None for a run that ran its steps, or was continued past the stop."""
+        ckpt = self.checkpoint
+        if ckpt is None or not (self.root / CONFIG_FILE).is_file():
+            return None
+        step = int(ckpt.name[5:])
+        if step >= self.config.train.steps:
+            return None
+        return next((e for e in reversed(self.alarms) if e.get("stop") and e.get("step") == step), None)
+
     def summary(self) -> str:
         """One line: steps, time, reward and accuracy first -> last, held-out accuracy, tokens/s."""
         from nanogrpo.training.logging_sinks import run_summary
