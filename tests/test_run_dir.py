@@ -85,6 +85,16 @@ def test_a_directory_without_a_run_is_used_as_it_is(tmp_path):
     assert (d / "notes.txt").read_text() == "mine\n"
 
 
+def test_an_out_that_cannot_be_a_run_directory_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("mine\n")
+    for out, says in ((tmp_path / "a-file", "is a file, not a directory"),
+                      (tmp_path / "a-file" / "run", "cannot create the run directory")):
+        assert main(["train", "--out", str(out), "--steps", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err and "--out" in err, err
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
 def test_overwrite_removes_the_old_runs_files_and_leaves_the_rest(tmp_path, caplog):
     run = _old_run(tmp_path / "demo")
     (run / ".metrics.jsonl.123.tmp").write_text("half")
