@@ -130,7 +130,7 @@ def claim_run_dir(root: str | os.PathLike, *, overwrite: bool = False) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     root = Path(root)
-    _make_run_dir(root)
+    _check_run_dir(root)
     held = [name + ("/" if (root / name).is_dir() else "") for name in RUN_MARKS if (root / name).exists()]
     if not held:
         return
@@ -150,20 +150,22 @@ def claim_run_dir(root: str | os.PathLike, *, overwrite: bool = False) -> None:
              f"; left as they were: {', '.join(kept)}" if kept else "")
 
 
-def _make_run_dir(root: Path) -> None:
-    """Create ``root`` (parents included) before any weights are read, or say in one line why it cannot be
-    a run directory (a file there, no permission, a read-only disk)."""
+def _check_run_dir(root: Path) -> None:
+    """Say in one line why ``root`` cannot be a run directory (a file there or on its way, no permission, a
+    read-only disk), before any weights are read; nothing is created here (a later refusal of other input
+    leaves no directory behind)."""
     if root.exists() and not root.is_dir():
         raise ConfigError(f"train.out={str(root)!r} is a file, not a directory: give --out (train.out) a "
                           "directory, new or empty")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"train.out={str(root)!r}: cannot create the run directory ({e.strerror or e}): "
-                          "give --out (train.out) a directory you can write") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"train.out={str(root)!r}: the run directory is not writable by this user: give "
-                          "--out (train.out) a directory you can write")
+    there = root.absolute()
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise ConfigError(f"train.out={str(root)!r}: cannot create the run directory ({str(there)!r} is a "
+                          "file): give --out (train.out) a directory you can write")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.out={str(root)!r}: {str(there)!r} is not writable by this user (or its "
+                          "disk is read-only): give --out (train.out) a directory you can write")
 
 
 def as_config(config: Config | str | os.PathLike | Mapping[str, Any] | None,

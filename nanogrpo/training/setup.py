@@ -48,7 +48,11 @@ def setup(prepared: PreparedRun, clock: Clock) -> Run | None:
                  cfg.train.steps)
         prepared.close()
         return None
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # what the start's check could not foresee (a special or full file system)
+        raise ConfigError(f"train.out={str(root)!r}: cannot create the run directory ({e.strerror or e}): "
+                          "give --out (train.out) a directory you can write") from None
     if dist_env()[0] == 0:  # rank 0 writes the run's files; the others may be reading this one
         save_config(cfg, root / RUN_CONFIG_FILE)
     torch.manual_seed(cfg.train.seed)
