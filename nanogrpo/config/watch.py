@@ -148,7 +148,8 @@ class EpisodesFailedRule(_Strict):
 
     stop_after: int = Field(3, ge=0)
     """Steps in a row whose every episode failed (or none of whose groups started) that end the run, a
-    checkpoint saved, its summary saying why (0: the rule only flags them)."""
+    checkpoint saved, its summary saying why, ``nanogrpo train`` with exit status 3 (0: the rule only flags
+    them)."""
 
 
 RULE_NAMES = ("reward_hacking", "one_component", "length_limit", "template_collapse", "entropy_collapse",
@@ -161,7 +162,8 @@ class WatchConfig(_Strict):
     """Check the rules after every step (on by default: a few list operations per step)."""
     stop_on: list[str] = Field(default_factory=list)
     """Rules that stop the run when they fire: a checkpoint of that step is saved and the run ends
-    cleanly, its summary saying why (e.g. ``watch.stop_on='["engine_drift", "entropy_collapse"]'``)."""
+    cleanly, its summary saying why, ``nanogrpo train`` with exit status 3 (e.g.
+    ``watch.stop_on='["engine_drift", "entropy_collapse"]'``)."""
     off: list[str] = Field(default_factory=list)
     """Rules not checked at all (``watch.off='["template_collapse"]'``)."""
     reward_hacking: RewardHackingRule = Field(default_factory=RewardHackingRule)
