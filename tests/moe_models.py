@@ -24,15 +24,25 @@ FAMILIES = {
         **COMMON, num_experts=6, norm_topk_prob=False, num_experts_per_tok=2, **kw)),
     "mixtral": lambda **kw: tf.MixtralForCausalLM(tf.MixtralConfig(
         **COMMON, head_dim=8, num_local_experts=6, num_experts_per_tok=2, **kw)),
+    # a shared expert beside the routed ones, gated by a sigmoid; biases in q, k, v
+    "qwen2_moe": lambda **kw: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        **COMMON, num_experts=6, norm_topk_prob=False, shared_expert_intermediate_size=16, **{**MOE, **kw})),
+    # a router with a bias, the softmax over the chosen experts only, clamped SwiGLU experts with biases,
+    # attention sinks, sliding and full layers in turn; its expert width is intermediate_size
+    "gpt_oss": lambda **kw: tf.GptOssForCausalLM(tf.GptOssConfig(
+        **{**COMMON, "intermediate_size": 16}, head_dim=8, num_local_experts=6, num_experts_per_tok=2,
+        sliding_window=4, **kw)),
 }
+ATTENTION = {"gpt_oss": "eager"}
+"""Families whose attention transformers runs only eagerly (gpt-oss: its sinks)."""
 
 
-def build(family: str, seed: int = 0, attn: str = "sdpa", dtype=torch.float32, **kw):
-    """A tiny random-init MoE model of ``family`` (eval mode)."""
+def build(family: str, seed: int = 0, attn: str | None = None, dtype=torch.float32, **kw):
+    """A tiny random-init MoE model of ``family`` (eval mode); ``attn``: sdpa, or the family's own."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FAMILIES[family](**kw)
-    model.config._attn_implementation = attn
+    model.config._attn_implementation = attn or ATTENTION.get(family, "sdpa")
     return model.to(dtype).eval()
 
 

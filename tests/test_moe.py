@@ -22,7 +22,7 @@ from nanogrpo.moe import (
 from nanogrpo.moe.routes import pack, prompts_share_routes, unpack
 from tests.moe_models import EOS, FAMILIES, PAD, batch_tensors, build
 
-FAMS = ["qwen3_moe", "qwen3_moe_unnormed", "olmoe", "mixtral"]
+FAMS = ["qwen3_moe", "qwen3_moe_unnormed", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"]
 
 
 def random_routes(spec, n: int, length: int, seed: int = 1, prompt_len: int = 0) -> torch.Tensor:
@@ -40,34 +40,72 @@ def hand_logprobs(model, ids: torch.Tensor, routes: torch.Tensor) -> torch.Tenso
     """log p(ids[t + 1] | ids[: t + 1]) (S - 1,) of one unpadded row with the experts ``routes``
     (S, layers, k) forced, written out layer by layer and expert by expert (no nanogrpo code): attention
     through the layer's own module, the MoE block by hand from its parameters and the family's published
-    rule."""
+    rule (gpt-oss: its model card's router and clamped SwiGLU; Qwen2-MoE: its sigmoid-gated shared expert
+    beside the routed ones)."""
     m, cfg = model.model, model.config
     s = ids.shape[0]
     h = m.embed_tokens(ids[None])                                            # (1, S, H)
     cos, sin = m.rotary_emb(h, torch.arange(s)[None])
-    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]           # (1, 1, S, S)
     for li, layer in enumerate(m.layers):
+        window = getattr(cfg, "layer_types", None) and cfg.layer_types[li] == "sliding_attention"
         a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=(cos, sin),
-                               attention_mask=causal)
+                               attention_mask=_causal(s, cfg.sliding_window if window else None))
         h = h + a
         x = layer.post_attention_layernorm(h)[0]                             # (S, H)
-        block = layer.mlp
-        logits = x @ block.gate.weight.T                                     # (S, E)
-        probs = torch.softmax(logits.float(), -1)                            # (S, E)
         idx = routes[:, li]                                                  # (S, k)
-        w = probs.gather(-1, idx)                                            # (S, k)
-        if cfg.model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False):
-            w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for t in range(s):
-            for j in range(idx.shape[1]):
-                e = int(idx[t, j])
-                gate, up = (block.experts.gate_up_proj[e] @ x[t]).chunk(2)   # (I,), (I,)
-                y = block.experts.down_proj[e] @ (F.silu(gate) * up)         # (H,)
-                out[t] = out[t] + w[t, j].to(y.dtype) * y
+        if cfg.model_type == "gpt_oss":
+            out = _gpt_oss_experts(layer.mlp, x, idx)
+        else:
+            out = _swiglu_experts(layer.mlp, cfg, x, idx)
         h = h + out[None]
     logits = model.lm_head(m.norm(h))[0].float()                             # (S, V)
     return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]       # (S - 1,)
+
+
+def _causal(s: int, window: int | None) -> torch.Tensor:
+    """(1, 1, S, S) additive mask: each query sees the keys up to itself (the last ``window`` of them)."""
+    q, k = torch.arange(s)[:, None], torch.arange(s)[None]
+    seen = (k <= q) & ((q - k < window) if window else True)
+    return torch.zeros(s, s).masked_fill(~seen, float("-inf"))[None, None]
+
+
+def _swiglu_experts(block, cfg, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Qwen2/3-MoE, OLMoE, Mixtral: softmax over all experts, gathered (renormalised where the family
+    does), each chosen expert's SwiGLU; Qwen2-MoE adds its shared expert, gated by a sigmoid."""
+    probs = torch.softmax((x @ block.gate.weight.T).float(), -1)            # (S, E)
+    w = probs.gather(-1, idx)                                                # (S, k)
+    if cfg.model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False):
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gate, up = (block.experts.gate_up_proj[e] @ x[t]).chunk(2)       # (I,), (I,)
+            y = block.experts.down_proj[e] @ (F.silu(gate) * up)             # (H,)
+            out[t] = out[t] + w[t, j].to(y.dtype) * y
+    if cfg.model_type == "qwen2_moe":
+        sh = block.shared_expert
+        y = (F.silu(x @ sh.gate_proj.weight.T) * (x @ sh.up_proj.weight.T)) @ sh.down_proj.weight.T  # (S, H)
+        out = out + torch.sigmoid(x @ block.shared_expert_gate.weight.T) * y
+    return out
+
+
+def _gpt_oss_experts(block, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """gpt-oss: router logits with a bias, the softmax over the k chosen ones only; each expert
+    ``x W + b`` split into interleaved gate and up, clamped at ``swiglu_limit``, ``(up + 1) * gate *
+    sigmoid(alpha gate)``, then ``W_down + b``."""
+    r, ex = block.router, block.experts
+    logits = x @ r.weight.T + r.bias                                         # (S, E)
+    w = torch.softmax(logits.gather(-1, idx), -1)                            # (S, k)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gu = x[t] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]         # (2I,)
+            gate, up = gu[0::2].clamp(max=ex.limit), gu[1::2].clamp(-ex.limit, ex.limit)
+            y = ((up + 1) * gate * torch.sigmoid(gate * ex.alpha)) @ ex.down_proj[e] + ex.down_proj_bias[e]
+            out[t] = out[t] + w[t, j] * y
+    return out
 
 
 def test_every_family_s_routers_are_found_and_a_dense_model_is_refused():
@@ -141,7 +179,7 @@ def test_replay_equals_a_hand_written_forward_with_the_routes_forced(fam):
             torch.testing.assert_close(got[i][cm[i]], want, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_the_router_learns_under_replay_with_the_hand_written_gradient(fam):
     """The router's weight gets the gradient of the hand-written forward with the experts forced (a replay
     that froze the router, or computed the gate weights elsewhere, fails this)."""

@@ -62,7 +62,7 @@ def test_auto_gives_moe_models_the_hf_engine_and_fast_refuses_in_one_line(fam, c
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_the_hf_engine_records_the_route_of_every_prompt_and_completion_token(fam):
     model = build(fam)
     batch, gen = rollout(model)
@@ -85,7 +85,7 @@ def test_the_hf_engine_records_the_route_of_every_prompt_and_completion_token(fa
     assert sum(r.numel() for r in gen.routes) == int(batch.attention_mask.sum()) * spec.bytes_per_token
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_r3_on_the_batch_s_micro_batches_gives_the_engine_s_log_probs(fam):
     """The loop's path: engine routes onto the batch, over the wire, micro-batches trimmed as the update
     trims them, each forward under replay of its slice: the trainer's log-probs are the engine's."""
@@ -121,7 +121,7 @@ def _bf16_model(fam: str, seed: int = 0):
     return model.to(torch.bfloat16).eval()
 
 
-@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_in_bf16_routes_flip_without_replay_and_r3_removes_their_gap(fam):
     """bf16: the engine (KV-cached decode, one token a step) and the trainer (one forward over the padded
     batch) round differently, and some routers pick another expert. Replay forces the engine's experts:

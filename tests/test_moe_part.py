@@ -144,3 +144,30 @@ def test_r2_records_in_the_pass_before_the_update_and_replays_after_the_weights_
     assert router_disagreement(now.routes, batch.routes)[0] > 0             # the record is not today's top-k
     back = RolloutBatch.from_bytes(batch.to_bytes())                        # a mid-batch checkpoint keeps it
     assert back.meta["routes"] == POLICY and torch.equal(back.routes, batch.routes)
+
+
+@pytest.mark.slow  # two short runs through the command line (over the fast suite's 0.4 s a test)
+@pytest.mark.parametrize("fam", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("mode", ["rollout", "policy"])
+def test_qwen2_moe_and_gpt_oss_train_from_a_directory_with_replay(fam, mode, tmp_path):
+    """Beyond the demo's Qwen3-MoE: a tiny Qwen2-MoE (a gated shared expert) and gpt-oss (a biased router,
+    eager attention with sinks) saved as a user's model directory, trained two steps by ``nanogrpo train
+    --model DIR`` with replay on: the engine is hf (auto), every sample carries routes, the update's
+    log-probs are the engine's (float32), no route disagrees."""
+    from nanogrpo.cli import main
+    from nanogrpo.training.metrics import read_metrics
+    from tests.moe_models import TOK
+
+    model_dir, out = tmp_path / fam, tmp_path / "run"
+    build(fam).save_pretrained(model_dir)
+    TOK.save_pretrained(model_dir)
+    (tmp_path / "length.py").write_text("def length(completion, sample):\n    return len(completion) / 50\n")
+    assert main(["train", "--model", str(model_dir), "--out", str(out), f"moe.routing_replay={mode}",
+                 f'rewards.functions=["{tmp_path / "length.py"}:length"]', "train.steps=2",
+                 "rollout.prompts_per_step=4", "grpo.group_size=4", "rollout.max_new_tokens=24",
+                 "eval.every=0", "train.save_every=0", "model.cpu_linear=torch", "rewards.workers=0"]) == 0
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["mismatch_abs_max"] < 1e-4 and r["mismatch_ratio_out"] == 0.0
+        assert r["router_disagreement"] == 0.0 and r["routes_groups_dropped"] == 0
