@@ -121,7 +121,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         raise Interrupted(_resume_hint(root, a.server)) from None
     rc = 0
     if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the run
-        rc = _stopped_status(root)
+        rc = _stopped_status(root, a.server)
         print(f"run directory: {root}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched rank whose run is done (files written and closed): leave without interpreter
@@ -137,9 +137,9 @@ STOPPED_BY_MONITOR = 3
 script or scheduler that chains commands on success learns the run did not run its steps."""
 
 
-def _stopped_status(root: Path) -> int:
-    """:data:`STOPPED_BY_MONITOR`, with one line saying why and how to go on, when the run monitor ended
-    the run at ``root`` early; else 0."""
+def _stopped_status(root: Path, server: str | None = None) -> int:
+    """:data:`STOPPED_BY_MONITOR`, with one line saying why and how to go on (``--server`` for split mode),
+    when the run monitor ended the run at ``root`` early; else 0."""
     from nanogrpo.api import Run
 
     stopped = Run(root).stopped
@@ -149,7 +149,8 @@ def _stopped_status(root: Path) -> int:
 
     print(f"nanogrpo: the run monitor stopped the run at step {stopped['step']} ({stopped['rule']}; "
           f"exit status {STOPPED_BY_MONITOR}): see {root / 'watch.jsonl'}; to go on regardless: "
-          f"nanogrpo train --resume {shlex.quote(str(root))}", file=sys.stderr)
+          f"nanogrpo train --resume {shlex.quote(str(root))}"
+          + (f" --server {shlex.quote(server)}" if server else ""), file=sys.stderr)
     return STOPPED_BY_MONITOR
 
 

@@ -298,6 +298,8 @@ def test_a_run_the_monitor_ended_early_exits_3_naming_the_rule_and_the_way_on(tm
     err = capsys.readouterr().err
     assert "stopped the run at step 3 (episodes_failed" in err
     assert f"nanogrpo train --resume {tmp_path / 'stopped'}" in err
+    assert _stopped_status(tmp_path / "stopped", "http://h:8000") == 3  # split mode: the resume names it
+    assert capsys.readouterr().err.strip().endswith("--server http://h:8000")
     # flagged only, or continued to its last step after the stop: it ran its steps, exit 0
     _stopped_run(tmp_path / "flagged", steps=6, ckpt=3, stop=False)
     _stopped_run(tmp_path / "finished", steps=3, ckpt=3, stop=True)
