@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nanogrpo.bench import variants
+from nanogrpo.bench import sweep, variants
 from nanogrpo.config import config_from
 
 
@@ -38,7 +38,7 @@ def test_table_and_skipping_finished_runs(tmp_path, capsys, monkeypatch):
     _run(tmp_path / "dapo", {0: 0.07, 2: 0.3}, steps=2)             # cut short: not finished
     (tmp_path / "wall_times.json").write_text(json.dumps({"grpo": 600.0}))
     ran = []
-    real = variants.subprocess.run
+    real = sweep.subprocess.run
 
     def fake_run(cmd, **kw):  # the training runs are recorded, not run (platform.processor() runs uname)
         if cmd[1:3] != ["-m", "nanogrpo.cli"]:
@@ -46,7 +46,7 @@ def test_table_and_skipping_finished_runs(tmp_path, capsys, monkeypatch):
         ran.append(cmd)
         return type("R", (), {"returncode": 0})()
 
-    monkeypatch.setattr(variants.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)  # the sweep starts the runs
     assert variants.main(["--out", str(tmp_path), "--only", "grpo,dapo", "--steps", "4", "--no-report"]) == 0
     assert len(ran) == 1 and "--resume" not in ran[0] and "grpo.loss=dapo" in ran[0]  # no checkpoint yet
     out = json.loads((tmp_path / "variants.json").read_text())

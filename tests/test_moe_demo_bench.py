@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nanogrpo.bench import SUBCOMMANDS, moe
+from nanogrpo.bench import SUBCOMMANDS, moe, sweep
 from nanogrpo.config import config_from
 
 
@@ -43,7 +43,7 @@ def test_table_and_skipping_finished_runs(tmp_path, monkeypatch):
     _run(tmp_path / "r3", {0: 0.185, 2: 0.3}, steps=2)                  # cut short: not finished
     (tmp_path / "times.json").write_text(json.dumps({"grpo": {"wall_s": 600.0, "cpu_s": 300.0}}))
     ran = []
-    real = moe.subprocess.run
+    real = sweep.subprocess.run
 
     def fake_run(cmd, **kw):  # the training runs are recorded, not run (platform.processor() runs uname)
         if cmd[1:3] != ["-m", "nanogrpo.cli"]:
@@ -51,7 +51,7 @@ def test_table_and_skipping_finished_runs(tmp_path, monkeypatch):
         ran.append(cmd)
         return type("R", (), {"returncode": 0})()
 
-    monkeypatch.setattr(moe.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)  # the sweep starts the runs
     assert moe.main(["--out", str(tmp_path), "--only", "grpo,r3", "--steps", "4"]) == 0
     assert len(ran) == 1 and "--resume" not in ran[0]                  # no checkpoint yet: a fresh run
     assert ran[0][3:7] == ["train", "--config", "demo-moe", "--out"]

@@ -21,16 +21,11 @@ step, one line per setting (``nanogrpo report``'s panels).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import resource
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from nanogrpo.bench.sweep import chosen, machine_meta, read_rows, run_sweep, thread_env
 
 PRESET = "demo-moe"
 BASE = ["model.dtype=bfloat16"]
@@ -61,29 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="OMP / torch threads of each run (0: unset)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every setting")
     a = p.parse_args(argv)
-    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(DEFAULT)
-    bad = [n for n in names if n not in SETTINGS]
-    if bad:
-        p.error(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTINGS)}")
-    a.names = names
+    a.names = chosen(p, a.only, SETTINGS, DEFAULT)
     return a
-
-
-def _rows(run: Path) -> list[dict]:
-    from nanogrpo.training.metrics import read_metrics
-
-    f = run / "metrics.jsonl"
-    return read_metrics(f) if f.is_file() else []
-
-
-def _finished(run: Path, steps: int) -> bool:
-    rows = _rows(run)
-    return bool(rows) and rows[-1].get("step") == steps and "eval/accuracy" in rows[-1]
 
 
 def summarize(name: str, run: Path, times: dict | None) -> dict:
     """One setting's line from its run's metrics (and its wall / CPU seconds, when this command ran it)."""
-    rows = _rows(run)
+    rows = read_rows(run)
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     out: dict = {"setting": name, "keys": SETTINGS[name], "steps": len(steps)}
@@ -145,46 +124,18 @@ def plot(runs: list[Path], out: Path) -> Path | None:
     return out
 
 
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if a.threads:
-        env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
     from nanogrpo.config import config_from
 
     steps = a.steps or config_from(PRESET).train.steps
-    times_f = a.out / "times.json"
-    times = json.loads(times_f.read_text()) if times_f.is_file() else {}
-    for name in a.names:
-        run = a.out / name
-        if _finished(run, steps):
-            print(f"{name}: done already ({run})", file=sys.stderr)
-            continue
-        resume = (run / "checkpoints").is_dir()
-        cmd = [sys.executable, "-m", "nanogrpo.cli", "train"]
-        cmd += ["--resume", str(run), "--steps", str(steps)] if resume else \
-            ["--config", PRESET, "--out", str(run), "--steps", str(steps), "--seed", str(a.seed), *BASE,
-             *SETTINGS[name], *a.overrides]
-        print(f"{name}: {' '.join(cmd[3:])}", file=sys.stderr)
-        t0, c0 = time.perf_counter(), _children_cpu()
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            print(f"{name}: nanogrpo train exited {rc}", file=sys.stderr)
-            return rc
-        old = times.get(name, {})  # a resumed run adds its parts
-        times[name] = {"wall_s": old.get("wall_s", 0.0) + time.perf_counter() - t0,
-                       "cpu_s": old.get("cpu_s", 0.0) + _children_cpu() - c0}
-        times_f.write_text(json.dumps(times, indent=1))
-    lines = [summarize(n, a.out / n, times.get(n)) for n in a.names if _rows(a.out / n)]
-    meta = {"date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} {platform.processor()} {os.cpu_count()} cores",
-            "threads": a.threads, "seed": a.seed, "steps": steps, "base": BASE, "overrides": a.overrides}
+    rc, times = run_sweep(a.names, a.out, steps, lambda name, run: [
+        "--config", PRESET, "--out", str(run), "--steps", str(steps), "--seed", str(a.seed), *BASE,
+        *SETTINGS[name], *a.overrides], thread_env(a.threads), a.out / "times.json")
+    if rc:
+        return rc
+    lines = [summarize(n, a.out / n, times.get(n)) for n in a.names if read_rows(a.out / n)]
+    meta = machine_meta(threads=a.threads, seed=a.seed, steps=steps, base=BASE, overrides=a.overrides)
     (a.out / "moe.json").write_text(json.dumps({"meta": meta, "settings": lines}, indent=1))
     md = table(lines)
     (a.out / "moe.md").write_text(md + "\n")

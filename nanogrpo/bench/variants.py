@@ -16,14 +16,12 @@ time, per setting) and the report of all runs in ``OUT/report`` (``heldout_accur
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from nanogrpo.bench.sweep import chosen, machine_meta, read_rows, run_sweep, thread_env
 
 SETTINGS: dict[str, list[str]] = {
     "grpo": ["grpo.loss=grpo"],
@@ -54,29 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-report", action="store_true", help="skip nanogrpo report")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every setting")
     a = p.parse_args(argv)
-    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(SETTINGS)
-    bad = [n for n in names if n not in SETTINGS]
-    if bad:
-        p.error(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTINGS)}")
-    a.names = names
+    a.names = chosen(p, a.only, SETTINGS, SETTINGS)
     return a
-
-
-def _rows(run: Path) -> list[dict]:
-    from nanogrpo.training.metrics import read_metrics
-
-    f = run / "metrics.jsonl"
-    return read_metrics(f) if f.is_file() else []
-
-
-def _finished(run: Path, steps: int) -> bool:
-    rows = _rows(run)
-    return bool(rows) and rows[-1].get("step") == steps and any("eval/accuracy" in r for r in rows[-1:])
 
 
 def summarize(name: str, run: Path, wall_s: float | None) -> dict:
     """One setting's line: held-out accuracy at step 0 and at the last evaluation, entropy at the end."""
-    rows = _rows(run)
+    rows = read_rows(run)
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     trained = [r for r in rows if r.get("entropy") is not None]
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
@@ -106,36 +88,18 @@ def table(lines: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if a.threads:
-        env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+    env = thread_env(a.threads)
     from nanogrpo.config import config_from
 
     steps = a.steps or config_from(None).train.steps
-    times_f = a.out / "wall_times.json"
-    times = json.loads(times_f.read_text()) if times_f.is_file() else {}
-    for name in a.names:
-        run = a.out / name
-        if _finished(run, steps):
-            print(f"{name}: done already ({run})", file=sys.stderr)
-            continue
-        resume = (run / "checkpoints").is_dir()
-        cmd = [sys.executable, "-m", "nanogrpo.cli", "train"]
-        cmd += ["--resume", str(run), "--steps", str(steps)] if resume else \
-            ["--out", str(run), "--steps", str(steps), "--seed", str(a.seed), *SETTINGS[name], *a.overrides]
-        print(f"{name}: {' '.join(cmd[3:])}", file=sys.stderr)
-        t0 = time.perf_counter()
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            print(f"{name}: nanogrpo train exited {rc}", file=sys.stderr)
-            return rc
-        times[name] = times.get(name, 0.0) + time.perf_counter() - t0  # a resumed run adds its parts
-        times_f.write_text(json.dumps(times, indent=1))
-    lines = [summarize(n, a.out / n, times.get(n)) for n in a.names if _rows(a.out / n)]
-    meta = {"date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} {platform.processor()} {os.cpu_count()} cores",
-            "threads": a.threads, "seed": a.seed, "steps": steps, "overrides": a.overrides}
+    rc, times = run_sweep(a.names, a.out, steps, lambda name, run: [
+        "--out", str(run), "--steps", str(steps), "--seed", str(a.seed), *SETTINGS[name], *a.overrides],
+        env, a.out / "wall_times.json")
+    if rc:
+        return rc
+    lines = [summarize(n, a.out / n, times.get(n, {}).get("wall_s")) for n in a.names
+             if read_rows(a.out / n)]
+    meta = machine_meta(threads=a.threads, seed=a.seed, steps=steps, overrides=a.overrides)
     (a.out / "variants.json").write_text(json.dumps({"meta": meta, "settings": lines}, indent=1))
     md = table(lines)
     (a.out / "variants.md").write_text(md + "\n")
