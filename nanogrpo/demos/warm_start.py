@@ -3,22 +3,23 @@
 Each builder (``python -m nanogrpo.demos.NAME.build``) makes its own sequences and model, then ends the
 same way: :func:`train_and_save` (:func:`sft`, then :func:`save`) inside :func:`one_thread`. One thread
 and fixed seeds give the same weights on every machine of the same torch build, which is how the
-shipped ``weights/`` were made.
+shipped ``weights/`` were made. :func:`builder_main` is their command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-__all__ = ["one_thread", "sft", "save", "train_and_save"]
+__all__ = ["builder_main", "one_thread", "sft", "save", "train_and_save"]
 
 
 @contextmanager
@@ -89,3 +90,21 @@ def train_and_save(model, tok, seqs: list[list[int]], trained: list[list[bool]],
     :func:`save` to ``out``."""
     sft(model, tok.pad_token_id, seqs, trained, steps, batch_size, lr, log_every)
     return save(model, tok, out, replace=replace)
+
+
+def builder_main(argv: list[str] | None, description: str, build: Callable[..., Path], out: Path, steps: int,
+                 batch_size: int | None = None, lr: float | None = None) -> int:
+    """A builder's command line: ``--out`` (default ``out``, the shipped weights' folder), ``--steps`` and,
+    where given a default, ``--batch-size`` and ``--lr``; then ``build(out, steps=..., ...)``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--steps", type=int, default=steps)
+    if batch_size is not None:
+        ap.add_argument("--batch-size", type=int, default=batch_size)
+    if lr is not None:
+        ap.add_argument("--lr", type=float, default=lr)
+    a = ap.parse_args(argv)
+    extra = {k: getattr(a, k) for k in ("batch_size", "lr") if hasattr(a, k)}
+    build(a.out, steps=a.steps, **extra)
+    print(f"saved {a.out}")
+    return 0

@@ -25,7 +25,6 @@ lacks it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import random
@@ -36,7 +35,7 @@ import torch
 from nanogrpo.config import load_config
 from nanogrpo.data import build_messages, render_prompt
 from nanogrpo.demos.arithmetic.task import make_split, solution
-from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.demos.warm_start import builder_main, one_thread, train_and_save
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
 SHAPE = "demo"
@@ -106,15 +105,8 @@ def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the embedded warm-start model.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    ap.add_argument("--lr", type=float, default=LR)
-    a = ap.parse_args(argv)
-    build(a.out, a.steps, a.batch_size, a.lr)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the embedded warm-start model.", build, packaged_path(), STEPS,
+                        BATCH_SIZE, LR)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Shipped in ``nanogrpo/demos/dialogue/weights/`` (model path ``embedded-dialogue`
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from nanogrpo.demos.arithmetic.build import SHAPE
 from nanogrpo.demos.dialogue.env import reply
 from nanogrpo.demos.dialogue.task import make_split
 from nanogrpo.demos.game.build import episode_ids
-from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.demos.warm_start import builder_main, one_thread, train_and_save
 from nanogrpo.episodes.render import ChatRenderer
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
@@ -69,13 +68,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the dialogue demo's warm start.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    a = ap.parse_args(argv)
-    build(a.out, steps=a.steps)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the dialogue demo's warm start.", build, packaged_path(), STEPS)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Shipped in ``nanogrpo/demos/distill/weights/`` (model path ``embedded-distill``)
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import embedded_path, encode_solutions
 from nanogrpo.demos.arithmetic.task import make_split
-from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.demos.warm_start import builder_main, one_thread, train_and_save
 from nanogrpo.models.load import load_model, load_tokenizer
 
 SEED = 4321
@@ -51,15 +50,8 @@ def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the distillation demo's teacher.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    ap.add_argument("--lr", type=float, default=LR)
-    a = ap.parse_args(argv)
-    build(a.out, a.steps, a.batch_size, a.lr)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the distillation demo's teacher.", build, packaged_path(), STEPS,
+                        BATCH_SIZE, LR)
 
 
 if __name__ == "__main__":

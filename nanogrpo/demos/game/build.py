@@ -18,7 +18,6 @@ Shipped in ``nanogrpo/demos/game/weights/`` (model path ``embedded-game``); rebu
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import SHAPE
 from nanogrpo.demos.game.env import feedback
 from nanogrpo.demos.game.task import HIGH, LOW, make_split
-from nanogrpo.demos.warm_start import one_thread, train_and_save
+from nanogrpo.demos.warm_start import builder_main, one_thread, train_and_save
 from nanogrpo.episodes.render import ChatRenderer
 from nanogrpo.models.tiny import make_model, make_tokenizer
 
@@ -98,13 +97,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the game demo's warm start.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    a = ap.parse_args(argv)
-    build(a.out, steps=a.steps)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the game demo's warm start.", build, packaged_path(), STEPS)
 
 
 if __name__ == "__main__":

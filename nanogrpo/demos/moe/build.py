@@ -22,7 +22,6 @@ fixed seeds: the same weights on every machine of the same torch build.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from nanogrpo.config import load_config
 from nanogrpo.demos.arithmetic.build import encode_solutions
 from nanogrpo.demos.arithmetic.task import make_split
-from nanogrpo.demos.warm_start import one_thread, save, sft
+from nanogrpo.demos.warm_start import builder_main, one_thread, save, sft
 from nanogrpo.models.tiny import make_tokenizer
 
 SEED = 2468
@@ -78,15 +77,8 @@ def build(out: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, lr: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the MoE demo's warm-start model.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    ap.add_argument("--lr", type=float, default=LR)
-    a = ap.parse_args(argv)
-    build(a.out, a.steps, a.batch_size, a.lr)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the MoE demo's warm-start model.", build, packaged_path(), STEPS,
+                        BATCH_SIZE, LR)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ bytes as the shipped ``model.safetensors``).
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from nanogrpo.config import load_config
 from nanogrpo.data.images import encode_with_images
 from nanogrpo.demos.vision.task import make_split
-from nanogrpo.demos.warm_start import one_thread, save
+from nanogrpo.demos.warm_start import builder_main, one_thread, save
 from nanogrpo.models.tiny_vision import make_vlm, preprocessor_config
 from nanogrpo.models.vision import forward_kwargs, image_spec
 
@@ -98,15 +97,8 @@ def _build(out: Path, steps: int, batch_size: int, lr: float, log_every: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build the vision demo's warm-start model.")
-    ap.add_argument("--out", type=Path, default=packaged_path())
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    ap.add_argument("--lr", type=float, default=LR)
-    a = ap.parse_args(argv)
-    build(a.out, a.steps, a.batch_size, a.lr)
-    print(f"saved {a.out}")
-    return 0
+    return builder_main(argv, "Build the vision demo's warm-start model.", build, packaged_path(), STEPS,
+                        BATCH_SIZE, LR)
 
 
 if __name__ == "__main__":
